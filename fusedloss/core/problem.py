@@ -1,0 +1,125 @@
+"""What every backend computes: the per-token statistics problem of SPEC section 4.
+
+A backend is a module with two functions, ``forward_statistics(problem)`` and
+``backward_gradients(problem, saved, coeffs, needs)``. Nothing loss-specific ever reaches a
+backend: the losses (``fusedloss/losses``) only turn these per-row statistics into a loss, and
+their gradients into the per-row coefficients below. That is what lets one tuned kernel pair
+serve every loss, and keeps the loss math written once for all backends.
+
+Logits of one side (student or teacher), for rows ``h`` of ``hidden`` and rows ``W`` of ``weight``::
+
+    x = h @ W.T + b                 (fp32 accumulation; float64 for float64 inputs)
+    u = logit_scale * x
+    c = softcap * tanh(u / softcap)  (c = u when softcap is None)
+    z = c / temperature
+
+Forward outputs, each ``[N]`` in the accumulation dtype (zeros where not requested, and zeros on
+ignored rows, i.e. rows whose target is negative)::
+
+    lse        log sum_v exp(z_v)
+    logp       z_y - lse                                     (needs targets)
+    entropy    -sum_v q_v log q_v                            (want_entropy)
+    kl_rev     KL(q || p) = sum_v q_v (log q_v - log p_v)    (want_kl_rev, needs a teacher)
+    kl_fwd     KL(p || q) = sum_v p_v (log p_v - log q_v)    (want_kl_fwd, needs a teacher)
+    jsd        beta KL(p || m) + (1 - beta) KL(q || m),  m = (1 - beta) q + beta p  (jsd_beta set)
+    lse_t      teacher log-sum-exp                            (with a teacher)
+    kl_qm      KL(q || m), kept for the jsd backward          (jsd_beta set)
+    mean_logit (1/V) sum_v z_v                                (want_mean_logit; label smoothing, TRL's mean_logits)
+    log_sum_sq_probs  log sum_v q_v^2                         (want_extras; forward only, never differentiated)
+    is_top1    1.0 where z_y >= max_v z_v else 0.0            (want_extras and targets; forward only)
+
+q = softmax(z) is the student, p = softmax(z_t) the teacher (frozen: never differentiated).
+
+Backward: the gradient of the loss with respect to the student logits is, per element::
+
+    dz_j = a * [j == y] + q_j * (c0 + c1 * log q_j + c2 * log p_j + c4 * log m_j) + c3 * p_j + c5
+
+with per-row coefficients ``coeffs = (a, c0, c1, c2, c3, c4, c5)`` (``[7, N]``, accumulation dtype;
+c5 is the constant term of d mean_logit / dz_j = 1 / V),
+built by ``fusedloss.core.statistics.dz_coefficients``. The SPEC writes the same thing with z and
+z_t in place of log q and log p; the two differ only by per-row constants folded into c0. We use the
+log-probabilities because ``c1 * z + c0`` cancels catastrophically when |z| is large (1e4 in fp32 loses
+three digits), while ``log q_j = z_j - lse`` is formed per element and is exact to rounding.
+
+The chain rule back to the raw product x is elementwise::
+
+    dx = dz * (logit_scale / temperature) * (1 - (c / softcap) ** 2)   (the last factor is 1 without softcap)
+
+then ``d hidden = dx @ W``, ``d weight = dx.T @ h``, ``d bias = dx.sum(0)``. Gradients are returned in
+the dtype of the tensor they belong to; backends accumulate them in fp32 (float64 for float64).
+Ignored rows (negative target) have all-zero coefficients, and a backend may skip them entirely.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Optional
+
+import torch
+
+# Indices of the rows of the [NUM_COEFFS, N] coefficient tensor.
+COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_LOGP, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM = range(7)
+NUM_COEFFS = 7
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """``z = softcap(logit_scale * x) / temperature`` (SPEC section 2: scale, soft-cap, temperature)."""
+
+    temperature: float = 1.0
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class StatsProblem:
+    """All inputs of one statistics pass. Tensors are 2-D (``[N, D]``, ``[V, D]``), contiguous in their
+    last dimension, on one device. ``targets`` is int64 ``[N]`` with -1 for ignored rows (the API maps
+    ``ignore_index`` to -1 after validating), or None when no row has a target (then every row is valid
+    and ``logp`` is not computed)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor]
+    targets: Optional[torch.Tensor]
+    transform: LogitTransform
+    teacher_hidden: Optional[torch.Tensor] = None
+    teacher_weight: Optional[torch.Tensor] = None
+    teacher_bias: Optional[torch.Tensor] = None
+    teacher_transform: LogitTransform = LogitTransform()
+    want_entropy: bool = False
+    want_kl_rev: bool = False
+    want_kl_fwd: bool = False
+    jsd_beta: Optional[float] = None  # strictly between 0 and 1 when set
+    want_mean_logit: bool = False
+    want_extras: bool = False  # log_sum_sq_probs and is_top1 (TRL's per-token metrics)
+
+    @property
+    def has_teacher(self) -> bool:
+        return self.teacher_hidden is not None
+
+    @property
+    def acc_dtype(self) -> torch.dtype:
+        return torch.float64 if self.hidden.dtype == torch.float64 else torch.float32
+
+
+class Statistics(NamedTuple):
+    """Per-row outputs of ``forward_statistics``; every field is ``[N]`` in ``problem.acc_dtype``."""
+
+    lse: torch.Tensor
+    logp: torch.Tensor
+    entropy: torch.Tensor
+    kl_rev: torch.Tensor
+    kl_fwd: torch.Tensor
+    jsd: torch.Tensor
+    lse_t: torch.Tensor
+    kl_qm: torch.Tensor
+    mean_logit: torch.Tensor
+    log_sum_sq_probs: torch.Tensor
+    is_top1: torch.Tensor
+
+
+class GradientNeeds(NamedTuple):
+    hidden: bool
+    weight: bool
+    bias: bool

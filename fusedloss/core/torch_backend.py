@@ -1,0 +1,334 @@
+"""Portable PyTorch backend of the statistics core: runs on any device torch runs on.
+
+It walks ``[rows_chunk, vocab_tile]`` tiles of the logits with an online max, exactly as the Triton
+and CUDA kernels do, so its memory is bounded by one tile (plus the gradients themselves) whatever N
+and V are. Each tile is folded into *partial statistics* relative to the tile's own maxima and merged
+into the running ones (``_merge``): the same associative merge lets the GPU kernels split the
+vocabulary across programs.
+
+Partial statistics of a set of vocabulary columns, for one row (m = max z, m_t = max z_t)::
+
+    s   = sum e^(z - m)                      s_t = sum e^(z_t - m_t)
+    e   = sum e^(z - m) (z - m)              entropy:  H = log s - e / s
+    a   = sum e^(z - m) ((z - m) - (z_t - m_t))          KL(q||p) = a / s - log s + log s_t
+    b   = sum e^(z_t - m_t) ((z_t - m_t) - (z - m))      KL(p||q) = b / s_t - log s_t + log s
+    s2  = sum e^(2 (z - m))                               log sum q^2 = log s2 - 2 log s
+    sz  = sum z  (no max needed)                          mean logit = sz / V
+
+Keeping every sum relative to the running maxima avoids forming ``lse - sum p z`` from two large
+numbers (peaked rows with logits near 1e4 would lose all digits of the entropy in fp32).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from .problem import (
+    COEF_CONST,
+    COEF_LOGM,
+    COEF_LOGP,
+    COEF_LOGQ,
+    COEF_ONEHOT,
+    COEF_TEACHER_PROB,
+    COEF_UNIFORM,
+    GradientNeeds,
+    LogitTransform,
+    Statistics,
+    StatsProblem,
+)
+
+# Tile sizes. The largest transient tensor is a few [ROW_CHUNK, VOCAB_TILE] fp32 tiles:
+# 1024 x 4096 x 4 B = 16 MiB each, independent of N and V.
+ROW_CHUNK = 1024
+VOCAB_TILE = 4096
+
+
+def _raw_product(h: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """``h @ w.T`` with fp32 (float64) accumulation *and output*: rounding the logits to bf16 before the
+    softmax is one of the precision bugs peers shipped, so half inputs are multiplied into fp32."""
+    if h.dtype == acc:
+        return h @ w.T
+    if h.is_cuda:
+        try:
+            return torch.mm(h, w.T, out_dtype=acc)
+        except (RuntimeError, TypeError):
+            pass
+    return h.to(acc) @ w.to(acc).T
+
+
+def _transform(x: torch.Tensor, b: Optional[torch.Tensor], tf: LogitTransform):
+    """Raw product -> (z, capped) where capped is the soft-capped value (needed by the chain rule)."""
+    if b is not None:
+        x = x + b.to(x.dtype)
+    u = x * tf.logit_scale if tf.logit_scale != 1.0 else x
+    c = tf.softcap * torch.tanh(u / tf.softcap) if tf.softcap is not None else u
+    z = c / tf.temperature if tf.temperature != 1.0 else c
+    return z, c
+
+
+def _logits_tile(h, w, b, tf, acc):
+    return _transform(_raw_product(h, w, acc), b, tf)
+
+
+def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem):
+    m = z.amax(dim=1)
+    zc = z - m[:, None]
+    ez = torch.exp(zc)
+    part = {"m": m, "s": ez.sum(1)}
+    if p.want_entropy:
+        part["e"] = (ez * zc).sum(1)
+    if p.want_extras:
+        part["s2"] = (ez * ez).sum(1)
+    if p.want_mean_logit:
+        part["sz"] = z.sum(1)
+    if zt is not None:
+        mt = zt.amax(dim=1)
+        ztc = zt - mt[:, None]
+        ezt = torch.exp(ztc)
+        diff = zc - ztc
+        part.update(mt=mt, st=ezt.sum(1), a=(ez * diff).sum(1), b=(ezt * -diff).sum(1))
+    return part
+
+
+def _rescale(old_max, new_max):
+    """exp(old - new), with exp(-inf - -inf) taken as 0 rather than NaN (an empty running state)."""
+    f = torch.exp(old_max - new_max)
+    return torch.where(torch.isneginf(old_max), torch.zeros_like(f), f)
+
+
+def _merge(run: dict, part: dict) -> dict:
+    m = torch.maximum(run["m"], part["m"])
+    f_run, f_part = _rescale(run["m"], m), _rescale(part["m"], m)
+    dm_run = torch.nan_to_num(run["m"] - m, neginf=0.0)
+    dm_part = part["m"] - m
+    out = {"m": m, "s": f_run * run["s"] + f_part * part["s"]}
+    if "e" in part:
+        out["e"] = f_run * (run["e"] + run["s"] * dm_run) + f_part * (part["e"] + part["s"] * dm_part)
+    if "s2" in part:
+        out["s2"] = f_run * f_run * run["s2"] + f_part * f_part * part["s2"]
+    if "sz" in part:
+        out["sz"] = run["sz"] + part["sz"]
+    if "st" in part:
+        mt = torch.maximum(run["mt"], part["mt"])
+        g_run, g_part = _rescale(run["mt"], mt), _rescale(part["mt"], mt)
+        dmt_run = torch.nan_to_num(run["mt"] - mt, neginf=0.0)
+        dmt_part = part["mt"] - mt
+        out["mt"] = mt
+        out["st"] = g_run * run["st"] + g_part * part["st"]
+        out["a"] = f_run * (run["a"] + run["s"] * (dm_run - dmt_run)) + f_part * (
+            part["a"] + part["s"] * (dm_part - dmt_part)
+        )
+        out["b"] = g_run * (run["b"] + run["st"] * (dmt_run - dm_run)) + g_part * (
+            part["b"] + part["st"] * (dmt_part - dm_part)
+        )
+    return out
+
+
+def _empty_state(rows, p: StatsProblem, device, acc):
+    neg_inf = torch.full((rows,), -math.inf, device=device, dtype=acc)
+    zero = torch.zeros(rows, device=device, dtype=acc)
+    st = {"m": neg_inf, "s": zero}
+    if p.want_entropy:
+        st["e"] = zero
+    if p.want_extras:
+        st["s2"] = zero
+    if p.want_mean_logit:
+        st["sz"] = zero
+    if p.has_teacher:
+        st.update(mt=neg_inf, st=zero, a=zero, b=zero)
+    return st
+
+
+def _gather_target(z, targets_rows, v0, v1):
+    """z[r, y_r - v0] for rows whose target lies in [v0, v1), else 0."""
+    inside = (targets_rows >= v0) & (targets_rows < v1)
+    idx = torch.where(inside, targets_rows - v0, torch.zeros_like(targets_rows))
+    picked = z.gather(1, idx[:, None]).squeeze(1)
+    return torch.where(inside, picked, torch.zeros_like(picked)), inside
+
+
+def _log_mixture(logq, logp, beta):
+    """log m with m = (1 - beta) q + beta p, formed in the log domain (no underflow for tiny q, p)."""
+    return torch.logaddexp(logq + math.log1p(-beta), logp + math.log(beta))
+
+
+def _xlogy_terms(prob, log_ratio):
+    """prob * log_ratio, with 0 where prob == 0 (0 * -inf would be NaN)."""
+    return torch.where(prob > 0, prob * log_ratio, torch.zeros_like(prob))
+
+
+def forward_statistics(p: StatsProblem) -> Statistics:
+    acc = p.acc_dtype
+    h_all, w = p.hidden, p.weight
+    n, v = h_all.shape[0], w.shape[0]
+    dev = h_all.device
+    out = {name: torch.zeros(n, device=dev, dtype=acc) for name in Statistics._fields}
+    for r0 in range(0, n, ROW_CHUNK):
+        r1 = min(n, r0 + ROW_CHUNK)
+        h = h_all[r0:r1]
+        ht = p.teacher_hidden[r0:r1] if p.has_teacher else None
+        tgt = p.targets[r0:r1] if p.targets is not None else None
+        state = _empty_state(r1 - r0, p, dev, acc)
+        zy = torch.zeros(r1 - r0, device=dev, dtype=acc)
+        for v0 in range(0, v, VOCAB_TILE):
+            v1 = min(v, v0 + VOCAB_TILE)
+            z, _ = _logits_tile(h, w[v0:v1], None if p.bias is None else p.bias[v0:v1], p.transform, acc)
+            zt = None
+            if p.has_teacher:
+                tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
+                zt, _ = _logits_tile(ht, p.teacher_weight[v0:v1], tb, p.teacher_transform, acc)
+            state = _merge(state, _tile_partials(z, zt, p))
+            if tgt is not None:
+                picked, _ = _gather_target(z, tgt, v0, v1)
+                zy = zy + picked
+        log_s = torch.log(state["s"])
+        lse = state["m"] + log_s
+        out["lse"][r0:r1] = lse
+        if tgt is not None:
+            out["logp"][r0:r1] = zy - lse
+        if p.want_entropy:
+            out["entropy"][r0:r1] = log_s - state["e"] / state["s"]
+        if p.want_extras:
+            out["log_sum_sq_probs"][r0:r1] = torch.log(state["s2"]) - 2.0 * log_s
+            if tgt is not None:
+                out["is_top1"][r0:r1] = (zy >= state["m"]).to(acc)
+        if p.want_mean_logit:
+            out["mean_logit"][r0:r1] = state["sz"] / v
+        if p.has_teacher:
+            log_st = torch.log(state["st"])
+            out["lse_t"][r0:r1] = state["mt"] + log_st
+            if p.want_kl_rev:
+                out["kl_rev"][r0:r1] = state["a"] / state["s"] - log_s + log_st
+            if p.want_kl_fwd:
+                out["kl_fwd"][r0:r1] = state["b"] / state["st"] - log_st + log_s
+    if p.jsd_beta is not None:
+        _jsd_second_pass(p, out, acc)
+    if p.targets is not None:
+        valid = p.targets >= 0
+        for name in Statistics._fields:
+            out[name] = torch.where(valid, out[name], torch.zeros_like(out[name]))
+    return Statistics(**out)
+
+
+def _jsd_second_pass(p: StatsProblem, out: dict, acc) -> None:
+    """The mixture m needs both normalisers, so the generalized JSD takes a second sweep."""
+    beta = p.jsd_beta
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    for r0 in range(0, n, ROW_CHUNK):
+        r1 = min(n, r0 + ROW_CHUNK)
+        lse, lse_t = out["lse"][r0:r1, None], out["lse_t"][r0:r1, None]
+        kl_qm = torch.zeros(r1 - r0, device=p.hidden.device, dtype=acc)
+        kl_pm = torch.zeros_like(kl_qm)
+        for v0 in range(0, v, VOCAB_TILE):
+            v1 = min(v, v0 + VOCAB_TILE)
+            z, _ = _logits_tile(p.hidden[r0:r1], p.weight[v0:v1], None if p.bias is None else p.bias[v0:v1],
+                                p.transform, acc)
+            tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
+            zt, _ = _logits_tile(p.teacher_hidden[r0:r1], p.teacher_weight[v0:v1], tb, p.teacher_transform, acc)
+            logq, logpt = z - lse, zt - lse_t
+            logm = _log_mixture(logq, logpt, beta)
+            kl_qm = kl_qm + _xlogy_terms(torch.exp(logq), logq - logm).sum(1)
+            kl_pm = kl_pm + _xlogy_terms(torch.exp(logpt), logpt - logm).sum(1)
+        out["kl_qm"][r0:r1] = kl_qm
+        out["jsd"][r0:r1] = beta * kl_pm + (1.0 - beta) * kl_qm
+
+
+def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0, v1):
+    """dx for one tile: the generic dz of problem.py, then the chain rule through temperature,
+    soft-cap and logit_scale. Shared by the eager and the recompute paths."""
+    logq = z - lse[:, None]
+    q = torch.exp(logq)
+    coef = coeffs[:, :, None]
+    inner = coef[COEF_CONST] + coef[COEF_LOGQ] * logq
+    logpt = None
+    if zt is not None:
+        logpt = zt - lse_t[:, None]
+        inner = inner + coef[COEF_LOGP] * logpt
+        if p.jsd_beta is not None:
+            inner = inner + coef[COEF_LOGM] * _log_mixture(logq, logpt, p.jsd_beta)
+    dz = q * inner
+    if zt is not None and p.want_kl_fwd:
+        dz = dz + coef[COEF_TEACHER_PROB] * torch.exp(logpt)
+    if p.want_mean_logit:
+        dz = dz + coef[COEF_UNIFORM]
+    if tgt is not None:
+        inside = (tgt >= v0) & (tgt < v1)
+        idx = torch.where(inside, tgt - v0, torch.zeros_like(tgt))
+        add = torch.where(inside, coeffs[COEF_ONEHOT], torch.zeros_like(coeffs[COEF_ONEHOT]))
+        dz = dz.scatter_add(1, idx[:, None], add[:, None])
+    tf = p.transform
+    scale = tf.logit_scale / tf.temperature
+    if tf.softcap is not None:
+        return dz * (scale * (1.0 - (c / tf.softcap) ** 2))
+    return dz * scale if scale != 1.0 else dz
+
+
+def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds):
+    """(d hidden, d weight, d bias), each None when not needed. Accumulates in fp32 (float64):
+    d hidden in an [N, D] accumulator, d weight one vocabulary tile at a time over all row chunks,
+    so no full-size fp32 [V, D] buffer is ever held (only the [VOCAB_TILE, D] one of the current tile)."""
+    acc = p.acc_dtype
+    h_all, w = p.hidden, p.weight
+    n, v = h_all.shape[0], w.shape[0]
+    dh = torch.zeros(h_all.shape, device=h_all.device, dtype=acc) if needs.hidden else None
+    dw = torch.empty_like(w) if needs.weight else None
+    db = torch.empty_like(p.bias) if needs.bias else None
+    # Rows with all-zero coefficients (ignored targets, masked tokens) contribute nothing: skip them.
+    active = (coeffs != 0).any(dim=0)
+    rows = torch.nonzero(active).squeeze(1) if not bool(active.all()) else None
+    if rows is not None and rows.numel() == 0:
+        if dh is not None:
+            dh = dh.to(h_all.dtype)
+        if dw is not None:
+            dw.zero_()
+        if db is not None:
+            db.zero_()
+        return dh, dw, db
+
+    def pick(t):
+        return t if rows is None or t is None else t.index_select(0, rows)
+
+    h_act, ht_act = pick(h_all), pick(p.teacher_hidden)
+    tgt_act = pick(p.targets)
+    coeffs_act = coeffs if rows is None else coeffs.index_select(1, rows)
+    lse_act, lset_act = pick(saved.lse), pick(saved.lse_t)
+    n_act = h_act.shape[0]
+    dh_act = torch.zeros((n_act, h_all.shape[1]), device=h_all.device, dtype=acc) if needs.hidden else None
+    for v0 in range(0, v, VOCAB_TILE):
+        v1 = min(v, v0 + VOCAB_TILE)
+        w_tile = w[v0:v1]
+        b_tile = None if p.bias is None else p.bias[v0:v1]
+        w_acc = w_tile.to(acc)
+        dw_tile = torch.zeros(w_tile.shape, device=w.device, dtype=acc) if needs.weight else None
+        db_tile = torch.zeros(v1 - v0, device=w.device, dtype=acc) if needs.bias else None
+        for r0 in range(0, n_act, ROW_CHUNK):
+            r1 = min(n_act, r0 + ROW_CHUNK)
+            h = h_act[r0:r1]
+            z, c = _logits_tile(h, w_tile, b_tile, p.transform, acc)
+            zt = None
+            if p.has_teacher:
+                tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
+                zt, _ = _logits_tile(ht_act[r0:r1], p.teacher_weight[v0:v1], tb, p.teacher_transform, acc)
+            tgt = None if tgt_act is None else tgt_act[r0:r1]
+            lset = None if lset_act is None else lset_act[r0:r1]
+            dx = logits_gradient_tile(p, z, c, zt, coeffs_act[:, r0:r1], lse_act[r0:r1], lset, tgt, v0, v1)
+            if dh_act is not None:
+                dh_act[r0:r1] += dx @ w_acc
+            if dw_tile is not None:
+                dw_tile += dx.T @ h.to(acc)
+            if db_tile is not None:
+                db_tile += dx.sum(0)
+        if dw is not None:
+            dw[v0:v1] = dw_tile.to(w.dtype)
+        if db is not None:
+            db[v0:v1] = db_tile.to(p.bias.dtype)
+    if dh is not None:
+        if rows is None:
+            dh = dh_act
+        else:
+            dh.index_copy_(0, rows, dh_act)
+        dh = dh.to(h_all.dtype)
+    return dh, dw, db

@@ -1,0 +1,102 @@
+"""The language-model head as every loss sees it: validated inputs, flattened rows, a chosen backend.
+
+A loss module builds one ``LMHead`` from its arguments, asks it for per-token statistics, and does the
+rest with ordinary tensor operations on ``[tokens]`` vectors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import _validation as v
+from ..core import LogitTransform, Statistics, TeacherHead, token_statistics
+from ..core import backends
+
+
+@dataclass
+class LMHead:
+    hidden: torch.Tensor  # [N, D]
+    weight: torch.Tensor  # [V, D]
+    bias: Optional[torch.Tensor]
+    transform: LogitTransform
+    lead_shape: tuple
+    backend: str  # concrete: "torch", "triton" or "cuda"
+
+    @property
+    def vocab_size(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def num_rows(self) -> int:
+        return self.hidden.shape[0]
+
+    def targets(self, name: str, targets, ignore_index: int) -> torch.Tensor:
+        """Validate ``targets`` (shape = leading shape of hidden) and map them to the core's convention."""
+        v.require_tensor(name, targets, floating=False)
+        v.require_shape(name, targets, self.lead_shape, "the leading dimensions of hidden")
+        v.require_same_device(hidden=self.hidden, **{name: targets})
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+        return v.map_targets(name, targets, self.vocab_size, ignore_index)
+
+    def statistics(self, *, targets=None, teacher: Optional[TeacherHead] = None, transform=None,
+                   **wants) -> Statistics:
+        return token_statistics(self.hidden, self.weight, bias=self.bias, targets=targets,
+                                transform=transform or self.transform, teacher=teacher, backend=self.backend,
+                                **wants)
+
+    def unflatten(self, per_row: torch.Tensor) -> torch.Tensor:
+        return per_row.reshape(self.lead_shape)
+
+
+def lm_head(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, softcap=None, backend="auto",
+            hidden_name="hidden", weight_name="weight", bias_name="bias", min_dims=1) -> LMHead:
+    """Check ``hidden [..., D]``, ``weight [V, D]``, ``bias [V]`` and the logit transform; pick the backend."""
+    v.require_tensor(hidden_name, hidden, floating=True)
+    v.require_tensor(weight_name, weight, floating=True)
+    if hidden.dim() < min_dims + 1:
+        raise ValueError(f"{hidden_name} must have at least {min_dims + 1} dimensions ([..., D]), "
+                         f"got shape {tuple(hidden.shape)}")
+    if weight.dim() != 2:
+        raise ValueError(f"{weight_name} must be 2-D [V, D], got shape {tuple(weight.shape)}")
+    if weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(f"{weight_name} has hidden size {weight.shape[1]} but {hidden_name} has "
+                         f"{hidden.shape[-1]} (last dimension): they must match")
+    if weight.shape[0] == 0:
+        raise ValueError(f"{weight_name} must have at least one vocabulary row, got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype:
+        raise TypeError(f"{weight_name} has dtype {weight.dtype} but {hidden_name} has {hidden.dtype}: "
+                        f"cast them to one dtype")
+    if bias is not None:
+        v.require_tensor(bias_name, bias, floating=True)
+        v.require_shape(bias_name, bias, (weight.shape[0],), f"one entry per row of {weight_name}")
+        if bias.dtype != weight.dtype:
+            raise TypeError(f"{bias_name} has dtype {bias.dtype} but {weight_name} has {weight.dtype}")
+    device = v.require_same_device(**{hidden_name: hidden, weight_name: weight, bias_name: bias})
+    v.require_real("temperature", temperature, positive=True)
+    v.require_real("logit_scale", logit_scale)
+    v.require_real("softcap", softcap, positive=True, allow_none=True)
+    if not isinstance(backend, str):
+        raise TypeError(f"backend must be a string, one of {backends.BACKEND_NAMES}, got {backend!r}")
+    name = backends.resolve(backend, device)
+    lead = tuple(hidden.shape[:-1])
+    return LMHead(hidden=hidden.reshape(-1, hidden.shape[-1]), weight=weight, bias=bias,
+                  transform=LogitTransform(float(temperature), float(logit_scale),
+                                           None if softcap is None else float(softcap)),
+                  lead_shape=lead, backend=name)
+
+
+def count_or_one(count: torch.Tensor) -> torch.Tensor:
+    """max(1, count): a mean over zero valid tokens is 0, never NaN (SPEC section 3)."""
+    return count.clamp(min=1)
+
+
+def items_divisor(num_items_in_batch, like: torch.Tensor) -> torch.Tensor:
+    """``num_items_in_batch`` (int or tensor, as trainers pass it) as a tensor on ``like``'s device."""
+    if isinstance(num_items_in_batch, torch.Tensor):
+        return num_items_in_batch.to(device=like.device, dtype=like.dtype)
+    v.require_real("num_items_in_batch", num_items_in_batch, nonnegative=True)
+    return torch.tensor(float(num_items_in_batch), device=like.device, dtype=like.dtype)

@@ -1,0 +1,37 @@
+"""Linear cross-entropy: torch.nn.functional.cross_entropy on the logits, plus the z-loss."""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validation as v
+from ._head import lm_head
+from .reductions import reduce_tokens
+
+
+def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
+                  z_loss=0.0, temperature=1.0, logit_scale=1.0, softcap=None, num_items_in_batch=None,
+                  backend="auto"):
+    """Per valid token::
+
+        (1 - eps) * (lse - z_y) + eps * (lse - mean_v z_v) + z_loss * lse**2
+
+    which is F.cross_entropy(z, y, label_smoothing=eps) (the smoothed target puts eps / V on every class)
+    plus the z-loss. Reduced by ``reduction`` over valid tokens; with ``num_items_in_batch``, sum / that."""
+    v.require_choice("reduction", reduction, ("mean", "sum", "none"))
+    v.require_real("label_smoothing", label_smoothing, nonnegative=True)
+    if label_smoothing > 1:
+        raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
+    v.require_real("z_loss", z_loss, nonnegative=True)
+    head = lm_head(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                   backend=backend)
+    tgt = head.targets("targets", targets, ignore_index)
+    stats = head.statistics(targets=tgt, want_mean_logit=label_smoothing > 0)
+    valid = tgt >= 0
+    per_token = -stats.logp
+    if label_smoothing > 0:
+        per_token = (1.0 - label_smoothing) * per_token + label_smoothing * (stats.lse - stats.mean_logit)
+    if z_loss > 0:
+        per_token = per_token + z_loss * stats.lse.square()
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+    return reduce_tokens(head.unflatten(per_token), valid, reduction, num_items_in_batch)

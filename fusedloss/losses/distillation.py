@@ -1,0 +1,65 @@
+"""Distillation from a frozen teacher over the full vocabulary (TRL's generalized_jsd_loss convention).
+
+    beta == 0 : KL(p || q)   forward KL, teacher first (Hinton)
+    beta == 1 : KL(q || p)   reverse KL, student first (on-policy distillation, MiniLLM)
+    otherwise : beta KL(p || m) + (1 - beta) KL(q || m),  m = (1 - beta) q + beta p
+
+with q = softmax(z_s / T) the student, p = softmax(z_t / T) the teacher. Per token::
+
+    soft_weight * soft * (T**2 if t_squared else 1) + hard_weight * CE(z_s at T = 1, y)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import _validation as v
+from ..core import LogitTransform, TeacherHead
+from ._head import lm_head
+from .reductions import reduce_tokens
+
+
+def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=None, *, beta=1.0, temperature=1.0,
+                      hard_weight=0.0, soft_weight=1.0, t_squared=False, bias=None, teacher_bias=None,
+                      ignore_index=-100, reduction="batchmean", num_items_in_batch=None, backend="auto"):
+    v.require_real("beta", beta)
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"beta must be in [0, 1], got {beta!r}")
+    v.require_real("hard_weight", hard_weight)
+    v.require_real("soft_weight", soft_weight)
+    v.require_choice("reduction", reduction, ("batchmean", "sum", "none"))
+    student = lm_head(hidden, weight, bias, temperature=temperature, backend=backend)
+    teacher = lm_head(teacher_hidden, teacher_weight, teacher_bias, temperature=temperature, backend="torch",
+                      hidden_name="teacher_hidden", weight_name="teacher_weight", bias_name="teacher_bias")
+    if teacher.lead_shape != student.lead_shape:
+        raise ValueError(f"teacher_hidden must have the leading shape of hidden {student.lead_shape}, "
+                         f"got {teacher.lead_shape}")
+    if teacher.vocab_size != student.vocab_size:
+        raise ValueError(f"teacher_weight has {teacher.vocab_size} vocabulary rows but weight has "
+                         f"{student.vocab_size}: the vocabularies must match")
+    v.require_same_device(hidden=hidden, teacher_hidden=teacher_hidden)
+    if teacher_hidden.dtype != hidden.dtype:
+        raise TypeError(f"teacher_hidden has dtype {teacher_hidden.dtype} but hidden has {hidden.dtype}: "
+                        "cast the teacher to the student's dtype")
+    if targets is None:
+        if hard_weight != 0:
+            raise ValueError("targets is None, so every token is scored without a label: hard_weight must be 0, "
+                             f"got {hard_weight!r}")
+        tgt = None
+    else:
+        tgt = student.targets("targets", targets, ignore_index)
+
+    frozen = TeacherHead(teacher.hidden, teacher.weight, teacher.bias, float(temperature))
+    soft_kind = {0.0: "want_kl_fwd", 1.0: "want_kl_rev"}.get(float(beta))
+    wants = {soft_kind: True} if soft_kind else {"jsd_beta": float(beta)}
+    stats = student.statistics(targets=tgt, teacher=frozen, **wants)
+    soft = stats.kl_fwd if beta == 0 else stats.kl_rev if beta == 1 else stats.jsd
+    per_token = soft_weight * (temperature ** 2 if t_squared else 1.0) * soft
+    if hard_weight != 0:
+        # The label term is read at temperature 1; reuse the pass when T is already 1.
+        logp = stats.logp if temperature == 1 else student.statistics(
+            targets=tgt, transform=LogitTransform()).logp
+        per_token = per_token - hard_weight * logp
+    valid = torch.ones_like(per_token, dtype=torch.bool) if tgt is None else tgt >= 0
+    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+    return reduce_tokens(student.unflatten(per_token), valid, reduction, num_items_in_batch, mean_name="batchmean")

@@ -1,0 +1,65 @@
+"""Direct Preference Optimization on TRL's concatenated batch (rows 0..B-1 chosen, B..2B-1 rejected).
+
+    logp = sum_t m_t lp_t ;  u = logp - ref ;  Delta = u_chosen - u_rejected   (e = label_smoothing)
+    sigmoid : -(1 - e) log sigmoid(beta Delta) - e log sigmoid(-beta Delta)
+    ipo     : (u_c / n_c - u_r / n_r - 1 / (2 beta))**2          (n = completion tokens)
+    hinge   : relu(1 - beta Delta)
+    robust  : (-(1 - e) log sigmoid(beta Delta) + e log sigmoid(-beta Delta)) / (1 - 2 e)
+
+The loss is the mean over pairs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import _validation as v
+from ..types import DPODetails
+from ._head import count_or_one, lm_head
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
+
+
+def dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, *, beta=0.1, loss_type="sigmoid",
+             label_smoothing=0.0, bias=None, temperature=1.0, logit_scale=1.0, softcap=None, ignore_index=-100,
+             return_details=False, backend="auto"):
+    v.require_choice("loss_type", loss_type, LOSS_TYPES)
+    v.require_real("beta", beta, positive=True)
+    v.require_real("label_smoothing", label_smoothing, nonnegative=True, below=0.5 if loss_type == "robust" else 1.0)
+    head = lm_head(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                   backend=backend)
+    if len(head.lead_shape) != 2 or head.lead_shape[0] % 2:
+        raise ValueError("hidden must be [2B, T, D], chosen rows then rejected rows, with an even first dimension; "
+                         f"got shape {tuple(hidden.shape)}")
+    two_b, t = head.lead_shape
+    pairs = two_b // 2
+    tgt = head.targets("labels", labels, ignore_index)
+    for name, ref in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
+        v.require_tensor(name, ref, floating=True)
+        v.require_shape(name, ref, (pairs,), "one value per pair")
+    v.require_same_device(hidden=hidden, labels=labels, ref_chosen_logps=ref_chosen_logps,
+                          ref_rejected_logps=ref_rejected_logps)
+
+    stats = head.statistics(targets=tgt)
+    seq_logps = head.unflatten(stats.logp).sum(-1)  # ignored tokens contribute 0
+    acc = seq_logps.dtype
+    chosen_logps, rejected_logps = seq_logps[:pairs], seq_logps[pairs:]
+    u_chosen = chosen_logps - ref_chosen_logps.to(acc)
+    u_rejected = rejected_logps - ref_rejected_logps.to(acc)
+    delta = u_chosen - u_rejected
+    e = label_smoothing
+    if loss_type == "sigmoid":
+        losses = -(1 - e) * F.logsigmoid(beta * delta) - e * F.logsigmoid(-beta * delta)
+    elif loss_type == "robust":
+        losses = (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * delta)
+    else:  # ipo: length-normalised log-ratios
+        n = count_or_one(head.unflatten(tgt >= 0).sum(-1).to(acc))
+        losses = (u_chosen / n[:pairs] - u_rejected / n[pairs:] - 1 / (2 * beta)) ** 2
+    loss = losses.mean() if pairs else losses.sum()
+    if not return_details:
+        return loss
+    return loss, DPODetails(chosen_logps=chosen_logps, rejected_logps=rejected_logps,
+                            chosen_rewards=(beta * u_chosen).detach(), rejected_rewards=(beta * u_rejected).detach())
