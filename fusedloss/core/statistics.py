@@ -153,6 +153,19 @@ class TeacherHead(NamedTuple):
     temperature: float
 
 
+def build_problem(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
+                  targets: Optional[torch.Tensor] = None, transform: LogitTransform = LogitTransform(),
+                  teacher: Optional[TeacherHead] = None, **wants) -> StatsProblem:
+    """The StatsProblem of a call, with the teacher detached (SPEC: gradients flow to the student only)."""
+    if teacher is None:
+        return StatsProblem(hidden=hidden, weight=weight, bias=bias, targets=targets, transform=transform, **wants)
+    return StatsProblem(
+        hidden=hidden, weight=weight, bias=bias, targets=targets, transform=transform,
+        teacher_hidden=teacher.hidden.detach(), teacher_weight=teacher.weight.detach(),
+        teacher_bias=None if teacher.bias is None else teacher.bias.detach(),
+        teacher_transform=LogitTransform(float(teacher.temperature)), **wants)
+
+
 def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                      targets: Optional[torch.Tensor] = None, transform: LogitTransform = LogitTransform(),
                      teacher: Optional[TeacherHead] = None, want_entropy: bool = False, want_kl_rev: bool = False,
@@ -160,17 +173,14 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Option
                      want_extras: bool = False, backend: str = "torch") -> Statistics:
     """Differentiable per-row statistics for 2-D ``hidden`` ``[N, D]`` (validated by the caller; targets
     already mapped to -1 on ignored rows). ``backend`` is a concrete backend name, never "auto"."""
-    t_hidden = t_weight = t_bias = None
-    t_temp = 1.0
-    if teacher is not None:
-        # The teacher is frozen (SPEC: gradients flow to the student only).
-        t_hidden, t_weight = teacher.hidden.detach(), teacher.weight.detach()
-        t_bias = None if teacher.bias is None else teacher.bias.detach()
-        t_temp = float(teacher.temperature)
+    p = build_problem(hidden, weight, bias=bias, targets=targets, transform=transform, teacher=teacher,
+                      want_entropy=bool(want_entropy), want_kl_rev=bool(want_kl_rev), want_kl_fwd=bool(want_kl_fwd),
+                      jsd_beta=None if jsd_beta is None else float(jsd_beta),
+                      want_mean_logit=bool(want_mean_logit), want_extras=bool(want_extras))
+    tf, ttf = p.transform, p.teacher_transform
     stats = _statistics_op(
-        hidden, weight, bias, targets, t_hidden, t_weight, t_bias, float(transform.temperature),
-        float(transform.logit_scale), None if transform.softcap is None else float(transform.softcap), t_temp,
-        bool(want_entropy), bool(want_kl_rev), bool(want_kl_fwd), None if jsd_beta is None else float(jsd_beta),
-        bool(want_mean_logit), bool(want_extras), backend,
+        hidden, weight, bias, targets, p.teacher_hidden, p.teacher_weight, p.teacher_bias, float(tf.temperature),
+        float(tf.logit_scale), None if tf.softcap is None else float(tf.softcap), float(ttf.temperature),
+        p.want_entropy, p.want_kl_rev, p.want_kl_fwd, p.jsd_beta, p.want_mean_logit, p.want_extras, backend,
     )
     return Statistics(*stats.unbind(0))

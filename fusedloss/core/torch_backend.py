@@ -160,80 +160,92 @@ def _xlogy_terms(prob, log_ratio):
     return torch.where(prob > 0, prob * log_ratio, torch.zeros_like(prob))
 
 
+def _finalize(state: dict, zy, tgt, p: StatsProblem, vocab: int) -> dict:
+    """Per-row statistics (problem.py) from the merged partial sums of all vocabulary columns."""
+    log_s = torch.log(state["s"])
+    lse = state["m"] + log_s
+    out = {"lse": lse}
+    if tgt is not None:
+        out["logp"] = zy - lse
+    if p.want_entropy:
+        out["entropy"] = log_s - state["e"] / state["s"]
+    if p.want_extras:
+        out["log_sum_sq_probs"] = torch.log(state["s2"]) - 2.0 * log_s
+        if tgt is not None:
+            out["is_top1"] = (zy >= state["m"]).to(lse.dtype)
+    if p.want_mean_logit:
+        out["mean_logit"] = state["sz"] / vocab
+    if p.has_teacher:
+        log_st = torch.log(state["st"])
+        out["lse_t"] = state["mt"] + log_st
+        if p.want_kl_rev:
+            out["kl_rev"] = state["a"] / state["s"] - log_s + log_st
+        if p.want_kl_fwd:
+            out["kl_fwd"] = state["b"] / state["st"] - log_st + log_s
+    return out
+
+
+def _jsd_sums(z, zt, lse, lse_t, beta):
+    """KL(q || m) and KL(p || m) of a tile, summed over its columns."""
+    logq, logpt = z - lse[:, None], zt - lse_t[:, None]
+    logm = _log_mixture(logq, logpt, beta)
+    return (_xlogy_terms(torch.exp(logq), logq - logm).sum(1),
+            _xlogy_terms(torch.exp(logpt), logpt - logm).sum(1))
+
+
+def _student_tile(p: StatsProblem, rows: slice, v0: int, v1: int, hidden=None):
+    h = p.hidden[rows] if hidden is None else hidden
+    return _logits_tile(h, p.weight[v0:v1], None if p.bias is None else p.bias[v0:v1], p.transform, p.acc_dtype)
+
+
+def _teacher_tile(p: StatsProblem, rows: slice, v0: int, v1: int, hidden=None):
+    if not p.has_teacher:
+        return None
+    h = p.teacher_hidden[rows] if hidden is None else hidden
+    tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
+    return _logits_tile(h, p.teacher_weight[v0:v1], tb, p.teacher_transform, p.acc_dtype)[0]
+
+
+def _zero_ignored(p: StatsProblem, out: dict, rows: slice) -> None:
+    if p.targets is not None:
+        valid = p.targets[rows] >= 0
+        for name, value in out.items():
+            value[rows] = torch.where(valid, value[rows], torch.zeros_like(value[rows]))
+
+
 def forward_statistics(p: StatsProblem) -> Statistics:
     acc = p.acc_dtype
-    h_all, w = p.hidden, p.weight
-    n, v = h_all.shape[0], w.shape[0]
-    dev = h_all.device
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    dev = p.hidden.device
     out = {name: torch.zeros(n, device=dev, dtype=acc) for name in Statistics._fields}
     for r0 in range(0, n, ROW_CHUNK):
-        r1 = min(n, r0 + ROW_CHUNK)
-        h = h_all[r0:r1]
-        ht = p.teacher_hidden[r0:r1] if p.has_teacher else None
-        tgt = p.targets[r0:r1] if p.targets is not None else None
-        state = _empty_state(r1 - r0, p, dev, acc)
-        zy = torch.zeros(r1 - r0, device=dev, dtype=acc)
+        rows = slice(r0, min(n, r0 + ROW_CHUNK))
+        tgt = p.targets[rows] if p.targets is not None else None
+        state = _empty_state(rows.stop - r0, p, dev, acc)
+        zy = torch.zeros(rows.stop - r0, device=dev, dtype=acc)
         for v0 in range(0, v, VOCAB_TILE):
             v1 = min(v, v0 + VOCAB_TILE)
-            z, _ = _logits_tile(h, w[v0:v1], None if p.bias is None else p.bias[v0:v1], p.transform, acc)
-            zt = None
-            if p.has_teacher:
-                tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
-                zt, _ = _logits_tile(ht, p.teacher_weight[v0:v1], tb, p.teacher_transform, acc)
-            state = _merge(state, _tile_partials(z, zt, p))
+            z, _ = _student_tile(p, rows, v0, v1)
+            state = _merge(state, _tile_partials(z, _teacher_tile(p, rows, v0, v1), p))
             if tgt is not None:
-                picked, _ = _gather_target(z, tgt, v0, v1)
-                zy = zy + picked
-        log_s = torch.log(state["s"])
-        lse = state["m"] + log_s
-        out["lse"][r0:r1] = lse
-        if tgt is not None:
-            out["logp"][r0:r1] = zy - lse
-        if p.want_entropy:
-            out["entropy"][r0:r1] = log_s - state["e"] / state["s"]
-        if p.want_extras:
-            out["log_sum_sq_probs"][r0:r1] = torch.log(state["s2"]) - 2.0 * log_s
-            if tgt is not None:
-                out["is_top1"][r0:r1] = (zy >= state["m"]).to(acc)
-        if p.want_mean_logit:
-            out["mean_logit"][r0:r1] = state["sz"] / v
-        if p.has_teacher:
-            log_st = torch.log(state["st"])
-            out["lse_t"][r0:r1] = state["mt"] + log_st
-            if p.want_kl_rev:
-                out["kl_rev"][r0:r1] = state["a"] / state["s"] - log_s + log_st
-            if p.want_kl_fwd:
-                out["kl_fwd"][r0:r1] = state["b"] / state["st"] - log_st + log_s
+                zy = zy + _gather_target(z, tgt, v0, v1)[0]
+        for name, value in _finalize(state, zy, tgt, p, v).items():
+            out[name][rows] = value
     if p.jsd_beta is not None:
-        _jsd_second_pass(p, out, acc)
-    if p.targets is not None:
-        valid = p.targets >= 0
-        for name in Statistics._fields:
-            out[name] = torch.where(valid, out[name], torch.zeros_like(out[name]))
+        # The mixture m needs both normalisers, so the generalized JSD takes a second sweep.
+        for r0 in range(0, n, ROW_CHUNK):
+            rows = slice(r0, min(n, r0 + ROW_CHUNK))
+            kl_qm = kl_pm = 0.0
+            for v0 in range(0, v, VOCAB_TILE):
+                v1 = min(v, v0 + VOCAB_TILE)
+                z, _ = _student_tile(p, rows, v0, v1)
+                qm, pm = _jsd_sums(z, _teacher_tile(p, rows, v0, v1), out["lse"][rows], out["lse_t"][rows],
+                                   p.jsd_beta)
+                kl_qm, kl_pm = kl_qm + qm, kl_pm + pm
+            out["kl_qm"][rows] = kl_qm
+            out["jsd"][rows] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * kl_qm
+    _zero_ignored(p, out, slice(0, n))
     return Statistics(**out)
-
-
-def _jsd_second_pass(p: StatsProblem, out: dict, acc) -> None:
-    """The mixture m needs both normalisers, so the generalized JSD takes a second sweep."""
-    beta = p.jsd_beta
-    n, v = p.hidden.shape[0], p.weight.shape[0]
-    for r0 in range(0, n, ROW_CHUNK):
-        r1 = min(n, r0 + ROW_CHUNK)
-        lse, lse_t = out["lse"][r0:r1, None], out["lse_t"][r0:r1, None]
-        kl_qm = torch.zeros(r1 - r0, device=p.hidden.device, dtype=acc)
-        kl_pm = torch.zeros_like(kl_qm)
-        for v0 in range(0, v, VOCAB_TILE):
-            v1 = min(v, v0 + VOCAB_TILE)
-            z, _ = _logits_tile(p.hidden[r0:r1], p.weight[v0:v1], None if p.bias is None else p.bias[v0:v1],
-                                p.transform, acc)
-            tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
-            zt, _ = _logits_tile(p.teacher_hidden[r0:r1], p.teacher_weight[v0:v1], tb, p.teacher_transform, acc)
-            logq, logpt = z - lse, zt - lse_t
-            logm = _log_mixture(logq, logpt, beta)
-            kl_qm = kl_qm + _xlogy_terms(torch.exp(logq), logq - logm).sum(1)
-            kl_pm = kl_pm + _xlogy_terms(torch.exp(logpt), logpt - logm).sum(1)
-        out["kl_qm"][r0:r1] = kl_qm
-        out["jsd"][r0:r1] = beta * kl_pm + (1.0 - beta) * kl_qm
 
 
 def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0, v1):
@@ -332,3 +344,53 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
             dh.index_copy_(0, rows, dh_act)
         dh = dh.to(h_all.dtype)
     return dh, dw, db
+
+
+# The eager path holds every logits row of a chunk at once; about six [rows, V] fp32 temporaries are
+# alive while dz is formed. 256 MiB bounds them whatever N is.
+EAGER_WORKSPACE_BYTES = 256 * 2**20
+
+
+def eager_rows(p: StatsProblem) -> int:
+    per_row = 6 * p.weight.shape[0] * torch.finfo(p.acc_dtype).bits // 8 * (2 if p.has_teacher else 1)
+    return max(1, min(ROW_CHUNK, EAGER_WORKSPACE_BYTES // per_row))
+
+
+def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
+    """3-product path (fusedloss/core/eager.py): for each chunk of rows, the full [rows, V] logits are
+    formed once, give the statistics, the loss's coefficients and the gradients, and are dropped.
+    Returns the loss and the gradients in the accumulation dtype (cast after the backward's scaling)."""
+    acc = p.acc_dtype
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    dh = torch.zeros(p.hidden.shape, device=p.hidden.device, dtype=acc) if needs.hidden else None
+    dw = torch.zeros(p.weight.shape, device=p.weight.device, dtype=acc) if needs.weight else None
+    db = torch.zeros(v, device=p.weight.device, dtype=acc) if needs.bias else None
+    w_acc = p.weight.to(acc)
+    loss = torch.zeros((), device=p.hidden.device, dtype=acc)
+    step = eager_rows(p)
+    for r0 in range(0, n, step):
+        rows = slice(r0, min(n, r0 + step))
+        tgt = p.targets[rows] if p.targets is not None else None
+        z, c = _student_tile(p, rows, 0, v)
+        zt = _teacher_tile(p, rows, 0, v)
+        state = _merge(_empty_state(rows.stop - r0, p, z.device, acc), _tile_partials(z, zt, p))
+        zy = _gather_target(z, tgt, 0, v)[0] if tgt is not None else None
+        out = {name: torch.zeros(rows.stop - r0, device=z.device, dtype=acc) for name in Statistics._fields}
+        out.update(_finalize(state, zy, tgt, p, v))
+        if p.jsd_beta is not None:
+            out["kl_qm"], kl_pm = _jsd_sums(z, zt, out["lse"], out["lse_t"], p.jsd_beta)
+            out["jsd"] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * out["kl_qm"]
+        if tgt is not None:
+            valid = tgt >= 0
+            out = {k: torch.where(valid, x, torch.zeros_like(x)) for k, x in out.items()}
+        chunk_loss, coeffs = chunk_fn(Statistics(**out), r0, rows.stop)
+        loss = loss + chunk_loss.to(acc)
+        dx = logits_gradient_tile(p, z, c, zt, coeffs, out["lse"], out["lse_t"], tgt, 0, v)
+        del z, c, zt
+        if dh is not None:
+            dh[rows] = dx @ w_acc
+        if dw is not None:
+            dw += dx.T @ p.hidden[rows].to(acc)
+        if db is not None:
+            db += dx.sum(0)
+    return loss, (dh, dw, db)

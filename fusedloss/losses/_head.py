@@ -12,8 +12,8 @@ from typing import Optional
 import torch
 
 from .. import _validation as v
-from ..core import LogitTransform, Statistics, TeacherHead, token_statistics
-from ..core import backends
+from ..core import LogitTransform, Statistics, TeacherHead, backends, eager, token_statistics
+from ..core.statistics import build_problem
 
 
 @dataclass
@@ -47,6 +47,17 @@ class LMHead:
         return token_statistics(self.hidden, self.weight, bias=self.bias, targets=targets,
                                 transform=transform or self.transform, teacher=teacher, backend=self.backend,
                                 **wants)
+
+    def row_local_loss(self, row_loss: eager.RowLoss, *, targets=None, teacher: Optional[TeacherHead] = None,
+                       **wants) -> torch.Tensor:
+        """``row_loss(stats[r0:r1], r0, r1)`` summed over all rows, for a loss that is a weighted sum of
+        per-row terms. On the eager 3-product path when it applies (core/eager.py), else on the
+        composable statistics op; both evaluate the same ``row_loss``."""
+        problem = build_problem(self.hidden, self.weight, bias=self.bias, targets=targets,
+                                transform=self.transform, teacher=teacher, **wants)
+        if eager.want_eager(problem, self.backend):
+            return eager.eager_loss(problem, self.backend, row_loss)
+        return row_loss(self.statistics(targets=targets, teacher=teacher, **wants), 0, self.num_rows)
 
     def unflatten(self, per_row: torch.Tensor) -> torch.Tensor:
         return per_row.reshape(self.lead_shape)

@@ -6,7 +6,7 @@ import torch
 
 from .. import _validation as v
 from ._head import lm_head
-from .reductions import reduce_tokens
+from .reductions import reduced_token_loss
 
 
 def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
@@ -26,12 +26,15 @@ def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, redu
     head = lm_head(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
                    backend=backend)
     tgt = head.targets("targets", targets, ignore_index)
-    stats = head.statistics(targets=tgt, want_mean_logit=label_smoothing > 0)
     valid = tgt >= 0
-    per_token = -stats.logp
-    if label_smoothing > 0:
-        per_token = (1.0 - label_smoothing) * per_token + label_smoothing * (stats.lse - stats.mean_logit)
-    if z_loss > 0:
-        per_token = per_token + z_loss * stats.lse.square()
-    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
-    return reduce_tokens(head.unflatten(per_token), valid, reduction, num_items_in_batch)
+    wants = dict(targets=tgt, want_mean_logit=label_smoothing > 0)
+
+    def per_token(stats, rows):
+        loss = -stats.logp
+        if label_smoothing > 0:
+            loss = (1.0 - label_smoothing) * loss + label_smoothing * (stats.lse - stats.mean_logit)
+        if z_loss > 0:
+            loss = loss + z_loss * stats.lse.square()
+        return torch.where(valid[rows], loss, torch.zeros_like(loss))
+
+    return reduced_token_loss(head, per_token, valid, reduction, num_items_in_batch, **wants)

@@ -16,7 +16,7 @@ import torch
 from .. import _validation as v
 from ..core import LogitTransform, TeacherHead
 from ._head import lm_head
-from .reductions import reduce_tokens
+from .reductions import reduced_token_loss
 
 
 def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=None, *, beta=1.0, temperature=1.0,
@@ -52,14 +52,19 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
     frozen = TeacherHead(teacher.hidden, teacher.weight, teacher.bias, float(temperature))
     soft_kind = {0.0: "want_kl_fwd", 1.0: "want_kl_rev"}.get(float(beta))
     wants = {soft_kind: True} if soft_kind else {"jsd_beta": float(beta)}
-    stats = student.statistics(targets=tgt, teacher=frozen, **wants)
-    soft = stats.kl_fwd if beta == 0 else stats.kl_rev if beta == 1 else stats.jsd
-    per_token = soft_weight * (temperature ** 2 if t_squared else 1.0) * soft
-    if hard_weight != 0:
-        # The label term is read at temperature 1; reuse the pass when T is already 1.
-        logp = stats.logp if temperature == 1 else student.statistics(
-            targets=tgt, transform=LogitTransform()).logp
-        per_token = per_token - hard_weight * logp
-    valid = torch.ones_like(per_token, dtype=torch.bool) if tgt is None else tgt >= 0
-    per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
-    return reduce_tokens(student.unflatten(per_token), valid, reduction, num_items_in_batch, mean_name="batchmean")
+    valid = torch.ones(student.num_rows, dtype=torch.bool, device=hidden.device) if tgt is None else tgt >= 0
+    soft_scale = soft_weight * (temperature ** 2 if t_squared else 1.0)
+    # The label term is read at temperature 1: from the same pass when T is 1, else from a second one.
+    label_logp = None
+    if hard_weight != 0 and temperature != 1:
+        label_logp = student.statistics(targets=tgt, transform=LogitTransform()).logp
+
+    def per_token(stats, rows):
+        soft = stats.kl_fwd if beta == 0 else stats.kl_rev if beta == 1 else stats.jsd
+        loss = soft_scale * soft
+        if hard_weight != 0:
+            loss = loss - hard_weight * (stats.logp if label_logp is None else label_logp[rows])
+        return torch.where(valid[rows], loss, torch.zeros_like(loss))
+
+    return reduced_token_loss(student, per_token, valid, reduction, num_items_in_batch, mean_name="batchmean",
+                              row_local=label_logp is None, targets=tgt, teacher=frozen, **wants)

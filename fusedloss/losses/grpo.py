@@ -67,39 +67,67 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
                           completion_mask=completion_mask, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                           importance_weights=importance_weights)
 
+    # Tokens outside the completion mask are ignored rows of the core: no work, logprobs 0, no gradient.
+    # Every per-token term is masked (not only the sum), so garbage there (an old log-prob of -inf on a
+    # padded position) cannot turn the loss into NaN.
+    valid = mask.bool()
+    ids = torch.where(valid.reshape(-1), ids, torch.full_like(ids, -1))
+    acc = torch.float64 if head.hidden.dtype == torch.float64 else torch.float32
+    m = valid.to(acc)
+    adv = advantages.to(acc)
+    adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, c)
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    weights = None
+    if importance_weights is not None:
+        weights = importance_weights.to(acc)
+        weights = (weights.unsqueeze(1) if weights.dim() == 1 else weights).expand(b, c)
+    ref = None if ref_logprobs is None else ref_logprobs.to(acc)
+    old = None if old_logprobs is None else old_logprobs.to(acc)
+    # The loss is sum_t token_weight_t * l_t, the aggregation of the loss type written as weights.
+    token_weight = _token_weights(m, loss_type, b, c, max_completion_length, num_items_in_batch, num_processes)
+
+    def token_terms(logp, log_ratio, rows):
+        """Per-token loss, KL penalty and the (delta-capped) ratio, for tokens ``rows`` of the flat batch."""
+        pick = (lambda t: None if t is None else t.reshape(-1)[rows]) if rows is not None else (lambda t: t)
+        zero = torch.zeros_like(logp)
+        ok, a = pick(valid), pick(adv)
+        ratio = torch.exp(log_ratio)
+        if loss_type == "cispo":
+            loss = -torch.clamp(ratio, max=eps_high).detach() * a * logp
+        else:
+            clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high)
+            if delta is not None:
+                ratio = torch.clamp(ratio, max=delta)  # TRL measures clipping on this capped ratio too
+            loss = -torch.min(ratio * a, clipped * a)
+        if weights is not None:
+            loss = loss * pick(weights)
+        kl = None
+        if beta != 0:
+            ref_gap = torch.where(ok, pick(ref) - logp, zero)
+            kl = torch.exp(ref_gap) - ref_gap - 1
+            loss = loss + beta * kl
+        return torch.where(ok, loss, zero), kl, ratio
+
+    def token_log_ratio(logp, rows):
+        old_rows = logp.detach() if old is None else old.reshape(-1)[rows]
+        return torch.where(valid.reshape(-1)[rows], logp - old_rows, torch.zeros_like(logp))
+
+    if importance_sampling_level == "token" and not return_details:
+        # Every token's term depends on that token alone: a row-local loss (eager 3-product path).
+        def row_loss(stats, r0, r1):
+            rows = slice(r0, r1)
+            loss, _, _ = token_terms(stats.logp, token_log_ratio(stats.logp, rows), rows)
+            return (token_weight.reshape(-1)[rows] * loss).sum()
+
+        return head.row_local_loss(row_loss, targets=ids)
+
     stats = head.statistics(targets=ids, want_entropy=bool(return_details))
     logp = head.unflatten(stats.logp)
-    acc = logp.dtype
-    m = mask.to(acc)
-    adv = advantages.to(acc)
-    adv = adv.unsqueeze(1) if adv.dim() == 1 else adv
-    eps_high = epsilon_low if epsilon_high is None else epsilon_high
-
-    old = logp.detach() if old_logprobs is None else old_logprobs.to(acc)
-    log_ratio = logp - old
+    log_ratio = token_log_ratio(stats.logp, slice(None)).reshape(b, c)
     if importance_sampling_level == "sequence":  # GSPO: one ratio per completion
-        log_ratio = ((log_ratio * m).sum(-1) / count_or_one(m.sum(-1))).unsqueeze(-1)
-    ratio = torch.exp(log_ratio)
-
-    if loss_type == "cispo":
-        per_token = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
-        clip_ratio = ratio
-    else:
-        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high)
-        if delta is not None:
-            ratio = torch.clamp(ratio, max=delta)
-        per_token = -torch.min(ratio * adv, clipped * adv)
-        clip_ratio = ratio  # TRL measures clipping on the (delta-capped) first argument
-    if importance_weights is not None:
-        w = importance_weights.to(acc)
-        per_token = per_token * (w.unsqueeze(1) if w.dim() == 1 else w)
-    kl = None
-    if beta != 0:
-        ref_gap = ref_logprobs.to(acc) - logp
-        kl = torch.exp(ref_gap) - ref_gap - 1
-        per_token = per_token + beta * kl
-
-    loss = _aggregate(per_token * m, m, loss_type, b, c, max_completion_length, num_items_in_batch, num_processes)
+        log_ratio = (log_ratio.sum(-1) / count_or_one(m.sum(-1))).unsqueeze(-1)
+    per_token, kl, ratio = token_terms(logp, log_ratio, None)
+    loss = (token_weight * per_token).sum()
     if not return_details:
         return loss
 
@@ -108,8 +136,14 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
             return x.sum() / count_or_one(torch.tensor(float(x.shape[0]), dtype=acc, device=x.device))
         return (x * m).sum() / count_or_one(m.sum())
 
-    low = (clip_ratio < 1 - epsilon_low) & (adv < 0)
-    high = (clip_ratio > 1 + eps_high) & (adv > 0)
+    # Shapes broadcast as in TRL: [B, 1] only for a sequence-level ratio with per-completion advantages.
+    sign = advantages.to(acc).reshape(b, -1)
+    if loss_type == "cispo":  # TRL tracks only the upper clip of CISPO (its cispo_clip_ratio)
+        high = (ratio > eps_high) & (sign > 0)
+        low = torch.zeros_like(high)
+    else:
+        low = (ratio < 1 - epsilon_low) & (sign < 0)
+        high = (ratio > 1 + eps_high) & (sign > 0)
     with torch.no_grad():
         details = GRPODetails(
             logprobs=logp,
@@ -122,13 +156,19 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     return loss, details
 
 
-def _aggregate(masked_loss, m, loss_type, b, c, max_completion_length, num_items_in_batch, num_processes):
+def _token_weights(m, loss_type, b, c, max_completion_length, num_items_in_batch, num_processes):
+    """Weights w with loss = sum_t w_t l_t for each aggregation (m: the completion mask)::
+
+        grpo     mean_i( sum_t m l / max(1, sum_t m) )
+        bnpo     sum m l / max(1, sum m)
+        dr_grpo  sum m l / (B * max_completion_length)
+        dapo, cispo  sum m l / (max(1, num_items_in_batch) / num_processes)
+    """
     if loss_type == "grpo":
-        return (masked_loss.sum(-1) / count_or_one(m.sum(-1))).mean()
+        return m / (b * count_or_one(m.sum(-1, keepdim=True)))
     if loss_type == "bnpo":
-        return masked_loss.sum() / count_or_one(m.sum())
+        return m / count_or_one(m.sum())
     if loss_type == "dr_grpo":
-        return masked_loss.sum() / (b * (c if max_completion_length is None else max_completion_length))
-    # dapo, cispo: normalised by the number of completion tokens of the whole (global) batch
-    items = m.sum() if num_items_in_batch is None else items_divisor(num_items_in_batch, masked_loss)
-    return masked_loss.sum() / (count_or_one(items) / num_processes)
+        return m / (b * (c if max_completion_length is None else max_completion_length))
+    items = m.sum() if num_items_in_batch is None else items_divisor(num_items_in_batch, m)
+    return m * (num_processes / count_or_one(items))

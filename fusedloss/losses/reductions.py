@@ -1,24 +1,36 @@
-"""Reductions of per-token losses shared by the losses (PyTorch's ``reduction`` names)."""
+"""Reductions of per-token losses (PyTorch's ``reduction`` names), shared by cross-entropy and distillation."""
 
 from __future__ import annotations
 
 import torch
 
 from .. import _validation as v
-from ._head import count_or_one, items_divisor
+from ._head import LMHead, count_or_one, items_divisor
 
 
-def reduce_tokens(per_token: torch.Tensor, valid: torch.Tensor, reduction: str, num_items_in_batch,
-                  mean_name: str = "mean") -> torch.Tensor:
-    """``per_token`` is already 0 on invalid tokens. ``mean_name`` is "mean" (cross-entropy) or
-    "batchmean" (distillation): sum / max(1, valid tokens). With ``num_items_in_batch`` a reduced loss is
-    sum / num_items_in_batch (gradient accumulation across micro-batches, as transformers passes it)."""
+def reduced_token_loss(head: LMHead, per_token, valid: torch.Tensor, reduction: str, num_items_in_batch, *,
+                       mean_name: str = "mean", row_local: bool = True, **wants) -> torch.Tensor:
+    """Reduce ``per_token(stats, rows) -> [rows]`` (0 on invalid tokens) over the statistics asked by ``wants``.
+
+    ``mean_name`` ("mean" or "batchmean"): sum / max(1, valid tokens); "sum"; "none": the per-token tensor
+    with the leading shape of hidden. With ``num_items_in_batch`` a reduced loss is sum / num_items_in_batch
+    (gradient accumulation over micro-batches, as transformers passes it). A reduced loss is a weighted sum
+    of per-row terms, so it may take the eager 3-product path unless ``row_local`` is False (a per-token
+    term that also depends on another statistics pass)."""
     v.require_choice("reduction", reduction, (mean_name, "sum", "none"))
     if reduction == "none":
-        return per_token
-    total = per_token.sum()
+        return head.unflatten(per_token(head.statistics(**wants), slice(None)))
     if num_items_in_batch is not None:
-        return total / count_or_one(items_divisor(num_items_in_batch, total))
-    if reduction == "sum":
-        return total
-    return total / count_or_one(valid.sum()).to(total.dtype)
+        scale = 1.0 / count_or_one(items_divisor(num_items_in_batch, valid.new_zeros((), dtype=torch.float64)))
+    elif reduction == mean_name:
+        scale = 1.0 / count_or_one(valid.sum()).double()
+    else:
+        scale = None
+
+    def row_loss(stats, r0, r1):
+        total = per_token(stats, slice(r0, r1)).sum()
+        return total if scale is None else total * scale.to(total.dtype)
+
+    if row_local:
+        return head.row_local_loss(row_loss, **wants)
+    return row_loss(head.statistics(**wants), 0, head.num_rows)

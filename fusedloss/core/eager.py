@@ -1,0 +1,86 @@
+"""The 3-product path for losses known in the forward (SPEC section 4, cost model).
+
+``token_statistics`` is composable: its backward recomputes every logits tile, so a loss costs 4
+GEMM-sized products (statistics, then recompute, d hidden, d weight). When the whole loss is a sum of
+*row-local* terms, ``loss = sum_rows f(stats_row)`` with weights known up front (cross-entropy,
+distillation, token-level GRPO), a chunk of rows can be finished in the forward instead: the backend
+keeps that chunk's logits in a bounded workspace, computes its statistics, asks ``f`` for the gradient
+of the chunk's loss with respect to them (autograd on the loss module's own per-token math, so the math
+is still written once), forms dz and accumulates d hidden, d weight, d bias right away: 3 products, no
+recompute. The backward then only scales the stored gradients by the incoming scalar gradient.
+
+Backends opt in with ``eager_gradients(problem, chunk_fn, needs)``; the loss modules call
+``eager_loss`` only through ``fusedloss.losses._head.LMHead.row_local_loss``, which falls back to the
+composable op when the backend has no eager path, when no gradient is needed, or under torch.compile
+(a Python callback cannot live inside a compiled graph; the custom op can).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable
+
+import torch
+
+from . import backends
+from .problem import GradientNeeds, Statistics, StatsProblem
+from .statistics import dz_coefficients
+
+RowLoss = Callable[[Statistics, int, int], torch.Tensor]
+"""``row_loss(stats_of_rows_r0_to_r1, r0, r1) -> scalar``: the loss contribution of those rows."""
+
+
+def _chunk_function(row_loss: RowLoss, problem: StatsProblem):
+    """Wrap a row-local loss into ``chunk_fn(stats, r0, r1) -> (chunk loss, [7, r1 - r0] coefficients)``."""
+    vocab = problem.weight.shape[0]
+
+    def chunk_fn(stats: Statistics, r0: int, r1: int):
+        with torch.enable_grad():
+            leaf = torch.stack(tuple(stats)).detach().requires_grad_(True)
+            loss = row_loss(Statistics(*leaf.unbind(0)), r0, r1)
+            (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True, materialize_grads=True)
+        targets = None if problem.targets is None else problem.targets[r0:r1]
+        return loss.detach(), dz_coefficients(grad, leaf.detach(), problem.jsd_beta, targets, vocab)
+
+    return chunk_fn
+
+
+class _EagerLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, problem: StatsProblem, backend_name: str, row_loss: RowLoss,
+                needs: GradientNeeds):
+        loss, grads = backends.get(backend_name).eager_gradients(problem, _chunk_function(row_loss, problem),
+                                                                  needs)
+        ctx.grads = grads
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        return loss.to(problem.acc_dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        # Gradients were kept in fp32 (float64): scale, then round once to the parameter's dtype.
+        dh, dw, db = (None if g is None else (g * grad_loss.to(g.dtype)).to(dtype)
+                      for g, dtype in zip(ctx.grads, ctx.dtypes))
+        ctx.grads = None
+        return dh, dw, db, None, None, None, None
+
+
+def supports_eager(backend_name: str) -> bool:
+    return hasattr(backends.get(backend_name), "eager_gradients")
+
+
+def eager_loss(problem: StatsProblem, backend_name: str, row_loss: RowLoss) -> torch.Tensor:
+    """The scalar ``sum over row chunks of row_loss``, with gradients for hidden, weight and bias computed
+    in the forward. The teacher (if any) is frozen."""
+    needs = GradientNeeds(problem.hidden.requires_grad, problem.weight.requires_grad,
+                          problem.bias is not None and problem.bias.requires_grad)
+    return _EagerLoss.apply(problem.hidden, problem.weight, problem.bias, problem, backend_name, row_loss, needs)
+
+
+def want_eager(problem: StatsProblem, backend_name: str) -> bool:
+    """Use the eager path when a gradient will be asked for and the backend has one.
+    ``FUSEDLOSS_EAGER=0`` in the environment turns it off (tests run both paths)."""
+    if os.environ.get("FUSEDLOSS_EAGER", "1") == "0" or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        return False
+    wants_grad = problem.hidden.requires_grad or problem.weight.requires_grad or (
+        problem.bias is not None and problem.bias.requires_grad)
+    return wants_grad and supports_eager(backend_name)
