@@ -76,11 +76,10 @@ def eager_loss(problem: StatsProblem, backend_name: str, row_loss: RowLoss) -> t
     return _EagerLoss.apply(problem.hidden, problem.weight, problem.bias, problem, backend_name, row_loss, needs)
 
 
-def want_eager(problem: StatsProblem, backend_name: str) -> bool:
+def want_eager(backend_name: str, hidden: torch.Tensor, weight: torch.Tensor, bias) -> bool:
     """Use the eager path when a gradient will be asked for and the backend has one.
     ``FUSEDLOSS_EAGER=0`` in the environment turns it off (tests run both paths)."""
-    if os.environ.get("FUSEDLOSS_EAGER", "1") == "0" or torch.compiler.is_compiling() or not torch.is_grad_enabled():
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or os.environ.get("FUSEDLOSS_EAGER") == "0":
         return False
-    wants_grad = problem.hidden.requires_grad or problem.weight.requires_grad or (
-        problem.bias is not None and problem.bias.requires_grad)
+    wants_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     return wants_grad and supports_eager(backend_name)

@@ -62,9 +62,9 @@ COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_LOGP, COEF_TEACHER_PROB, COEF_LOGM, COE
 NUM_COEFFS = 7
 
 
-@dataclass(frozen=True)
-class LogitTransform:
-    """``z = softcap(logit_scale * x) / temperature`` (SPEC section 2: scale, soft-cap, temperature)."""
+class LogitTransform(NamedTuple):
+    """``z = softcap(logit_scale * x) / temperature`` (SPEC section 2: scale, soft-cap, temperature).
+    A NamedTuple (not a dataclass) so that torch.compile traces through its construction."""
 
     temperature: float = 1.0
     logit_scale: float = 1.0

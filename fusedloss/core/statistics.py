@@ -173,14 +173,18 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Option
                      want_extras: bool = False, backend: str = "torch") -> Statistics:
     """Differentiable per-row statistics for 2-D ``hidden`` ``[N, D]`` (validated by the caller; targets
     already mapped to -1 on ignored rows). ``backend`` is a concrete backend name, never "auto"."""
-    p = build_problem(hidden, weight, bias=bias, targets=targets, transform=transform, teacher=teacher,
-                      want_entropy=bool(want_entropy), want_kl_rev=bool(want_kl_rev), want_kl_fwd=bool(want_kl_fwd),
-                      jsd_beta=None if jsd_beta is None else float(jsd_beta),
-                      want_mean_logit=bool(want_mean_logit), want_extras=bool(want_extras))
-    tf, ttf = p.transform, p.teacher_transform
+    # Flat arguments straight to the op: no StatsProblem is built here, so torch.compile traces this
+    # function without meeting a user-defined class.
+    t_hidden = t_weight = t_bias = None
+    t_temperature = 1.0
+    if teacher is not None:  # frozen: gradients flow to the student only
+        t_hidden, t_weight = teacher.hidden.detach(), teacher.weight.detach()
+        t_bias = None if teacher.bias is None else teacher.bias.detach()
+        t_temperature = float(teacher.temperature)
     stats = _statistics_op(
-        hidden, weight, bias, targets, p.teacher_hidden, p.teacher_weight, p.teacher_bias, float(tf.temperature),
-        float(tf.logit_scale), None if tf.softcap is None else float(tf.softcap), float(ttf.temperature),
-        p.want_entropy, p.want_kl_rev, p.want_kl_fwd, p.jsd_beta, p.want_mean_logit, p.want_extras, backend,
+        hidden, weight, bias, targets, t_hidden, t_weight, t_bias, float(transform.temperature),
+        float(transform.logit_scale), None if transform.softcap is None else float(transform.softcap),
+        t_temperature, bool(want_entropy), bool(want_kl_rev), bool(want_kl_fwd),
+        None if jsd_beta is None else float(jsd_beta), bool(want_mean_logit), bool(want_extras), backend,
     )
     return Statistics(*stats.unbind(0))

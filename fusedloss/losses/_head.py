@@ -53,9 +53,9 @@ class LMHead:
         """``row_loss(stats[r0:r1], r0, r1)`` summed over all rows, for a loss that is a weighted sum of
         per-row terms. On the eager 3-product path when it applies (core/eager.py), else on the
         composable statistics op; both evaluate the same ``row_loss``."""
-        problem = build_problem(self.hidden, self.weight, bias=self.bias, targets=targets,
-                                transform=self.transform, teacher=teacher, **wants)
-        if eager.want_eager(problem, self.backend):
+        if eager.want_eager(self.backend, self.hidden, self.weight, self.bias):
+            problem = build_problem(self.hidden, self.weight, bias=self.bias, targets=targets,
+                                    transform=self.transform, teacher=teacher, **wants)
             return eager.eager_loss(problem, self.backend, row_loss)
         return row_loss(self.statistics(targets=targets, teacher=teacher, **wants), 0, self.num_rows)
 
@@ -94,10 +94,16 @@ def lm_head(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, soft
         raise TypeError(f"backend must be a string, one of {backends.BACKEND_NAMES}, got {backend!r}")
     name = backends.resolve(backend, device)
     lead = tuple(hidden.shape[:-1])
-    return LMHead(hidden=hidden.reshape(-1, hidden.shape[-1]), weight=weight, bias=bias,
+    return LMHead(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])), weight=_rows_contiguous(weight),
+                  bias=None if bias is None else bias.contiguous(),
                   transform=LogitTransform(float(temperature), float(logit_scale),
                                            None if softcap is None else float(softcap)),
                   lead_shape=lead, backend=name)
+
+
+def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """Kernels read rows with a unit inner stride; copy only the (rare) transposed or strided inputs."""
+    return t if t.stride(-1) == 1 else t.contiguous()
 
 
 def count_or_one(count: torch.Tensor) -> torch.Tensor:
