@@ -21,6 +21,7 @@ numbers (peaked rows with logits near 1e4 would lose all digits of the entropy i
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -214,6 +215,24 @@ def _zero_ignored(p: StatsProblem, out: dict, rows: slice) -> None:
 
 
 def forward_statistics(p: StatsProblem) -> Statistics:
+    # Ignored rows (padding, prompt tokens) cost nothing: run on the valid rows only.
+    if p.targets is not None:
+        valid = p.targets >= 0
+        if not bool(valid.all()):
+            rows = torch.nonzero(valid).squeeze(1)
+            sub = dataclasses.replace(
+                p, hidden=p.hidden.index_select(0, rows), targets=p.targets.index_select(0, rows),
+                teacher_hidden=None if p.teacher_hidden is None else p.teacher_hidden.index_select(0, rows))
+            stats = _forward_rows(sub) if rows.numel() else None
+            full = torch.zeros((len(Statistics._fields), p.hidden.shape[0]), device=p.hidden.device,
+                               dtype=p.acc_dtype)
+            if stats is not None:
+                full.index_copy_(1, rows, torch.stack(tuple(stats)))
+            return Statistics(*full.unbind(0))
+    return _forward_rows(p)
+
+
+def _forward_rows(p: StatsProblem) -> Statistics:
     acc = p.acc_dtype
     n, v = p.hidden.shape[0], p.weight.shape[0]
     dev = p.hidden.device
