@@ -1,0 +1,141 @@
+// Host loops over CPU pointers: the same row and lane functions as the device kernels (tile.h, math.h),
+// so the CPU test suite (tests/test_cuda_host.py) checks the kernels' numerics without a GPU.
+// A row is split into kFoldThreads lanes exactly like a block of fold_kernel, and the lanes' partial
+// statistics are combined with the same associative merge.
+#include <stdexcept>
+#include <vector>
+
+#include "fusedloss/args.h"
+#include "fusedloss/math.h"
+#include "fusedloss/tile.h"
+
+namespace fl {
+namespace {
+
+template <typename T, bool kEntropy, bool kTeacher>
+void host_fold(const TileArgs& a) {
+  for (int64_t row = 0; row < a.rows; ++row) {
+    RowState st = empty_state();
+    if (!row_ignored(a, row)) {
+      // Pairwise tree over the lanes, like the warp shuffles (xor 16, 8, ..., 1) then the warps.
+      std::vector<RowState> lanes(kFoldThreads);
+      for (int lane = 0; lane < kFoldThreads; ++lane) lanes[lane] = fold_lane<T, kEntropy, kTeacher>(a, row, lane, kFoldThreads);
+      for (int width = kFoldThreads / 2; width > 0; width /= 2)
+        for (int lane = 0; lane < width; ++lane) lanes[lane] = state_merge<kEntropy, kTeacher>(lanes[lane], lanes[lane + width]);
+      st = lanes[0];
+    }
+    fold_row_finish<kEntropy, kTeacher>(a, row, st);
+  }
+}
+
+template <typename T>
+void host_fold_t(const TileArgs& a) {
+  const bool teacher = a.xt != 0;
+  if (a.want_entropy && teacher) host_fold<T, true, true>(a);
+  else if (a.want_entropy) host_fold<T, true, false>(a);
+  else if (teacher) host_fold<T, false, true>(a);
+  else host_fold<T, false, false>(a);
+}
+
+template <typename T>
+void host_jsd_t(const TileArgs& a) {
+  for (int64_t row = 0; row < a.rows; ++row) {
+    if (row_ignored(a, row)) continue;
+    float kl_qm = 0.0f, kl_pm = 0.0f;
+    for (int lane = 0; lane < kFoldThreads; ++lane) {
+      float q = 0.0f, p = 0.0f;
+      jsd_lane<T>(a, row, lane, kFoldThreads, q, p);
+      kl_qm += q;
+      kl_pm += p;
+    }
+    jsd_row_finish(a, row, kl_qm, kl_pm);
+  }
+}
+
+template <typename T, typename TO>
+void host_dx_out(const TileArgs& a) {
+  for (int64_t row = 0; row < a.rows; ++row) {
+    if (a.xt != 0) dx_lane<T, TO, true>(a, row, 0, 1);
+    else dx_lane<T, TO, false>(a, row, 0, 1);
+  }
+}
+
+template <typename T>
+void host_dx_t(const TileArgs& a) {
+  switch (a.dx_dtype) {
+    case kBFloat16: host_dx_out<T, bf16>(a); break;
+    case kFloat16: host_dx_out<T, fp16>(a); break;
+    default: host_dx_out<T, float>(a); break;
+  }
+}
+
+void validate(const TileArgs& a) {
+  if (a.rows < 0 || a.cols < 0) throw std::invalid_argument("fusedloss: negative tile shape");
+  if (a.x == 0 || a.out == 0) throw std::invalid_argument("fusedloss: null tile or output pointer");
+}
+
+}  // namespace
+
+void host_fold_tile(const TileArgs& a) {
+  validate(a);
+  if ((!a.first || !a.last) && a.state == 0) throw std::invalid_argument("fusedloss: fold over several tiles needs state");
+  switch (a.dtype) {
+    case kBFloat16: host_fold_t<bf16>(a); break;
+    case kFloat16: host_fold_t<fp16>(a); break;
+    default: host_fold_t<float>(a); break;
+  }
+}
+
+void host_jsd_tile(const TileArgs& a) {
+  validate(a);
+  if (a.xt == 0 || ((!a.first || !a.last) && a.jsd_acc == 0))
+    throw std::invalid_argument("fusedloss: jsd_tile needs a teacher tile and accumulators");
+  switch (a.dtype) {
+    case kBFloat16: host_jsd_t<bf16>(a); break;
+    case kFloat16: host_jsd_t<fp16>(a); break;
+    default: host_jsd_t<float>(a); break;
+  }
+}
+
+void host_dx_tile(const TileArgs& a) {
+  validate(a);
+  if (a.dx == 0 || a.coeffs == 0) throw std::invalid_argument("fusedloss: dx_tile needs dx and coefficients");
+  switch (a.dtype) {
+    case kBFloat16: host_dx_t<bf16>(a); break;
+    case kFloat16: host_dx_t<fp16>(a); break;
+    default: host_dx_t<float>(a); break;
+  }
+}
+
+void host_grpo_tokens(const GrpoArgs& a) {
+  auto at = [](uint64_t p, int64_t i, float dflt) { return p ? reinterpret_cast<const float*>(p)[i] : dflt; };
+  float* out = reinterpret_cast<float*>(a.out);
+  for (int64_t i = 0; i < a.n; ++i) {
+    const float logp = at(a.logp, i, 0.0f);
+    const bool ratio_given = a.logratio != 0;
+    const float logratio = ratio_given ? at(a.logratio, i, 0.0f) : logp - at(a.old_logp, i, logp);
+    const GrpoToken t = grpo_token(logp, logratio, !ratio_given, at(a.adv, i, 0.0f), at(a.mask, i, 1.0f),
+                                   at(a.iw, i, 1.0f), a.ref != 0, at(a.ref, i, 0.0f), at(a.weight, i, 1.0f), a.params);
+    out[i] = t.loss;
+    out[a.n + i] = t.dlogp;
+    out[2 * a.n + i] = t.dlogratio;
+    out[3 * a.n + i] = t.kl;
+    out[4 * a.n + i] = t.is_low;
+    out[5 * a.n + i] = t.is_high;
+    out[6 * a.n + i] = t.is_region;
+  }
+}
+
+void host_dpo_pairs(const DpoArgs& a) {
+  auto at = [](uint64_t p, int64_t i, float dflt) { return p ? reinterpret_cast<const float*>(p)[i] : dflt; };
+  float* out = reinterpret_cast<float*>(a.out);
+  for (int64_t i = 0; i < a.n; ++i) {
+    const DpoPair d = dpo_pair(at(a.logp_c, i, 0.0f), at(a.logp_r, i, 0.0f), at(a.ref_c, i, 0.0f), at(a.ref_r, i, 0.0f),
+                               at(a.n_c, i, 1.0f), at(a.n_r, i, 1.0f), a.params);
+    out[i] = d.loss;
+    out[a.n + i] = d.d_chosen;
+    out[2 * a.n + i] = d.d_rejected;
+  }
+}
+
+}  // namespace fl

@@ -1,0 +1,453 @@
+"""The CUDA backend's kernel math, checked on the CPU through the extension's host twins.
+
+``fusedloss._C`` exports, beside the device kernels, host loops that run the same ``__host__ __device__``
+functions (csrc/fusedloss/math.h, tile.h) over CPU pointers, and ``fusedloss.cuda.backend`` runs them
+when handed CPU tensors. These tests compare them with float64 brute force on materialised logits and
+with the torch backend: every statistic, ignored rows, bias, scale, soft-cap, temperature, peaked rows,
+prime vocabularies, one token, a teacher, the JSD, multi-tile merging, bf16/fp16 tiles, and the GRPO/DPO
+per-token math for every loss type. Skipped (with the reason) only when the extension is not built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from fusedloss.core import torch_backend
+from fusedloss.core.problem import NUM_COEFFS, GradientNeeds, LogitTransform, Statistics, StatsProblem
+from fusedloss.cuda import backend as cuda
+
+pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
+
+F64 = torch.float64
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.to(F64), b.to(F64)
+    return float((a - b).norm() / b.norm().clamp_min(1e-30)) if b.norm() > 0 else float((a - b).norm())
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """Tiles of 3 rows x 40 columns: every row's vocabulary spans several tiles (merge exercised)."""
+    monkeypatch.setattr(cuda, "MAX_TILE_ROWS", 3)
+    monkeypatch.setattr(cuda, "MAX_TILE_COLS", 40)
+
+
+def make_problem(n, v, d=19, *, seed=0, peaked=False, teacher=False, bias=False, ignored=(), tf=LogitTransform(),
+                 ttemp=1.0, jsd_beta=None, targets=True, dtype=torch.float32, **wants):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) / math.sqrt(d)
+    if peaked:  # a few logits ~30 above the rest: the distribution is nearly one-hot
+        hot = torch.randint(0, v, (3,), generator=g)
+        w[hot] += 30.0 * h.mean(0) / h.mean(0).norm() ** 2
+    b = torch.randn(v, generator=g) if bias else None
+    y = torch.randint(0, v, (n,), generator=g) if targets else None
+    if y is not None:
+        for i in ignored:
+            y[i] = -1
+    kw = {}
+    if teacher:
+        kw = dict(teacher_hidden=torch.randn(n, d, generator=g), teacher_weight=torch.randn(v, d, generator=g) / math.sqrt(d),
+                  teacher_bias=torch.randn(v, generator=g) if bias else None, teacher_transform=LogitTransform(ttemp))
+    cast = (lambda t: None if t is None else t.to(dtype))
+    p = StatsProblem(hidden=h.to(dtype), weight=w.to(dtype), bias=cast(b), targets=y, transform=tf, jsd_beta=jsd_beta,
+                     **{k: cast(t) if isinstance(t, torch.Tensor) else t for k, t in kw.items()}, **wants)
+    return p
+
+
+def as64(p: StatsProblem) -> StatsProblem:
+    c = lambda t: None if t is None else t.to(F64)  # noqa: E731
+    return dataclasses.replace(p, hidden=c(p.hidden), weight=c(p.weight), bias=c(p.bias), teacher_hidden=c(p.teacher_hidden),
+                               teacher_weight=c(p.teacher_weight), teacher_bias=c(p.teacher_bias))
+
+
+def logits64(h, w, b, tf):
+    x = h.to(F64) @ w.to(F64).T
+    if b is not None:
+        x = x + b.to(F64)
+    u = x * tf.logit_scale
+    c = tf.softcap * torch.tanh(u / tf.softcap) if tf.softcap is not None else u
+    return c / tf.temperature
+
+
+def brute(p: StatsProblem) -> Statistics:
+    """Float64 statistics on materialised logits, straight from problem.py's definitions."""
+    z = logits64(p.hidden, p.weight, p.bias, p.transform)
+    n, v = z.shape
+    lse = torch.logsumexp(z, 1)
+    logq = z - lse[:, None]
+    q = logq.exp()
+    zero = torch.zeros(n, dtype=F64)
+    out = dict.fromkeys(Statistics._fields, zero)
+    out["lse"] = lse
+    y = p.targets
+    if y is not None:
+        out["logp"] = logq.gather(1, y.clamp_min(0)[:, None]).squeeze(1)
+    if p.want_entropy:
+        out["entropy"] = -(q * logq).sum(1)
+    if p.want_mean_logit:
+        out["mean_logit"] = z.mean(1)
+    if p.want_extras:
+        out["log_sum_sq_probs"] = torch.log((q * q).sum(1))
+        if y is not None:
+            out["is_top1"] = (z.gather(1, y.clamp_min(0)[:, None]).squeeze(1) >= z.amax(1)).to(F64)
+    if p.has_teacher:
+        zt = logits64(p.teacher_hidden, p.teacher_weight, p.teacher_bias, p.teacher_transform)
+        lse_t = torch.logsumexp(zt, 1)
+        logpt = zt - lse_t[:, None]
+        pt = logpt.exp()
+        out["lse_t"] = lse_t
+        if p.want_kl_rev:
+            out["kl_rev"] = (q * (logq - logpt)).sum(1)
+        if p.want_kl_fwd:
+            out["kl_fwd"] = (pt * (logpt - logq)).sum(1)
+        if p.jsd_beta is not None:
+            bt = p.jsd_beta
+            logm = torch.logaddexp(logq + math.log1p(-bt), logpt + math.log(bt))
+            out["kl_qm"] = (q * (logq - logm)).sum(1)
+            out["jsd"] = bt * (pt * (logpt - logm)).sum(1) + (1 - bt) * out["kl_qm"]
+    if y is not None:
+        out = {k: torch.where(y >= 0, t, torch.zeros_like(t)) for k, t in out.items()}
+    return Statistics(**out)
+
+
+def check_stats(got: Statistics, want: Statistics, tol=2e-5):
+    for name in Statistics._fields:
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == torch.float32, name
+        assert torch.isfinite(g).all(), name
+        # norm-wise relative error, with an absolute floor for statistics that are ~0 (peaked entropy)
+        err = float((g.to(F64) - w).norm())
+        assert err <= tol * max(float(w.norm()), 1.0), f"{name}: |err| {err:.3e} vs |ref| {float(w.norm()):.3e}"
+
+
+ALL_WANTS = dict(want_entropy=True, want_mean_logit=True, want_extras=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward statistics
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 7, 13])
+@pytest.mark.parametrize("v", [37, 131, 257])
+@pytest.mark.parametrize("tiles", ["whole", "small"])
+def test_forward_student(n, v, tiles, request):
+    if tiles == "small":
+        request.getfixturevalue("small_tiles")
+    p = make_problem(n, v, seed=n * v, bias=True, ignored=(0,) if n > 1 else (), **ALL_WANTS)
+    check_stats(cuda.forward_statistics(p), brute(p))
+
+
+@pytest.mark.parametrize("tf", [LogitTransform(1.0, 1.0, None), LogitTransform(0.7, 1.0, None),
+                                LogitTransform(1.3, 2.5, 20.0), LogitTransform(1.0, 1.0, 5.0)])
+@pytest.mark.parametrize("peaked", [False, True])
+def test_forward_transforms_and_peaked(tf, peaked, small_tiles):
+    p = make_problem(13, 131, seed=3, bias=True, peaked=peaked, tf=tf, ignored=(2, 5), **ALL_WANTS)
+    check_stats(cuda.forward_statistics(p), brute(p))
+
+
+@pytest.mark.parametrize("jsd_beta", [None, 0.3])
+@pytest.mark.parametrize("tiles", ["whole", "small"])
+def test_forward_teacher(jsd_beta, tiles, request):
+    if tiles == "small":
+        request.getfixturevalue("small_tiles")
+    p = make_problem(7, 257, seed=11, teacher=True, bias=True, ttemp=2.0, tf=LogitTransform(2.0), ignored=(3,),
+                     jsd_beta=jsd_beta, want_kl_rev=True, want_kl_fwd=True, **ALL_WANTS)
+    check_stats(cuda.forward_statistics(p), brute(p))
+
+
+def test_forward_peaked_teacher_extreme(small_tiles):
+    """Logits near 1e3 (x scale 40): sums relative to the running maxima keep their digits."""
+    p = make_problem(7, 131, seed=5, teacher=True, peaked=True, tf=LogitTransform(1.0, 40.0, None),
+                     want_kl_rev=True, want_kl_fwd=True, jsd_beta=0.5, **ALL_WANTS)
+    check_stats(cuda.forward_statistics(p), brute(p), tol=5e-5)
+
+
+def test_forward_no_targets_and_all_ignored():
+    p = make_problem(5, 37, targets=False, **ALL_WANTS)
+    check_stats(cuda.forward_statistics(p), brute(p))
+    p = make_problem(4, 37, ignored=(0, 1, 2, 3), **ALL_WANTS)
+    got = cuda.forward_statistics(p)
+    assert all(bool((t == 0).all()) for t in got)
+
+
+def test_forward_matches_torch_backend(small_tiles):
+    p = make_problem(13, 257, seed=7, teacher=True, bias=True, ignored=(1,), jsd_beta=0.7, want_kl_rev=True,
+                     want_kl_fwd=True, **ALL_WANTS)
+    want = torch_backend.forward_statistics(p)
+    got = cuda.forward_statistics(p)
+    for name in Statistics._fields:
+        assert rel(getattr(got, name), getattr(want, name)) < 2e-5 or float(getattr(want, name).norm()) == 0, name
+
+
+def test_nan_propagates():
+    p = make_problem(3, 37, want_entropy=True)
+    h = p.hidden.clone()
+    h[1, 0] = float("nan")
+    got = cuda.forward_statistics(dataclasses.replace(p, hidden=h))
+    assert torch.isnan(got.lse[1]) and torch.isfinite(got.lse[0]) and torch.isfinite(got.lse[2])
+
+
+# ------------------------------------------------------------------------------------------------
+# Gradients: recompute backward and eager path
+# ------------------------------------------------------------------------------------------------
+def random_coeffs(p: StatsProblem, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    c = torch.randn(NUM_COEFFS, p.hidden.shape[0], generator=g, dtype=F64)
+    if not p.has_teacher:
+        c[3:6] = 0  # c2, c3, c4 need a teacher
+    elif p.jsd_beta is None:
+        c[5] = 0
+    if p.targets is not None:
+        c[:, p.targets < 0] = 0
+    return c
+
+
+def check_grads(got, want, tol=2e-5):
+    for name, g, w in zip(("d hidden", "d weight", "d bias"), got, want):
+        if w is None:
+            assert g is None, name
+            continue
+        assert rel(g, w) < tol, f"{name}: {rel(g, w):.3e}"
+
+
+@pytest.mark.parametrize("teacher,jsd_beta", [(False, None), (True, None), (True, 0.4)])
+@pytest.mark.parametrize("tf", [LogitTransform(), LogitTransform(1.5, 0.8, 4.0)])
+@pytest.mark.parametrize("tiles", ["whole", "small"])
+def test_backward(teacher, jsd_beta, tf, tiles, request):
+    if tiles == "small":
+        request.getfixturevalue("small_tiles")
+    p = make_problem(7, 131, seed=2, teacher=teacher, bias=True, tf=tf, ignored=(4,), jsd_beta=jsd_beta,
+                     want_kl_rev=teacher, want_kl_fwd=teacher, want_entropy=True, want_mean_logit=True)
+    p64 = as64(p)
+    saved64 = torch_backend.forward_statistics(p64)
+    coeffs = random_coeffs(p)
+    needs = GradientNeeds(True, True, True)
+    want = torch_backend.backward_gradients(p64, saved64, coeffs, needs)
+    saved = cuda.forward_statistics(p)
+    got = cuda.backward_gradients(p, saved, coeffs.float(), needs)
+    assert got[0].dtype == got[1].dtype == got[2].dtype == torch.float32
+    check_grads(got, want)
+
+
+def test_backward_frozen_weight_and_masked_rows(small_tiles):
+    p = make_problem(7, 37, seed=4, want_entropy=True)
+    coeffs = random_coeffs(p)
+    coeffs[:, 2:5] = 0  # masked tokens: skipped rows
+    needs = GradientNeeds(True, False, False)
+    got = cuda.backward_gradients(p, cuda.forward_statistics(p), coeffs.float(), needs)
+    p64 = as64(p)
+    want = torch_backend.backward_gradients(p64, torch_backend.forward_statistics(p64), coeffs, needs)
+    assert got[1] is None and got[2] is None
+    assert bool((got[0][2:5] == 0).all())
+    check_grads(got, want)
+
+
+def _chunk_fn_for(p: StatsProblem, coeffs64: torch.Tensor):
+    """A row-local 'loss' sum(logp + entropy) whose coefficients are given (stand-in for a real loss)."""
+    calls = []
+
+    def chunk_fn(stats: Statistics, r0: int, r1: int):
+        calls.append((r0, r1))
+        loss = (stats.logp + stats.entropy).sum()
+        return loss, coeffs64[:, r0:r1].to(stats.lse.dtype)
+
+    return chunk_fn, calls
+
+
+@pytest.mark.parametrize("rows_per_chunk", [None, 3])
+@pytest.mark.parametrize("teacher", [False, True])
+def test_eager(rows_per_chunk, teacher, monkeypatch):
+    monkeypatch.setattr(cuda, "MAX_TILE_ROWS", rows_per_chunk)
+    p = make_problem(7, 257, seed=9, teacher=teacher, bias=True, tf=LogitTransform(1.2, 1.0, 10.0), ignored=(6,),
+                     jsd_beta=0.6 if teacher else None, want_kl_rev=teacher, want_entropy=True, want_mean_logit=True)
+    coeffs = random_coeffs(p, seed=1)
+    needs = GradientNeeds(True, True, True)
+    fn, calls = _chunk_fn_for(p, coeffs)
+    loss, got = cuda.eager_gradients(p, fn, needs)
+    fn64, _ = _chunk_fn_for(p, coeffs)
+    loss64, want = torch_backend.eager_gradients(as64(p), fn64, needs)
+    assert len(calls) == (3 if rows_per_chunk else 1)
+    assert abs(float(loss) - float(loss64)) <= 2e-5 * max(1.0, abs(float(loss64)))
+    check_grads(got, want)
+
+
+# ------------------------------------------------------------------------------------------------
+# Half-precision tiles and dx outputs (the kernels' bf16/fp16 load and store paths)
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_tiles(dtype):
+    """A bf16/fp16 tile folds exactly like the fp32 tile of the same (rounded) values, including rows that
+    start off a 16-byte boundary (odd leading dimension)."""
+    from fusedloss import _C
+
+    g = torch.Generator().manual_seed(0)
+    rows, cols = 5, 131
+    x16 = (torch.randn(rows, cols, generator=g) * 4).to(dtype)
+    x32 = x16.float()
+    y = torch.randint(0, cols, (rows,), generator=g)
+    outs = []
+    for x in (x16, x32):
+        out = torch.zeros(len(Statistics._fields), rows)
+        a = _C.TileArgs()
+        a.x, a.dtype, a.ld, a.rows, a.cols, a.v0 = x.data_ptr(), cuda._code(x), cols, rows, cols, 0
+        a.tf = _C.Transform()
+        a.targets = y.data_ptr()
+        a.want_entropy = True
+        a.vocab = cols
+        a.out, a.out_stride = out.data_ptr(), rows
+        _C.host_fold_tile(a)
+        outs.append(out)
+    assert torch.allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+    want = torch.log_softmax(x32.double(), 1).gather(1, y[:, None]).squeeze(1)
+    assert rel(outs[0][1], want) < 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_dx_half_output_rounding(dtype):
+    """dx written as bf16/fp16 equals the fp32 dx rounded to nearest even (the host conversion matches
+    __float2bfloat16_rn / __float2half_rn), subnormals, overflow and NaN included."""
+    from fusedloss import _C
+
+    vals = torch.tensor([0.0, -0.0, 1.0, 1.00390625, 1.0 + 2**-9, 3.14159, -2.71828, 65504.0, 65519.0, 65520.0, 1e6,
+                         6e-8, 3e-8, 1e-5, -1e-7, 1e-40, float("inf"), float("-inf"), float("nan")] * 2)
+    lse = torch.zeros(len(Statistics._fields), 1)
+    coeffs = torch.zeros(NUM_COEFFS, 1)
+    # dx_j = c5 (the uniform coefficient) times a chain factor of 1 on a tile of zeros: each value in turn.
+    for v in vals.tolist():
+        coeffs[6] = v
+        out = torch.zeros(1, 8, dtype=dtype)
+        a = _C.TileArgs()
+        xx = torch.zeros(1, 8)
+        a.x, a.dtype, a.ld, a.rows, a.cols = xx.data_ptr(), 0, 8, 1, 8
+        a.tf = _C.Transform()
+        a.out, a.out_stride = lse.data_ptr(), 1
+        a.coeffs, a.coeff_stride = coeffs.data_ptr(), 1
+        a.dx, a.dx_dtype, a.dx_ld = out.data_ptr(), cuda._code(out), 8
+        _C.host_dx_tile(a)
+        want = torch.tensor([v], dtype=torch.float32).to(dtype)
+        got = out[0, 0:1]
+        if math.isnan(v):
+            assert torch.isnan(got).all()
+        elif v == 0:
+            continue  # an all-zero coefficient row is inactive (written as exact zeros)
+        else:
+            assert got.view(torch.int16).item() == want.view(torch.int16).item(), (v, got, want)
+
+
+# ------------------------------------------------------------------------------------------------
+# GRPO and DPO per-token math (SPEC section 5), against straightforward torch formulas
+# ------------------------------------------------------------------------------------------------
+def grpo_torch(logp, adv, mask, old, ref, iw, weight, loss_type, eps_low, eps_high, delta, beta, seq_logratio):
+    logp = logp.double().requires_grad_(True)
+    if seq_logratio is not None:
+        lr = seq_logratio.double().requires_grad_(True)
+        r = torch.exp(lr)
+    else:
+        r = torch.exp(logp - (old.double() if old is not None else logp.detach()))
+    if loss_type == "cispo":
+        l = -torch.clamp(r, max=eps_high).detach() * adv * logp
+    else:
+        c1 = torch.clamp(r, max=delta) if delta is not None else r
+        c2 = torch.clamp(r, 1 - eps_low, 1 + eps_high)
+        l = -torch.min(c1 * adv, c2 * adv)
+    if iw is not None:
+        l = l * iw
+    kl = None
+    if beta != 0.0:
+        d = ref.double() - logp
+        kl = torch.exp(d) - d - 1
+        l = l + beta * kl
+    total = (weight * mask * l).sum()
+    grads = torch.autograd.grad(total, [logp] + ([lr] if seq_logratio is not None else []), allow_unused=True,
+                                materialize_grads=True)
+    low = ((r < 1 - eps_low) & (adv < 0)).double() * mask
+    high = ((r > 1 + eps_high) & (adv > 0)).double() * mask
+    return dict(loss=(l * mask).detach(), dlogp=grads[0], dlogratio=grads[1] if seq_logratio is not None else None,
+                kl=None if kl is None else (kl * mask).detach(), is_low=low, is_high=high,
+                is_region=((low + high) > 0).double() * mask)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
+@pytest.mark.parametrize("variant", ["on_policy", "off_policy", "delta_kl_iw", "sequence"])
+def test_grpo_token_math(loss_type, variant):
+    g = torch.Generator().manual_seed(hash((loss_type, variant)) % 2**31)
+    n = 29
+    logp = -torch.rand(n, generator=g, dtype=F64) * 3
+    adv = torch.randn(n, generator=g, dtype=F64)
+    mask = (torch.rand(n, generator=g) > 0.2).double()
+    weight = torch.rand(n, generator=g, dtype=F64)
+    old = ref = iw = seq = None
+    delta, beta = None, 0.0
+    eps_low, eps_high = 0.2, (0.28 if loss_type != "cispo" else 4.0)
+    if variant != "on_policy":
+        old = logp + torch.randn(n, generator=g, dtype=F64) * 0.4
+    if variant == "delta_kl_iw":
+        delta, beta = 1.3, 0.04
+        ref = logp + torch.randn(n, generator=g, dtype=F64) * 0.3
+        iw = torch.rand(n, generator=g, dtype=F64) + 0.5
+    if variant == "sequence":
+        seq = torch.randn(n, generator=g, dtype=F64) * 0.3
+    got = cuda.grpo_token_math(logp.float(), adv.float(), mask.float(), old_logprobs=None if old is None else old.float(),
+                               logratio=None if seq is None else seq.float(), ref_logprobs=None if ref is None else ref.float(),
+                               importance_weights=None if iw is None else iw.float(), weight=weight.float(),
+                               loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, delta=delta, beta=beta)
+    want = grpo_torch(logp.float().double(), adv.float().double(), mask, None if old is None else old.float().double(),
+                      None if ref is None else ref.float().double(), None if iw is None else iw.float().double(),
+                      weight.float().double(), loss_type, eps_low, eps_high, delta, beta,
+                      None if seq is None else seq.float().double())
+    for name in ("loss", "dlogp", "is_low", "is_high", "is_region"):
+        assert torch.allclose(getattr(got, name).double(), want[name], rtol=1e-5, atol=1e-6), name
+    if want["kl"] is not None:
+        assert torch.allclose(got.kl.double(), want["kl"], rtol=1e-5, atol=1e-6)
+    if seq is not None:
+        assert torch.allclose(got.dlogratio.double(), want["dlogratio"], rtol=1e-5, atol=1e-6)
+    else:
+        assert bool((got.dlogratio == 0).all())
+
+
+def dpo_torch(c, r, rc, rr, nc, nr, beta, loss_type, e):
+    c, r = c.double().requires_grad_(True), r.double().requires_grad_(True)
+    u_c, u_r = c - rc, r - rr
+    x = beta * (u_c - u_r)
+    ls = torch.nn.functional.logsigmoid
+    if loss_type == "sigmoid":
+        loss = -(1 - e) * ls(x) - e * ls(-x)
+    elif loss_type == "ipo":
+        loss = (u_c / nc - u_r / nr - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        loss = torch.relu(1 - x)
+    else:
+        loss = (-(1 - e) * ls(x) + e * ls(-x)) / (1 - 2 * e)
+    dc, dr = torch.autograd.grad(loss.sum(), [c, r])
+    return loss.detach(), dc, dr
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_dpo_pair_math(loss_type, label_smoothing):
+    g = torch.Generator().manual_seed(3)
+    b = 17
+    c, r = -torch.rand(b, generator=g, dtype=F64) * 40, -torch.rand(b, generator=g, dtype=F64) * 40
+    rc, rr = c + torch.randn(b, generator=g, dtype=F64) * 3, r + torch.randn(b, generator=g, dtype=F64) * 3
+    nc, nr = torch.randint(1, 30, (b,), generator=g).double(), torch.randint(1, 30, (b,), generator=g).double()
+    c[0], rc[0] = 1000.0, 0.0  # saturated sigmoid: the log-sigmoid must stay finite
+    args = [t.float() for t in (c, r, rc, rr)]
+    got = cuda.dpo_pair_math(*args, beta=0.1, loss_type=loss_type, label_smoothing=label_smoothing,
+                             chosen_counts=nc.float(), rejected_counts=nr.float())
+    want = dpo_torch(*(t.double() for t in args), nc, nr, 0.1, loss_type, label_smoothing)
+    for name, gv, wv in zip(("loss", "d_chosen", "d_rejected"), got, want):
+        assert torch.isfinite(gv).all(), name
+        assert torch.allclose(gv.double(), wv, rtol=2e-5, atol=1e-5), (name, gv, wv)
+
+
+def test_unknown_loss_type():
+    x = torch.zeros(3)
+    with pytest.raises(ValueError, match="loss_type"):
+        cuda.grpo_token_math(x, x, x, loss_type="ppo")
+    with pytest.raises(ValueError, match="loss_type"):
+        cuda.dpo_pair_math(x, x, x, x, loss_type="kto")
