@@ -26,7 +26,8 @@ ignored rows, i.e. rows whose target is negative)::
     kl_qm      KL(q || m), kept for the jsd backward          (jsd_beta set)
     mean_logit (1/V) sum_v z_v                                (want_mean_logit; label smoothing, TRL's mean_logits)
     log_sum_sq_probs  log sum_v q_v^2                         (want_extras; forward only, never differentiated)
-    is_top1    1.0 where z_y >= max_v z_v else 0.0            (want_extras and targets; forward only)
+    is_top1    1.0 where y is the first argmax of z, else 0.0  (want_extras and targets; forward only)
+               i.e. z_y >= max_v z_v and z_y > max_{v<y} z_v (argmax's rule on exact ties, as TRL)
 
 q = softmax(z) is the student, p = softmax(z_t) the teacher (frozen: never differentiated).
 

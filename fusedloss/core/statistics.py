@@ -20,13 +20,14 @@ _NUM_OUTPUTS = len(Statistics._fields)
 
 
 def _problem(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature,
-             logit_scale, softcap, teacher_temperature, want_entropy, want_kl_rev, want_kl_fwd, jsd_beta,
+             logit_scale, softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy,
+             want_kl_rev, want_kl_fwd, jsd_beta,
              want_mean_logit, want_extras):
     return StatsProblem(
         hidden=hidden, weight=weight, bias=bias, targets=targets,
         transform=LogitTransform(temperature, logit_scale, softcap),
         teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_bias=teacher_bias,
-        teacher_transform=LogitTransform(teacher_temperature, 1.0, None),
+        teacher_transform=LogitTransform(teacher_temperature, teacher_logit_scale, teacher_softcap),
         want_entropy=want_entropy, want_kl_rev=want_kl_rev, want_kl_fwd=want_kl_fwd, jsd_beta=jsd_beta,
         want_mean_logit=want_mean_logit, want_extras=want_extras,
     )
@@ -37,18 +38,20 @@ def _statistics_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: Optional[torch.Tensor],
     teacher_hidden: Optional[torch.Tensor], teacher_weight: Optional[torch.Tensor],
     teacher_bias: Optional[torch.Tensor], temperature: float, logit_scale: float, softcap: Optional[float],
-    teacher_temperature: float, want_entropy: bool, want_kl_rev: bool, want_kl_fwd: bool,
+    teacher_temperature: float, teacher_logit_scale: float, teacher_softcap: Optional[float],
+    want_entropy: bool, want_kl_rev: bool, want_kl_fwd: bool,
     jsd_beta: Optional[float], want_mean_logit: bool, want_extras: bool, backend: str,
 ) -> torch.Tensor:
     problem = _problem(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature,
-                       logit_scale, softcap, teacher_temperature, want_entropy, want_kl_rev, want_kl_fwd, jsd_beta,
-                       want_mean_logit, want_extras)
+                       logit_scale, softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy,
+                       want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit, want_extras)
     return torch.stack(tuple(backends.get(backend).forward_statistics(problem)))
 
 
 @_statistics_op.register_fake
 def _(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature, logit_scale,
-      softcap, teacher_temperature, want_entropy, want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit,
+      softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy, want_kl_rev, want_kl_fwd,
+      jsd_beta, want_mean_logit,
       want_extras, backend):
     acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     return hidden.new_empty((_NUM_OUTPUTS, hidden.shape[0]), dtype=acc)
@@ -59,14 +62,15 @@ def _statistics_backward_op(
     hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: Optional[torch.Tensor],
     teacher_hidden: Optional[torch.Tensor], teacher_weight: Optional[torch.Tensor],
     teacher_bias: Optional[torch.Tensor], temperature: float, logit_scale: float, softcap: Optional[float],
-    teacher_temperature: float, want_entropy: bool, want_kl_rev: bool, want_kl_fwd: bool,
+    teacher_temperature: float, teacher_logit_scale: float, teacher_softcap: Optional[float],
+    want_entropy: bool, want_kl_rev: bool, want_kl_fwd: bool,
     jsd_beta: Optional[float], want_mean_logit: bool, want_extras: bool, backend: str, stats: torch.Tensor,
     coeffs: torch.Tensor,
     need_hidden: bool, need_weight: bool, need_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     problem = _problem(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature,
-                       logit_scale, softcap, teacher_temperature, want_entropy, want_kl_rev, want_kl_fwd, jsd_beta,
-                       want_mean_logit, want_extras)
+                       logit_scale, softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy,
+                       want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit, want_extras)
     needs = GradientNeeds(need_hidden, need_weight, need_bias and bias is not None)
     grads = backends.get(backend).backward_gradients(problem, Statistics(*stats.unbind(0)), coeffs, needs)
     # custom ops cannot return None: an unneeded gradient travels as an empty tensor.
@@ -75,7 +79,8 @@ def _statistics_backward_op(
 
 @_statistics_backward_op.register_fake
 def _(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature, logit_scale,
-      softcap, teacher_temperature, want_entropy, want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit,
+      softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy, want_kl_rev, want_kl_fwd,
+      jsd_beta, want_mean_logit,
       want_extras, backend, stats, coeffs, need_hidden, need_weight, need_bias):
     return (
         torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
@@ -117,7 +122,8 @@ def dz_coefficients(grad: torch.Tensor, stats: torch.Tensor, jsd_beta: Optional[
 
 
 _FORWARD_ARGS = ("hidden", "weight", "bias", "targets", "teacher_hidden", "teacher_weight", "teacher_bias",
-                 "temperature", "logit_scale", "softcap", "teacher_temperature", "want_entropy", "want_kl_rev",
+                 "temperature", "logit_scale", "softcap", "teacher_temperature", "teacher_logit_scale",
+                 "teacher_softcap", "want_entropy", "want_kl_rev",
                  "want_kl_fwd", "jsd_beta", "want_mean_logit", "want_extras", "backend")
 
 
@@ -145,12 +151,15 @@ _statistics_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 class TeacherHead(NamedTuple):
-    """The frozen teacher side of a distillation: its hidden states, head and temperature."""
+    """The frozen teacher side of a distillation: its hidden states, head and logit transform
+    (``softcap(logit_scale * x) / temperature``, as for the student)."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
     bias: Optional[torch.Tensor]
     temperature: float
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
 
 
 def build_problem(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
@@ -163,7 +172,8 @@ def build_problem(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[
         hidden=hidden, weight=weight, bias=bias, targets=targets, transform=transform,
         teacher_hidden=teacher.hidden.detach(), teacher_weight=teacher.weight.detach(),
         teacher_bias=None if teacher.bias is None else teacher.bias.detach(),
-        teacher_transform=LogitTransform(float(teacher.temperature)), **wants)
+        teacher_transform=LogitTransform(float(teacher.temperature), float(teacher.logit_scale),
+                                         None if teacher.softcap is None else float(teacher.softcap)), **wants)
 
 
 def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
@@ -176,15 +186,16 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Option
     # Flat arguments straight to the op: no StatsProblem is built here, so torch.compile traces this
     # function without meeting a user-defined class.
     t_hidden = t_weight = t_bias = None
-    t_temperature = 1.0
+    t_temperature, t_scale, t_softcap = 1.0, 1.0, None
     if teacher is not None:  # frozen: gradients flow to the student only
         t_hidden, t_weight = teacher.hidden.detach(), teacher.weight.detach()
         t_bias = None if teacher.bias is None else teacher.bias.detach()
-        t_temperature = float(teacher.temperature)
+        t_temperature, t_scale = float(teacher.temperature), float(teacher.logit_scale)
+        t_softcap = None if teacher.softcap is None else float(teacher.softcap)
     stats = _statistics_op(
         hidden, weight, bias, targets, t_hidden, t_weight, t_bias, float(transform.temperature),
         float(transform.logit_scale), None if transform.softcap is None else float(transform.softcap),
-        t_temperature, bool(want_entropy), bool(want_kl_rev), bool(want_kl_fwd),
+        t_temperature, t_scale, t_softcap, bool(want_entropy), bool(want_kl_rev), bool(want_kl_fwd),
         None if jsd_beta is None else float(jsd_beta), bool(want_mean_logit), bool(want_extras), backend,
     )
     return Statistics(*stats.unbind(0))

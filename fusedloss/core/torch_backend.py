@@ -161,7 +161,15 @@ def _xlogy_terms(prob, log_ratio):
     return torch.where(prob > 0, prob * log_ratio, torch.zeros_like(prob))
 
 
-def _finalize(state: dict, zy, tgt, p: StatsProblem, vocab: int) -> dict:
+def _max_before_target(z, targets_rows, v0, v1):
+    """max of z over the tile's columns that come before each row's target (-inf where there are none).
+    With it, is_top1 follows argmax's rule on ties: the target must be the *first* maximum."""
+    cols = torch.arange(v0, v1, device=z.device)
+    before = cols[None, :] < targets_rows[:, None]
+    return torch.where(before, z, torch.full_like(z, -math.inf)).amax(1)
+
+
+def _finalize(state: dict, zy, tgt, p: StatsProblem, vocab: int, max_before=None) -> dict:
     """Per-row statistics (problem.py) from the merged partial sums of all vocabulary columns."""
     log_s = torch.log(state["s"])
     lse = state["m"] + log_s
@@ -173,7 +181,7 @@ def _finalize(state: dict, zy, tgt, p: StatsProblem, vocab: int) -> dict:
     if p.want_extras:
         out["log_sum_sq_probs"] = torch.log(state["s2"]) - 2.0 * log_s
         if tgt is not None:
-            out["is_top1"] = (zy >= state["m"]).to(lse.dtype)
+            out["is_top1"] = ((zy >= state["m"]) & (zy > max_before)).to(lse.dtype)
     if p.want_mean_logit:
         out["mean_logit"] = state["sz"] / vocab
     if p.has_teacher:
@@ -242,13 +250,16 @@ def _forward_rows(p: StatsProblem) -> Statistics:
         tgt = p.targets[rows] if p.targets is not None else None
         state = _empty_state(rows.stop - r0, p, dev, acc)
         zy = torch.zeros(rows.stop - r0, device=dev, dtype=acc)
+        max_before = torch.full_like(zy, -math.inf)
         for v0 in range(0, v, VOCAB_TILE):
             v1 = min(v, v0 + VOCAB_TILE)
             z, _ = _student_tile(p, rows, v0, v1)
             state = _merge(state, _tile_partials(z, _teacher_tile(p, rows, v0, v1), p))
             if tgt is not None:
                 zy = zy + _gather_target(z, tgt, v0, v1)[0]
-        for name, value in _finalize(state, zy, tgt, p, v).items():
+                if p.want_extras:
+                    max_before = torch.maximum(max_before, _max_before_target(z, tgt, v0, v1))
+        for name, value in _finalize(state, zy, tgt, p, v, max_before).items():
             out[name][rows] = value
     if p.jsd_beta is not None:
         # The mixture m needs both normalisers, so the generalized JSD takes a second sweep.
@@ -394,8 +405,9 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         zt = _teacher_tile(p, rows, 0, v)
         state = _merge(_empty_state(rows.stop - r0, p, z.device, acc), _tile_partials(z, zt, p))
         zy = _gather_target(z, tgt, 0, v)[0] if tgt is not None else None
+        max_before = _max_before_target(z, tgt, 0, v) if tgt is not None and p.want_extras else None
         out = {name: torch.zeros(rows.stop - r0, device=z.device, dtype=acc) for name in Statistics._fields}
-        out.update(_finalize(state, zy, tgt, p, v))
+        out.update(_finalize(state, zy, tgt, p, v, max_before))
         if p.jsd_beta is not None:
             out["kl_qm"], kl_pm = _jsd_sums(z, zt, out["lse"], out["lse_t"], p.jsd_beta)
             out["jsd"] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * out["kl_qm"]

@@ -1,0 +1,243 @@
+"""Run TRL's fused LM-head paths through fusedloss.
+
+TRL 1.16 already avoids the ``[tokens, vocab]`` logits in its trainers, through two autograd functions in
+``trl/kernels/``; ``enable()`` swaps both for fusedloss, at the module attributes TRL looks them up from
+at call time:
+
+- ``ChunkedLogProbFunction`` (per-token log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1), called
+  by the forward that ``trl.add_fused_lm_head`` installs, which GRPO, RLOO, DPO, KTO, SFT and AsyncGRPO use.
+  Patched at ``trl.trainer.utils._ChunkedLogProbFunction`` (where that forward finds it) and at its public
+  names ``trl.kernels.ChunkedLogProbFunction`` and ``trl.kernels.chunked_logprob.ChunkedLogProbFunction``.
+- ``ChunkedDivergenceFunction`` (the DistillationTrainer's per-token forward KL / reverse KL / generalized
+  JSD and student entropy), patched at ``trl.trainer.distillation_trainer.ChunkedDivergenceFunction`` and
+  ``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``.
+
+Everything around them stays TRL's: the backbone call, label shifting and masking, losses, metrics, the
+FSDP2 ``full_tensor()`` gather. Models patched by ``add_fused_lm_head`` before ``enable()`` switch too.
+The replacements take TRL's positional arguments and return TRL's tuples, with the same dtypes (fp32
+per-token outputs, bool ``is_top1``) and the same differentiability (log_probs and entropy carry
+gradients to hidden, weight and bias; the others are detached). ``chunk_size`` is accepted and ignored:
+fusedloss picks its own tiles.
+
+One case goes to TRL's own function, with a warning once: DeepSpeed ZeRO-3 (the head is gathered only
+around the forward call, and fusedloss's backward recomputes from the saved weight).
+
+Supported: ``trl>=1.16,<2``; ``enable()`` raises ``RuntimeError`` naming the version otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import warnings
+from typing import Optional
+
+import torch
+
+from ..core import LogitTransform, TeacherHead, token_statistics
+from ..core import backends as _backends
+
+__all__ = ["SUPPORTED_TRL", "FusedChunkedDivergenceFunction", "FusedChunkedLogProbFunction", "disable", "enable",
+           "enabled", "is_enabled"]
+
+SUPPORTED_TRL = ">=1.16,<2"
+_OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+# (module, attribute) pairs where TRL binds each function; patched and restored together.
+_LOGPROB_SITES = (
+    ("trl.trainer.utils", "_ChunkedLogProbFunction"),
+    ("trl.kernels", "ChunkedLogProbFunction"),
+    ("trl.kernels.chunked_logprob", "ChunkedLogProbFunction"),
+)
+_DIVERGENCE_SITES = (
+    ("trl.trainer.distillation_trainer", "ChunkedDivergenceFunction"),
+    ("trl.kernels.chunked_divergence", "ChunkedDivergenceFunction"),
+)
+
+_originals: dict = {}  # (module, attribute) -> TRL's object, filled by the first enable()
+_state = {"backend": "auto", "enabled": False}
+_warned: set = set()
+
+
+def _check_trl_version():
+    try:
+        import trl
+    except ImportError as exc:
+        raise ImportError("fusedloss.integrations.trl needs trl (pip install 'fusedloss[integrations]')") from exc
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    version = Version(trl.__version__)
+    if version.release is None or Version(version.base_version) not in SpecifierSet(SUPPORTED_TRL):
+        raise RuntimeError(f"fusedloss.integrations.trl supports trl{SUPPORTED_TRL}, found trl {trl.__version__}; "
+                           f"install a supported version or leave TRL's own kernels in place")
+
+
+def _sites():
+    for module_name, attr in _LOGPROB_SITES + _DIVERGENCE_SITES:
+        module = importlib.import_module(module_name)
+        if not hasattr(module, attr):
+            raise RuntimeError(f"{module_name}.{attr} not found: this trl version moved its fused LM-head kernels, "
+                               f"and fusedloss.integrations.trl does not know where to hook in")
+        yield module, module_name, attr
+
+
+def enable(backend: str = "auto") -> None:
+    """Route TRL's fused LM-head log-probs and the distillation divergence through fusedloss.
+
+    Idempotent: a second call only changes ``backend``. ``backend`` is fusedloss's (``"auto"``,
+    ``"torch"``, ``"triton"``, ``"cuda"``), resolved per call for the tensors at hand."""
+    if backend not in _backends.BACKEND_NAMES:
+        raise ValueError(f"backend must be one of {_backends.BACKEND_NAMES}, got {backend!r}")
+    _check_trl_version()
+    sites = list(_sites())
+    for module, module_name, attr in sites:
+        _originals.setdefault((module_name, attr), getattr(module, attr))
+    for module, module_name, attr in sites:
+        replacement = (FusedChunkedLogProbFunction if (module_name, attr) in _LOGPROB_SITES
+                       else FusedChunkedDivergenceFunction)
+        setattr(module, attr, replacement)
+    _state.update(backend=backend, enabled=True)
+
+
+def disable() -> None:
+    """Put TRL's own functions back, exactly the objects that were there before ``enable()``."""
+    for (module_name, attr), original in _originals.items():
+        setattr(importlib.import_module(module_name), attr, original)
+    _state["enabled"] = False
+
+
+def is_enabled() -> bool:
+    return _state["enabled"]
+
+
+@contextlib.contextmanager
+def enabled(backend: str = "auto"):
+    """``with enabled(): trainer.train()``; restores the previous state on exit."""
+    was, previous = _state["enabled"], _state["backend"]
+    enable(backend)
+    try:
+        yield
+    finally:
+        if was:
+            enable(previous)
+        else:
+            disable()
+
+
+def _trl_original(module_name: str, attr: str):
+    if (module_name, attr) in _originals:
+        return _originals[(module_name, attr)]
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(message, stacklevel=3)
+
+
+def _zero3() -> bool:
+    try:
+        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+    except ImportError:  # pragma: no cover
+        return False
+    return bool(is_deepspeed_zero3_enabled())
+
+
+def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
+    # TRL projects in the autocast dtype when autocast is on, else in the hidden states' dtype.
+    device_type = hidden.device.type
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+
+
+def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    return None if t is None else t.to(dtype)
+
+
+class FusedChunkedLogProbFunction:
+    """Drop-in for ``trl.kernels.ChunkedLogProbFunction``: same ``apply`` arguments, same outputs
+    ``(log_probs, entropy, log_sum_sq_probs, mean_logits, is_top1)``, each ``[N]`` (None when not in
+    ``outputs``), computed by one pass of ``fusedloss.core.token_statistics``:
+
+    - log_probs  = z_y - lse                   (fp32, differentiable)
+    - entropy    = -sum_v p_v log p_v          (fp32, differentiable)
+    - log_sum_sq_probs = log sum_v p_v^2       (fp32, detached)
+    - mean_logits = (1/V) sum_v z_v            (fp32, detached)
+    - is_top1    = the target is the argmax    (bool)
+
+    with ``z = softcap(logit_scale * (hidden @ weight.T + bias)) / temperature``. Rows with a negative
+    target are 0 (TRL never passes them: it clamps or compacts the rows first)."""
+
+    @staticmethod
+    def apply(hidden, weight, bias, targets, temperature, chunk_size=None, final_logit_softcapping=None,
+              logit_scale=1.0, outputs=_OPTIONAL_OUTPUTS):
+        if _zero3():
+            _warn_once("zero3-logprob", "fusedloss: DeepSpeed ZeRO-3 is enabled; TRL's ChunkedLogProbFunction "
+                                        "runs instead (it re-gathers the head in its backward)")
+            original = _trl_original("trl.kernels.chunked_logprob", "ChunkedLogProbFunction")
+            return original.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
+                                  logit_scale, outputs)
+        dtype = _compute_dtype(hidden)
+        want = set(outputs)
+        backend = _backends.resolve(_state["backend"], hidden.device)
+        with torch.autocast(hidden.device.type, enabled=False):
+            stats = token_statistics(
+                hidden.to(dtype), weight.to(dtype), bias=_cast(bias, dtype),
+                targets=torch.where(targets >= 0, targets, -1).long(),
+                transform=LogitTransform(float(temperature), float(logit_scale),
+                                         None if final_logit_softcapping is None else float(final_logit_softcapping)),
+                want_entropy="entropy" in want, want_mean_logit="mean_logits" in want,
+                want_extras=bool(want & {"log_sum_sq_probs", "is_top1"}), backend=backend,
+            )
+        log_probs = stats.logp.float()
+        entropy = stats.entropy.float() if "entropy" in want else None
+        log_sum_sq = stats.log_sum_sq_probs.detach().float() if "log_sum_sq_probs" in want else None
+        mean_logits = stats.mean_logit.detach().float() if "mean_logits" in want else None
+        is_top1 = stats.is_top1.detach() > 0.5 if "is_top1" in want else None
+        return log_probs, entropy, log_sum_sq, mean_logits, is_top1
+
+
+class FusedChunkedDivergenceFunction:
+    """Drop-in for ``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``: per-token divergence
+    between student ``q`` and teacher ``p`` (both at ``temperature``) and the student entropy, ``[N]``
+    each, from ``token_statistics`` with the teacher head:
+
+    - beta == 0: KL(p || q) (forward);  beta == 1: KL(q || p) (reverse);
+    - else beta KL(p || m) + (1 - beta) KL(q || m), m = (1 - beta) q + beta p.
+
+    The divergence carries gradients to the student's hidden, weight and bias; the entropy is detached.
+    Both heads apply their own logit_scale and soft-cap, then the shared temperature."""
+
+    @staticmethod
+    def apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
+              temperature=1.0, student_logit_scale=1.0, student_final_logit_softcapping=None,
+              teacher_logit_scale=1.0, teacher_final_logit_softcapping=None):
+        reason = None
+        if _zero3():
+            reason = "DeepSpeed ZeRO-3 is enabled"
+        if reason is not None:
+            _warn_once("divergence:" + reason, f"fusedloss: {reason}; TRL's ChunkedDivergenceFunction runs instead")
+            original = _trl_original("trl.kernels.chunked_divergence", "ChunkedDivergenceFunction")
+            return original.apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
+                                  teacher_bias, beta, temperature, student_logit_scale,
+                                  student_final_logit_softcapping, teacher_logit_scale,
+                                  teacher_final_logit_softcapping)
+        s_dtype, t_dtype = _compute_dtype(student_hidden), _compute_dtype(teacher_hidden)
+        beta = float(beta)
+        backend = _backends.resolve(_state["backend"], student_hidden.device)
+        teacher = TeacherHead(teacher_hidden.to(t_dtype), teacher_weight.to(t_dtype), _cast(teacher_bias, t_dtype),
+                              float(temperature), float(teacher_logit_scale),
+                              None if teacher_final_logit_softcapping is None
+                              else float(teacher_final_logit_softcapping))
+        with torch.autocast(student_hidden.device.type, enabled=False):
+            stats = token_statistics(
+                student_hidden.to(s_dtype), student_weight.to(s_dtype), bias=_cast(student_bias, s_dtype),
+                transform=LogitTransform(float(temperature), float(student_logit_scale),
+                                         None if student_final_logit_softcapping is None
+                                         else float(student_final_logit_softcapping)),
+                teacher=teacher, want_entropy=True, want_kl_fwd=beta == 0.0, want_kl_rev=beta == 1.0,
+                jsd_beta=beta if 0.0 < beta < 1.0 else None, backend=backend,
+            )
+        divergence = stats.kl_fwd if beta == 0.0 else stats.kl_rev if beta == 1.0 else stats.jsd
+        return divergence.float(), stats.entropy.detach().float()

@@ -1,0 +1,124 @@
+"""``torch.nn.Module`` wrappers of the functional API, for code that composes losses as modules.
+
+Each module takes the keyword options of its function in ``__init__`` and the tensors in ``forward``, and
+calls the function: no math lives here, so a module and its function can never disagree. Options that
+change from batch to batch (``num_items_in_batch``, GRPO's ``old_logprobs``/``ref_logprobs``/
+``importance_weights``) are ``forward`` arguments. The modules hold no parameters: pass the head's
+``weight`` (and ``bias``) to ``forward``, e.g. ``loss_fn(hidden, model.lm_head.weight, labels)``.
+
+=====================  ==================================
+module                 function
+=====================  ==================================
+``TokenLogProbs``      ``fusedloss.token_logprobs``
+``LinearCrossEntropy`` ``fusedloss.cross_entropy``
+``DistillationLoss``   ``fusedloss.distillation_loss``
+``GRPOLoss``           ``fusedloss.grpo_loss``
+``DPOLoss``            ``fusedloss.dpo_loss``
+=====================  ==================================
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import fusedloss
+
+__all__ = ["DPOLoss", "DistillationLoss", "GRPOLoss", "LinearCrossEntropy", "TokenLogProbs"]
+
+
+class _FunctionalModule(torch.nn.Module):
+    def __init__(self, **options):
+        super().__init__()
+        self.options = options
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
+
+
+class TokenLogProbs(_FunctionalModule):
+    """``forward(hidden, weight, targets, bias=None)`` -> ``fusedloss.token_logprobs(...)``: per-token
+    log p(targets) ``[...]``, or ``(logp, entropy)`` with ``return_entropy=True``."""
+
+    def __init__(self, *, temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
+                 ignore_index: int = -100, return_entropy: bool = False, backend: str = "auto"):
+        super().__init__(temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                         ignore_index=ignore_index, return_entropy=return_entropy, backend=backend)
+
+    def forward(self, hidden, weight, targets, bias=None):
+        return fusedloss.token_logprobs(hidden, weight, targets, bias=bias, **self.options)
+
+
+class LinearCrossEntropy(_FunctionalModule):
+    """``forward(hidden, weight, targets, bias=None, num_items_in_batch=None)`` ->
+    ``fusedloss.cross_entropy(...)``: ``F.cross_entropy(hidden @ weight.T + bias, targets)`` without the logits."""
+
+    def __init__(self, *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
+                 z_loss: float = 0.0, temperature: float = 1.0, logit_scale: float = 1.0,
+                 softcap: Optional[float] = None, backend: str = "auto"):
+        super().__init__(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
+                         z_loss=z_loss, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                         backend=backend)
+
+    def forward(self, hidden, weight, targets, bias=None, num_items_in_batch=None):
+        return fusedloss.cross_entropy(hidden, weight, targets, bias=bias, num_items_in_batch=num_items_in_batch,
+                                       **self.options)
+
+
+class DistillationLoss(_FunctionalModule):
+    """``forward(hidden, weight, teacher_hidden, teacher_weight, targets=None, bias=None, teacher_bias=None,
+    num_items_in_batch=None)`` -> ``fusedloss.distillation_loss(...)``. ``beta``: 0 forward KL (Hinton),
+    1 reverse KL (on-policy), else the generalized JSD."""
+
+    def __init__(self, *, beta: float = 1.0, temperature: float = 1.0, hard_weight: float = 0.0,
+                 soft_weight: float = 1.0, t_squared: bool = False, ignore_index: int = -100,
+                 reduction: str = "batchmean", backend: str = "auto"):
+        super().__init__(beta=beta, temperature=temperature, hard_weight=hard_weight, soft_weight=soft_weight,
+                         t_squared=t_squared, ignore_index=ignore_index, reduction=reduction, backend=backend)
+
+    def forward(self, hidden, weight, teacher_hidden, teacher_weight, targets=None, bias=None, teacher_bias=None,
+                num_items_in_batch=None):
+        return fusedloss.distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets, bias=bias,
+                                           teacher_bias=teacher_bias, num_items_in_batch=num_items_in_batch,
+                                           **self.options)
+
+
+class GRPOLoss(_FunctionalModule):
+    """``forward(hidden, weight, completion_ids, advantages, completion_mask, old_logprobs=None,
+    ref_logprobs=None, bias=None, num_items_in_batch=None, importance_weights=None)`` ->
+    ``fusedloss.grpo_loss(...)``: TRL GRPOTrainer's loss (``loss_type`` grpo, bnpo, dr_grpo, dapo, cispo)."""
+
+    def __init__(self, *, temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
+                 loss_type: str = "dapo", epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
+                 delta: Optional[float] = None, beta: float = 0.0, importance_sampling_level: str = "token",
+                 max_completion_length: Optional[int] = None, num_processes: int = 1, return_details: bool = False,
+                 backend: str = "auto"):
+        super().__init__(temperature=temperature, logit_scale=logit_scale, softcap=softcap, loss_type=loss_type,
+                         epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
+                         importance_sampling_level=importance_sampling_level,
+                         max_completion_length=max_completion_length, num_processes=num_processes,
+                         return_details=return_details, backend=backend)
+
+    def forward(self, hidden, weight, completion_ids, advantages, completion_mask, old_logprobs=None,
+                ref_logprobs=None, bias=None, num_items_in_batch=None, importance_weights=None):
+        return fusedloss.grpo_loss(hidden, weight, completion_ids, advantages, completion_mask,
+                                   old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, bias=bias,
+                                   num_items_in_batch=num_items_in_batch, importance_weights=importance_weights,
+                                   **self.options)
+
+
+class DPOLoss(_FunctionalModule):
+    """``forward(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, bias=None)`` ->
+    ``fusedloss.dpo_loss(...)``; ``hidden`` is ``[2B, T, D]``, chosen rows first (TRL's concatenation)."""
+
+    def __init__(self, *, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                 temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
+                 ignore_index: int = -100, return_details: bool = False, backend: str = "auto"):
+        super().__init__(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, temperature=temperature,
+                         logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index,
+                         return_details=return_details, backend=backend)
+
+    def forward(self, hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, bias=None):
+        return fusedloss.dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, bias=bias,
+                                  **self.options)
