@@ -30,7 +30,9 @@ def get(name: str):
     return _module(name)
 
 
+@torch.compiler.assume_constant_result
 def availability(name: str) -> str:
+    """Constant for a process: torch.compile takes the answer at trace time instead of tracing imports."""
     if name == "torch":
         return "available"
     try:

@@ -60,7 +60,6 @@ class _EagerLoss(torch.autograd.Function):
         # Gradients were kept in fp32 (float64): scale, then round once to the parameter's dtype.
         dh, dw, db = (None if g is None else (g * grad_loss.to(g.dtype)).to(dtype)
                       for g, dtype in zip(ctx.grads, ctx.dtypes))
-        ctx.grads = None
         return dh, dw, db, None, None, None, None
 
 

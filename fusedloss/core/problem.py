@@ -28,6 +28,13 @@ ignored rows, i.e. rows whose target is negative)::
     log_sum_sq_probs  log sum_v q_v^2                         (want_extras; forward only, never differentiated)
     is_top1    1.0 where y is the first argmax of z, else 0.0  (want_extras and targets; forward only)
                i.e. z_y >= max_v z_v and z_y > max_{v<y} z_v (argmax's rule on exact ties, as TRL)
+    lse_lo     (m - lse) + log s: what rounding lse = m + log s dropped (always; forward only)
+    lse_t_lo   the same for the teacher (with a teacher)
+
+Why the ``_lo`` terms: in fp32 the lse of a confident row (~30) carries an absolute rounding error of
+1e-6, which ``log q = z - lse`` would pass on to ``1 - q_y ~ 1e-2`` as a 1e-4 relative error of the
+gradient. Backends form ``log q_j = (z_j - lse) - lse_lo`` (``z_j - lse`` is exact near the maximum), and
+``logp = (z_y - m) - log s``, which makes them as accurate as a naive log-softmax.
 
 q = softmax(z) is the student, p = softmax(z_t) the teacher (frozen: never differentiated).
 
@@ -118,6 +125,8 @@ class Statistics(NamedTuple):
     mean_logit: torch.Tensor
     log_sum_sq_probs: torch.Tensor
     is_top1: torch.Tensor
+    lse_lo: torch.Tensor
+    lse_t_lo: torch.Tensor
 
 
 class GradientNeeds(NamedTuple):

@@ -169,13 +169,20 @@ def _max_before_target(z, targets_rows, v0, v1):
     return torch.where(before, z, torch.full_like(z, -math.inf)).amax(1)
 
 
+def _rounding_residual(lse, m, log_s):
+    """(m - lse) + log s: m - lse is exact (Sterbenz), so this is what rounding m + log s dropped.
+    0 on rows whose lse is not finite (NaN input, or no columns)."""
+    lo = (m - lse) + log_s
+    return torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))
+
+
 def _finalize(state: dict, zy, tgt, p: StatsProblem, vocab: int, max_before=None) -> dict:
     """Per-row statistics (problem.py) from the merged partial sums of all vocabulary columns."""
     log_s = torch.log(state["s"])
     lse = state["m"] + log_s
-    out = {"lse": lse}
+    out = {"lse": lse, "lse_lo": _rounding_residual(lse, state["m"], log_s)}
     if tgt is not None:
-        out["logp"] = zy - lse
+        out["logp"] = (zy - state["m"]) - log_s  # not zy - lse: see problem.py on the _lo terms
     if p.want_entropy:
         out["entropy"] = log_s - state["e"] / state["s"]
     if p.want_extras:
@@ -187,6 +194,7 @@ def _finalize(state: dict, zy, tgt, p: StatsProblem, vocab: int, max_before=None
     if p.has_teacher:
         log_st = torch.log(state["st"])
         out["lse_t"] = state["mt"] + log_st
+        out["lse_t_lo"] = _rounding_residual(out["lse_t"], state["mt"], log_st)
         if p.want_kl_rev:
             out["kl_rev"] = state["a"] / state["s"] - log_s + log_st
         if p.want_kl_fwd:
@@ -194,9 +202,13 @@ def _finalize(state: dict, zy, tgt, p: StatsProblem, vocab: int, max_before=None
     return out
 
 
+def _log_probs(z, lse, lse_lo):
+    return (z - lse[:, None]) - lse_lo[:, None]
+
+
 def _jsd_sums(z, zt, lse, lse_t, beta):
-    """KL(q || m) and KL(p || m) of a tile, summed over its columns."""
-    logq, logpt = z - lse[:, None], zt - lse_t[:, None]
+    """KL(q || m) and KL(p || m) of a tile, summed over its columns (lse, lse_t: (hi, lo) pairs)."""
+    logq, logpt = _log_probs(z, *lse), _log_probs(zt, *lse_t)
     logm = _log_mixture(logq, logpt, beta)
     return (_xlogy_terms(torch.exp(logq), logq - logm).sum(1),
             _xlogy_terms(torch.exp(logpt), logpt - logm).sum(1))
@@ -269,8 +281,8 @@ def _forward_rows(p: StatsProblem) -> Statistics:
             for v0 in range(0, v, VOCAB_TILE):
                 v1 = min(v, v0 + VOCAB_TILE)
                 z, _ = _student_tile(p, rows, v0, v1)
-                qm, pm = _jsd_sums(z, _teacher_tile(p, rows, v0, v1), out["lse"][rows], out["lse_t"][rows],
-                                   p.jsd_beta)
+                qm, pm = _jsd_sums(z, _teacher_tile(p, rows, v0, v1), (out["lse"][rows], out["lse_lo"][rows]),
+                                   (out["lse_t"][rows], out["lse_t_lo"][rows]), p.jsd_beta)
                 kl_qm, kl_pm = kl_qm + qm, kl_pm + pm
             out["kl_qm"][rows] = kl_qm
             out["jsd"][rows] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * kl_qm
@@ -280,14 +292,15 @@ def _forward_rows(p: StatsProblem) -> Statistics:
 
 def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0, v1):
     """dx for one tile: the generic dz of problem.py, then the chain rule through temperature,
-    soft-cap and logit_scale. Shared by the eager and the recompute paths."""
-    logq = z - lse[:, None]
+    soft-cap and logit_scale. Shared by the eager and the recompute paths. ``lse`` and ``lse_t`` are
+    (hi, lo) pairs of per-row tensors."""
+    logq = _log_probs(z, *lse)
     q = torch.exp(logq)
     coef = coeffs[:, :, None]
     inner = coef[COEF_CONST] + coef[COEF_LOGQ] * logq
     logpt = None
     if zt is not None:
-        logpt = zt - lse_t[:, None]
+        logpt = _log_probs(zt, *lse_t)
         inner = inner + coef[COEF_LOGP] * logpt
         if p.jsd_beta is not None:
             inner = inner + coef[COEF_LOGM] * _log_mixture(logq, logpt, p.jsd_beta)
@@ -336,7 +349,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     h_act, ht_act = pick(h_all), pick(p.teacher_hidden)
     tgt_act = pick(p.targets)
     coeffs_act = coeffs if rows is None else coeffs.index_select(1, rows)
-    lse_act, lset_act = pick(saved.lse), pick(saved.lse_t)
+    lse_act = torch.stack((pick(saved.lse), pick(saved.lse_lo)))
+    lset_act = torch.stack((pick(saved.lse_t), pick(saved.lse_t_lo)))
     n_act = h_act.shape[0]
     dh_act = torch.zeros((n_act, h_all.shape[1]), device=h_all.device, dtype=acc) if needs.hidden else None
     for v0 in range(0, v, VOCAB_TILE):
@@ -355,8 +369,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                 tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
                 zt, _ = _logits_tile(ht_act[r0:r1], p.teacher_weight[v0:v1], tb, p.teacher_transform, acc)
             tgt = None if tgt_act is None else tgt_act[r0:r1]
-            lset = None if lset_act is None else lset_act[r0:r1]
-            dx = logits_gradient_tile(p, z, c, zt, coeffs_act[:, r0:r1], lse_act[r0:r1], lset, tgt, v0, v1)
+            dx = logits_gradient_tile(p, z, c, zt, coeffs_act[:, r0:r1], lse_act[:, r0:r1].unbind(0),
+                                      lset_act[:, r0:r1].unbind(0), tgt, v0, v1)
             if dh_act is not None:
                 dh_act[r0:r1] += dx @ w_acc
             if dw_tile is not None:
@@ -409,14 +423,16 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         out = {name: torch.zeros(rows.stop - r0, device=z.device, dtype=acc) for name in Statistics._fields}
         out.update(_finalize(state, zy, tgt, p, v, max_before))
         if p.jsd_beta is not None:
-            out["kl_qm"], kl_pm = _jsd_sums(z, zt, out["lse"], out["lse_t"], p.jsd_beta)
+            out["kl_qm"], kl_pm = _jsd_sums(z, zt, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
+                                            p.jsd_beta)
             out["jsd"] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * out["kl_qm"]
         if tgt is not None:
             valid = tgt >= 0
             out = {k: torch.where(valid, x, torch.zeros_like(x)) for k, x in out.items()}
         chunk_loss, coeffs = chunk_fn(Statistics(**out), r0, rows.stop)
         loss = loss + chunk_loss.to(acc)
-        dx = logits_gradient_tile(p, z, c, zt, coeffs, out["lse"], out["lse_t"], tgt, 0, v)
+        dx = logits_gradient_tile(p, z, c, zt, coeffs, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
+                                  tgt, 0, v)
         del z, c, zt
         if dh is not None:
             dh[rows] = dx @ w_acc

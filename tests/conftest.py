@@ -1,0 +1,200 @@
+"""Shared fixtures and data for the fusedloss test suite.
+
+* ``backend``: every backend that ``fusedloss.backend_status()`` reports "available" joins the
+  parametrisation by itself. Without a CUDA device the Triton backend runs under the Triton
+  interpreter (``TRITON_INTERPRET=1``, set below before anything imports triton).
+* Data helpers build the inputs that catch the bugs peers shipped (SPEC section 6): peaked rows (a few
+  logits ~30 above the rest), prime vocabulary sizes, token counts of 1 and odd, all-ignored rows,
+  extreme logits. Shapes stay tiny because the Triton interpreter is slow.
+* ``rel_err``: the norm-wise relative error every comparison uses.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from typing import Optional  # noqa: E402
+
+import pytest  # noqa: E402
+
+# Prime vocabulary sizes: never a multiple of a block size, so padded tiles are always exercised.
+PRIME_VOCABS = (37, 131, 257)
+# Token counts: 1, odd, not a multiple of 16.
+TOKEN_COUNTS = (1, 7, 13)
+# Hidden sizes not a multiple of 16.
+HIDDEN_SIZES = (19, 24)
+
+FP64_TOL = {"torch": 1e-10}
+FP64_TOL_DEFAULT = 1e-9
+FP32_TOL = 1e-5
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def available_backends() -> list[str]:
+    """Concrete backends that can run here, per ``fusedloss.backend_status()``.
+
+    If the package or ``backend_status`` is missing, the tests still run with "torch" and fail loudly on
+    the missing API, rather than silently collecting nothing."""
+    try:
+        import fusedloss
+
+        status = fusedloss.backend_status()
+    except Exception:  # pragma: no cover - only while the API is being written
+        return ["torch"]
+    return [name for name, state in status.items() if state == "available"]
+
+
+BACKENDS = available_backends()
+
+
+def pytest_generate_tests(metafunc):
+    if "backend" in metafunc.fixturenames:
+        metafunc.parametrize("backend", BACKENDS)
+
+
+def device_for(backend: str) -> torch.device:
+    """Where the inputs of ``backend`` live: the GPU backends take CUDA tensors when a GPU is present;
+    under the Triton interpreter (no GPU) everything is on the CPU."""
+    if backend in ("triton", "cuda") and torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+@pytest.fixture
+def device(backend) -> torch.device:
+    return device_for(backend)
+
+
+def fp64_tol(backend: str) -> float:
+    return FP64_TOL.get(backend, FP64_TOL_DEFAULT)
+
+
+# --------------------------------------------------------------------------------------------------
+# Errors
+
+
+def rel_err(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> float:
+    """Norm-wise relative error ``||a - e|| / ||e||`` in float64 (``||a||`` when ``e`` is all zero).
+
+    NaN/inf in either tensor give inf unless both agree exactly on those positions."""
+    if actual is None and expected is None:
+        return 0.0
+    assert actual is not None and expected is not None, "one of the two tensors is None"
+    a = actual.detach().to("cpu", torch.float64)
+    e = expected.detach().to("cpu", torch.float64)
+    assert a.shape == e.shape, f"shape {tuple(a.shape)} != expected {tuple(e.shape)}"
+    finite = torch.isfinite(e)
+    if not bool(finite.all()):
+        same = (a[~finite] == e[~finite]) | (torch.isnan(a[~finite]) & torch.isnan(e[~finite]))
+        if not bool(same.all()):
+            return float("inf")
+        a, e = a[finite], e[finite]
+    if not bool(torch.isfinite(a).all()):
+        return float("inf")
+    num = torch.linalg.vector_norm(a - e).item()
+    den = torch.linalg.vector_norm(e).item()
+    return num / den if den > 0 else num
+
+
+def assert_close(actual, expected, tol: float, what: str = "") -> None:
+    err = rel_err(actual, expected)
+    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Data
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def make_head(n, d, v, *, seed=0, peaked=True, bias=False, extreme=False, leading=None,
+              dtype=torch.float64, ignore_fraction=0.0, all_ignored_rows=(), ignore_index=-100, peak_ids=None):
+    """A tiny LM head: hidden ``[*leading or n, d]``, weight ``[v, d]``, bias ``[v]`` or None, int64 targets.
+
+    peaked: every other row puts one or two vocabulary entries ~30 above the rest (columns 0..2 of hidden
+    select a peak; weight has +30 in those columns for a few vocabulary rows), and some targets sit on
+    the peak (logp ~ 0) while others sit far below it (logp ~ -30).
+    peak_ids: the three peaked vocabulary entries (default: drawn from the seed); a teacher given the
+    student's peak_ids agrees with it where it is confident.
+    extreme: the logits are scaled to magnitudes in the thousands (SPEC: extreme logits).
+    Values are exactly representable in ``dtype`` (generated in float64 and rounded), returned in float64
+    on the CPU; cast with ``.to(dtype)`` for the run under test."""
+    g = generator(seed)
+    shape = tuple(leading) if leading is not None else (n,)
+    rows = 1
+    for s in shape:
+        rows *= s
+    h = torch.randn(rows, d, generator=g, dtype=torch.float64)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64) / d ** 0.5
+    peaks = peak_ids_of(v, seed) if peak_ids is None else torch.as_tensor(peak_ids)
+    if peaked and d >= 4:
+        h[:, :3] = 0.0
+        w[:, :3] = 0.0
+        for j in range(3):
+            w[peaks[j], j] = 30.0 - 3.0 * j  # a second and third peak below the first
+        for i in range(rows):
+            if i % 2 == 0:
+                h[i, 0] = 1.0
+                if i % 4 == 0:
+                    h[i, 1] = 1.0
+                if i % 3 == 0:
+                    h[i, 2] = 1.0
+    if extreme:
+        w = w * 150.0
+    b = torch.randn(v, generator=g, dtype=torch.float64) if bias else None
+    targets = torch.randint(0, v, (rows,), generator=g)
+    if peaked:
+        on_peak = torch.arange(rows) % 4 == 0
+        targets = torch.where(on_peak, peaks[0].expand(rows), targets)
+    if ignore_fraction > 0:
+        ignored = torch.rand(rows, generator=g) < ignore_fraction
+        ignored[0] = False if rows > 1 else ignored[0]
+        targets = torch.where(ignored, torch.full_like(targets, ignore_index), targets)
+    targets = targets.reshape(shape)
+    for r in all_ignored_rows:  # whole sequences ignored ([B, T] leading shapes)
+        targets[r] = ignore_index
+    rnd = (lambda t: None if t is None else t.to(dtype).to(torch.float64))
+    return rnd(h).reshape(*shape, d), rnd(w), rnd(b), targets
+
+
+def peak_ids_of(v, seed):
+    """The peaked vocabulary entries make_head(..., v, seed=seed) uses by default."""
+    return torch.randperm(v, generator=generator(seed + 7919))[:3]
+
+
+def make_teacher(n, d_t, v, *, seed=1, leading=None, bias=False, dtype=torch.float64, peak_ids=None):
+    """A frozen teacher head with its own hidden size, peaked as well (on ``peak_ids`` when given:
+    a teacher that agrees with the student where the student is confident)."""
+    h, w, b, _ = make_head(n, d_t, v, seed=seed, leading=leading, bias=bias, dtype=dtype, peak_ids=peak_ids)
+    return h, w, b
+
+
+def leaf(t: Optional[torch.Tensor], dtype: torch.dtype, device, requires_grad: bool = True):
+    """A fresh leaf of ``t`` in ``dtype`` on ``device`` (None stays None)."""
+    if t is None:
+        return None
+    return t.detach().to(device=device, dtype=dtype).requires_grad_(requires_grad)
+
+
+def cotangent_like(t: torch.Tensor, seed: int) -> torch.Tensor:
+    """A fixed random cotangent in float64 on the CPU, to weight a tensor output in a scalar objective."""
+    return torch.randn(t.shape, generator=generator(seed), dtype=torch.float64)
