@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validation as v
+from ..core import backends
 from ..types import DPODetails
 from ._head import count_or_one, lm_head
 
@@ -49,7 +50,12 @@ def dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, *, be
     u_rejected = rejected_logps - ref_rejected_logps.to(acc)
     delta = u_chosen - u_rejected
     e = label_smoothing
-    if loss_type == "sigmoid":
+    fused = None if torch.compiler.is_compiling() else getattr(backends.get(head.backend), "dpo_pair_loss", None)
+    if fused is not None:  # GPU backends: the per-pair math below in one launch (tested against it)
+        n = count_or_one(head.unflatten(tgt >= 0).sum(-1).to(acc))
+        losses = fused(chosen_logps, rejected_logps, ref_chosen_logps.to(acc), ref_rejected_logps.to(acc),
+                       n[:pairs], n[pairs:], loss_type=loss_type, beta=beta, label_smoothing=e)
+    elif loss_type == "sigmoid":
         losses = -(1 - e) * F.logsigmoid(beta * delta) - e * F.logsigmoid(-beta * delta)
     elif loss_type == "robust":
         losses = (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)

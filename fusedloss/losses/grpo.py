@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as v
+from ..core import backends
 from ..types import GRPODetails
 from ._head import count_or_one, items_divisor, lm_head
 
@@ -112,21 +113,39 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         old_rows = logp.detach() if old is None else old.reshape(-1)[rows]
         return torch.where(valid.reshape(-1)[rows], logp - old_rows, torch.zeros_like(logp))
 
+    # Token level: every token's terms depend on that token alone. GPU backends evaluate them in one fused
+    # launch (tested against token_terms above, which stays the definition); under torch.compile the
+    # elementwise ops are left to the compiler, which fuses them itself.
+    fused = None
+    if importance_sampling_level == "token" and not torch.compiler.is_compiling():
+        fused = getattr(backends.get(head.backend), "grpo_token_loss", None)
+
+    def flat_token_terms(logp, rows):
+        if fused is None:
+            return token_terms(logp, token_log_ratio(logp, rows), rows)
+        pick = (lambda t: None if t is None else t.reshape(-1)[rows])
+        loss, kl, ratio = fused(logp, pick(old), pick(adv), pick(ref), pick(weights), pick(valid),
+                                loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=eps_high, delta=delta,
+                                beta=beta)
+        return loss, (kl if beta != 0 else None), ratio
+
     if importance_sampling_level == "token" and not return_details:
-        # Every token's term depends on that token alone: a row-local loss (eager 3-product path).
+        # A row-local loss: eligible for the eager 3-product path.
         def row_loss(stats, r0, r1):
             rows = slice(r0, r1)
-            loss, _, _ = token_terms(stats.logp, token_log_ratio(stats.logp, rows), rows)
-            return (token_weight.reshape(-1)[rows] * loss).sum()
+            return (token_weight.reshape(-1)[rows] * flat_token_terms(stats.logp, rows)[0]).sum()
 
         return head.row_local_loss(row_loss, targets=ids)
 
     stats = head.statistics(targets=ids, want_entropy=bool(return_details))
     logp = head.unflatten(stats.logp)
-    log_ratio = token_log_ratio(stats.logp, slice(None)).reshape(b, c)
-    if importance_sampling_level == "sequence":  # GSPO: one ratio per completion
+    if importance_sampling_level == "token":
+        per_token, kl, ratio = (None if t is None else head.unflatten(t)
+                                for t in flat_token_terms(stats.logp, slice(None)))
+    else:  # GSPO: one ratio per completion
+        log_ratio = token_log_ratio(stats.logp, slice(None)).reshape(b, c)
         log_ratio = (log_ratio.sum(-1) / count_or_one(m.sum(-1))).unsqueeze(-1)
-    per_token, kl, ratio = token_terms(logp, log_ratio, None)
+        per_token, kl, ratio = token_terms(logp, log_ratio, None)
     loss = (token_weight * per_token).sum()
     if not return_details:
         return loss
