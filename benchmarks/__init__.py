@@ -1,0 +1,1 @@
+"""Benchmarks of fusedloss against the materialised reference and its peers (see NOTES.md)."""

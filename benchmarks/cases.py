@@ -1,0 +1,284 @@
+"""Benchmark problems: shapes per device, deterministic inputs, and the chunked float64 reference.
+
+A *problem* is one op at one shape: the inputs (in the benchmark dtype, on the benchmark device), the
+fixed keyword arguments every implementation gets, and how its outputs become one scalar to
+differentiate. Every implementation of the op (the materialised reference, each fusedloss backend,
+each peer) is called on the same ``Problem`` and must produce the same outputs and gradients with
+respect to ``hidden`` and ``weight``.
+
+The ground truth is ``fusedloss.reference`` in float64 on the same (already dtype-rounded) data. It
+is computed in chunks of rows (or whole sequences / preference pairs), each chunk's loss weighted so
+the chunks add up to the full loss exactly, so that its memory is bounded by ``chunk x V`` whatever
+N is: the float64 reference of N=16384, V=151936 would otherwise need ~100 GB.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Optional
+
+import torch
+
+OPS = ("token_logprobs", "cross_entropy", "grpo_loss", "dpo_loss", "distillation_loss")
+
+# (N list, V, D) per preset. V values are deliberately not multiples of any tile size on CPU.
+PRESETS = {
+    "tiny": {"N": (64, 256), "V": 1009, "D": 64},            # dry runs, pytest-benchmark
+    "small": {"N": (512, 2048), "V": 32003, "D": 256},       # the default CPU run (a few minutes)
+    "llm": {"N": (4096, 16384), "V": 151936, "D": 4096},     # issue 6: Qwen-sized head on the H200
+    "acceptance": {"N": (4096,), "V": 131072, "D": 256},     # issue 2: CPU fp32 memory target
+}
+
+GRPO_BETA = 0.04
+DPO_BETA = 0.1
+DISTILL_BETA = 1.0
+IGNORE = -100
+LOGIT_STD = 2.0  # std of the logits: moderately peaked softmax, like a trained head
+
+
+def seq_len(n: int) -> int:
+    """Sequence length for the sequence-shaped ops (GRPO completions, DPO answers)."""
+    if n >= 16384:
+        return 1024
+    if n >= 2048:
+        return 512
+    return min(n, 128)
+
+
+@dataclass
+class Problem:
+    op: str
+    N: int
+    V: int
+    D: int
+    dtype: torch.dtype
+    device: torch.device
+    t: Dict[str, torch.Tensor] = field(default_factory=dict)  # every input tensor (hidden, weight, ...)
+
+    # leaves: fresh requires_grad views of hidden and weight for one run
+    def leaves(self):
+        h = self.t["hidden"].detach().requires_grad_(True)
+        w = self.t["weight"].detach().requires_grad_(True)
+        return h, w
+
+    def input_bytes(self) -> int:
+        return sum(x.numel() * x.element_size() for x in self.t.values())
+
+
+def _gen(seed: int, device: torch.device) -> torch.Generator:
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g
+
+
+def make_problem(op: str, n: int, v: int, d: int, dtype: torch.dtype, device, seed: int = 0) -> Problem:
+    """Deterministic inputs: generated in fp32 on ``device`` from ``seed`` (so values differ between a CPU
+    and a GPU run, never between two runs on one device), then rounded to ``dtype``."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    g = _gen(seed * 7919 + OPS.index(op), device)
+    p = Problem(op, n, v, d, dtype, device)
+    _randn, _randint, _rand = torch.randn, torch.randint, torch.rand
+
+    def randn(*shape, generator):
+        return _randn(*shape, generator=generator, device=device)
+
+    def randint(lo, hi, shape, generator):
+        return _randint(lo, hi, shape, generator=generator, device=device)
+
+    def rand(*shape, generator):
+        return _rand(*shape, generator=generator, device=device)
+
+    def arange(k):
+        return torch.arange(k, device=device)
+
+    def put(name, x):
+        p.t[name] = x.to(device=device, dtype=dtype if x.is_floating_point() else x.dtype).contiguous()
+
+    hidden = randn(n, d, generator=g)
+    weight = randn(v, d, generator=g) * (LOGIT_STD / math.sqrt(d))
+    if op in ("token_logprobs", "cross_entropy"):
+        put("hidden", hidden)
+        put("weight", weight)
+        targets = randint(0, v, (n,), generator=g)
+        if op == "cross_entropy":
+            targets[rand(n, generator=g) < 0.05] = IGNORE
+        else:
+            # random cotangents for the two per-token outputs, so both gradients are exercised
+            p.t["g_logp"] = (randn(n, generator=g) / n).to(device)
+            p.t["g_ent"] = (randn(n, generator=g) / n).to(device)
+        p.t["targets"] = targets.to(device)
+    elif op == "distillation_loss":
+        put("hidden", hidden)
+        put("weight", weight)
+        put("teacher_hidden", 0.8 * hidden + 0.6 * randn(n, d, generator=g))
+        put("teacher_weight", weight + 0.5 * (LOGIT_STD / math.sqrt(d)) * randn(v, d, generator=g))
+    elif op == "grpo_loss":
+        c = seq_len(n)
+        b = max(1, n // c)
+        put("hidden", hidden[: b * c].reshape(b, c, d))
+        put("weight", weight)
+        p.t["completion_ids"] = randint(0, v, (b, c), generator=g).to(device)
+        lengths = randint(c // 2, c + 1, (b,), generator=g)
+        p.t["completion_mask"] = (arange(c)[None, :] < lengths[:, None]).to(device)
+        p.t["advantages"] = randn(b, generator=g).to(device)
+        # ref log-probs near the policy's own (the KL penalty is then small and well-conditioned)
+        logp = _chunked_logp64(p.t["hidden"].reshape(-1, d), p.t["weight"], p.t["completion_ids"].reshape(-1))
+        noise = 0.05 * randn(b * c, generator=g).to(device)
+        p.t["ref_logprobs"] = (logp.float() + noise).reshape(b, c)
+        p.N = b * c
+    elif op == "dpo_loss":
+        t = seq_len(n)
+        rows = max(2, (n // t) // 2 * 2)  # 2B rows: chosen then rejected
+        put("hidden", hidden.repeat(math.ceil(rows * t / n), 1)[: rows * t].reshape(rows, t, d))
+        put("weight", weight)
+        labels = randint(0, v, (rows, t), generator=g)
+        prompt = t // 4
+        labels[:, :prompt] = IGNORE
+        lengths = randint(prompt + t // 4, t + 1, (rows,), generator=g)
+        labels[arange(t)[None, :] >= lengths[:, None]] = IGNORE
+        p.t["labels"] = labels.to(device)
+        # step 0 of DPO: the reference model is the policy, so ref log-probs are the policy's own
+        lab = p.t["labels"].reshape(-1)
+        logp = _chunked_logp64(p.t["hidden"].reshape(-1, d), p.t["weight"], lab).reshape(rows, t)
+        seq = logp.sum(1)
+        p.t["ref_chosen_logps"] = seq[: rows // 2].float()
+        p.t["ref_rejected_logps"] = seq[rows // 2:].float()
+        p.N = rows * t
+    return p
+
+
+def _chunk_rows(v: int, device: torch.device) -> int:
+    budget = (1 << 30) if device.type == "cuda" else (1 << 28)  # bytes of one fp64 [rows, V] tensor
+    return max(1, budget // (8 * v))
+
+
+@torch.no_grad()
+def _chunked_logp64(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    from fusedloss import reference
+
+    w64 = w.double()
+    out = []
+    step = _chunk_rows(w.shape[0], h.device)
+    for r0 in range(0, h.shape[0], step):
+        out.append(reference.token_logprobs(h[r0:r0 + step].double(), w64, targets[r0:r0 + step]))
+    return torch.cat(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# Calling one implementation: every implementation is a callable taking the module-like object
+# that holds the op functions (``fusedloss``, ``fusedloss.reference`` or a compiled wrapper),
+# and returning (scalar loss, {name: output}).
+# ---------------------------------------------------------------------------------------------
+
+def call_op(fn: Callable, p: Problem, h: torch.Tensor, w: torch.Tensor, **extra):
+    """Call an op function with the signature of SPEC section 3 (``fn`` is e.g. ``fusedloss.grpo_loss``)."""
+    t = p.t
+    if p.op == "token_logprobs":
+        logp, ent = fn(h, w, t["targets"], return_entropy=True, **extra)
+        loss = (logp * t["g_logp"]).sum() + (ent * t["g_ent"]).sum()
+        return loss, {"logp": logp, "entropy": ent}
+    if p.op == "cross_entropy":
+        loss = fn(h, w, t["targets"], **extra)
+        return loss, {"loss": loss}
+    if p.op == "grpo_loss":
+        loss = fn(h, w, t["completion_ids"], t["advantages"], t["completion_mask"], ref_logprobs=t["ref_logprobs"],
+                  beta=GRPO_BETA, loss_type="dapo", **extra)
+        return loss, {"loss": loss}
+    if p.op == "dpo_loss":
+        loss = fn(h, w, t["labels"], t["ref_chosen_logps"], t["ref_rejected_logps"], beta=DPO_BETA, **extra)
+        return loss, {"loss": loss}
+    if p.op == "distillation_loss":
+        loss = fn(h, w, t["teacher_hidden"], t["teacher_weight"], beta=DISTILL_BETA, **extra)
+        return loss, {"loss": loss}
+    raise ValueError(p.op)
+
+
+def reference64(p: Problem):
+    """Float64 ground truth on the same data, chunked so memory stays bounded: (outputs, grads)."""
+    from fusedloss import reference as R
+
+    t = p.t
+    dev = p.device
+    w64 = t["weight"].double().requires_grad_(True)
+    h_all = t["hidden"].double()
+    dh = torch.zeros_like(h_all)
+    rows = _chunk_rows(p.V, dev)
+    outs: Dict[str, list] = {}
+    total = torch.zeros((), dtype=torch.float64, device=dev)
+
+    def run(sl, loss_fn):
+        nonlocal total
+        hc = h_all[sl].detach().requires_grad_(True)
+        loss, parts = loss_fn(hc, sl)
+        loss.backward()
+        dh[sl] = hc.grad
+        total = total + loss.detach()
+        for k, x in parts.items():
+            outs.setdefault(k, []).append(x.detach())
+
+    if p.op == "token_logprobs":
+        for r0 in range(0, p.N, rows):
+            def f(hc, sl):
+                logp, ent = R.token_logprobs(hc, w64, t["targets"][sl], return_entropy=True)
+                return (logp * t["g_logp"][sl]).sum() + (ent * t["g_ent"][sl]).sum(), {"logp": logp, "entropy": ent}
+            run(slice(r0, r0 + rows), f)
+        outputs = {k: torch.cat(v) for k, v in outs.items()}
+    elif p.op == "cross_entropy":
+        n_valid = max(1, int((t["targets"] != IGNORE).sum()))
+        for r0 in range(0, p.N, rows):
+            run(slice(r0, r0 + rows),
+                lambda hc, sl: (R.cross_entropy(hc, w64, t["targets"][sl], reduction="sum") / n_valid, {}))
+        outputs = {"loss": total}
+    elif p.op == "distillation_loss":
+        th64, tw64 = t["teacher_hidden"].double(), t["teacher_weight"].double()
+        for r0 in range(0, p.N, rows):
+            run(slice(r0, r0 + rows),
+                lambda hc, sl: (R.distillation_loss(hc, w64, th64[sl], tw64, beta=DISTILL_BETA, reduction="sum")
+                                / p.N, {}))
+        outputs = {"loss": total}
+    elif p.op == "grpo_loss":
+        b, c = t["completion_ids"].shape
+        items = int(t["completion_mask"].sum())
+        per = max(1, rows // c)
+        for s0 in range(0, b, per):
+            def f(hc, sl):
+                loss = R.grpo_loss(hc, w64, t["completion_ids"][sl], t["advantages"][sl].double(),
+                                   t["completion_mask"][sl], ref_logprobs=t["ref_logprobs"][sl].double(),
+                                   beta=GRPO_BETA, loss_type="dapo", num_items_in_batch=items)
+                return loss, {}
+            run(slice(s0, s0 + per), f)
+        outputs = {"loss": total}
+    elif p.op == "dpo_loss":
+        rows2, tlen = t["labels"].shape
+        pairs = rows2 // 2
+        per = max(1, rows // (2 * tlen))
+        for q0 in range(0, pairs, per):
+            q1 = min(pairs, q0 + per)
+            idx = torch.cat((torch.arange(q0, q1), torch.arange(pairs + q0, pairs + q1))).to(dev)
+            hc = h_all.index_select(0, idx).detach().requires_grad_(True)
+            loss = R.dpo_loss(hc, w64, t["labels"].index_select(0, idx), t["ref_chosen_logps"][q0:q1].double(),
+                              t["ref_rejected_logps"][q0:q1].double(), beta=DPO_BETA) * ((q1 - q0) / pairs)
+            loss.backward()
+            dh.index_copy_(0, idx, hc.grad)
+            total = total + loss.detach()
+        outputs = {"loss": total}
+    else:
+        raise ValueError(p.op)
+    return outputs, {"hidden": dh, "weight": w64.grad}
+
+
+def rel_err(x: Optional[torch.Tensor], ref: torch.Tensor) -> float:
+    """Norm-wise relative error ||x - ref|| / ||ref|| in float64 (SPEC section 6); NaN/inf give inf."""
+    if x is None:
+        return float("inf")
+    x = x.detach().to(ref.device, torch.float64).reshape(ref.shape)
+    num = torch.linalg.vector_norm(x - ref).item()
+    den = torch.linalg.vector_norm(ref).item()
+    if not math.isfinite(num):
+        return float("inf")
+    return num / den if den > 0 else num
