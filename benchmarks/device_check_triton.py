@@ -17,6 +17,16 @@ than the naive same-dtype error plus ``HALF_SLACK``. It also records the peak ex
 the fused forward + backward (against its bound: no N x V buffer), the wall time, and whether the
 deterministic mode (``FUSEDLOSS_DETERMINISTIC=1``) is bit-identical run to run. The interpreter cannot
 run bf16 ``tl.dot``, so ``--cpu-smoke`` checks fp32 and fp16 only. Exit status 0 when every check holds.
+
+Two more groups of records:
+
+- ``top1_ties``: TRL's is_top1 on exact ties (identical weight rows, integer-valued data so every logit is
+  exact): only the first argmax counts, with the tied tokens in one tile, in different tiles and in
+  different vocabulary splits, for fp32, bf16 and float64, against torch.argmax of the float64 logits.
+- ``token_math``: the fused per-token GRPO and per-pair DPO launches (``fusedloss/triton/token_math``) on
+  the GPU against the loss modules' math run on the CPU in the same dtype (``grpo_terms``/``dpo_terms`` of
+  tests/test_fused_token_math_triton.py), values and gradients, every loss type, sizes that are not a
+  multiple of the block: 1e-6 (fp32) / 1e-12 (float64), norm-wise and element-wise |a - e| / max(|e|, 1).
 """
 
 from __future__ import annotations
@@ -245,11 +255,119 @@ def determinism(c: dict, dtype, device) -> dict:
                 rel_diff_vs_fast=close, ok=bool(identical and close < 1e-2))
 
 
+def top1_ties(device, dtypes) -> list:
+    """is_top1 = first argmax on exact ties, through the backend protocol (forward_statistics)."""
+    from fusedloss.core.problem import StatsProblem
+    from fusedloss.triton import backend as tb
+
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 64, 64, 5003
+    tied = (3, 7, 200, 4099)  # one tile; the next tiles; another vocabulary split
+    h = torch.randint(-2, 3, (n, d), generator=g).to(torch.float64)
+    w = torch.randint(-2, 3, (v, d), generator=g).to(torch.float64) / 8
+    h[:, 0] = 1.0
+    h[1::2, 0] = 0.0  # odd rows: no peak, the ties do not matter there
+    w[:, 0] = 0.0
+    w[tied[0], 0] = 64.0
+    for j in tied[1:]:
+        w[j] = w[tied[0]]
+    y = torch.randint(0, v, (n,), generator=g)
+    y[0::8], y[2::8], y[4::8], y[6::8] = tied
+    y[5] = -1
+    z = h @ w.T
+    expected = ((z.argmax(1) == y) & (y >= 0)).to(torch.float64)
+    records = []
+    for dt in dtypes:
+        for cfg in (dict(), dict(target_programs=1), dict(target_programs=4096)):
+            p = StatsProblem(hidden=h.to(device, dt), weight=w.to(device, dt), bias=None, targets=y.to(device),
+                             transform=LogitTransform(), want_extras=True)
+            try:
+                with tb.override_config(**cfg):
+                    got = tb.forward_statistics(p).is_top1.double().cpu()
+                ok = bool(torch.equal(got, expected))
+                rec = dict(case="top1_ties", dtype=str(dt).replace("torch.", ""), config=cfg, ok=ok,
+                           mismatches=int((got != expected).sum()))
+            except Exception as exc:
+                rec = dict(case="top1_ties", dtype=str(dt).replace("torch.", ""), config=cfg, ok=False,
+                           error=repr(exc)[:2000])
+            records.append(rec)
+    return records
+
+
+def token_math(device, smoke: bool) -> list:
+    """The fused GRPO / DPO launches on ``device`` against the modules' math on the CPU (same dtype)."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import test_fused_token_math_triton as tm  # noqa: E402  (the reference math and data of the unit tests)
+    from fusedloss.triton import backend as tb
+
+    def errors(a, e):
+        a, e = a.detach().double().cpu(), e.detach().double().cpu()
+        if not bool(torch.isfinite(a).all()):
+            return math.inf, math.inf
+        elem = ((a - e).abs() / e.abs().clamp(min=1.0)).max().item() if a.numel() else 0.0
+        return rel_err(a, e), elem
+
+    def record(name, dt, outs_dev, outs_cpu, labels, wall):
+        tol = 1e-12 if dt == torch.float64 else 1e-6
+        checks, ok = [], True
+        for label, a, e in zip(labels, outs_dev, outs_cpu):
+            nw, el = errors(a, e)
+            good = nw <= tol and el <= tol
+            ok &= good
+            checks.append(dict(what=label, norm=nw, elem=el, bound=tol, ok=good))
+        return dict(case=name, dtype=str(dt).replace("torch.", ""), ok=bool(ok), checks=checks,
+                    first_call_s=round(wall, 4))
+
+    records = []
+    t_tokens, b_pairs = (101, 77) if smoke else (100003, 4099)
+    for dt in (torch.float32, torch.float64):
+        data = tm.grpo_data(t_tokens, dt)
+        cpu = {k: x.cpu() for k, x in data.items()}
+        dev = {k: x.to(device) for k, x in data.items()}
+        for loss_type in tm.GRPO_TYPES:
+            for option, opts in tm.GRPO_OPTIONS.items():
+                kw = dict(loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28, delta=opts["delta"],
+                          beta=opts["beta"])
+                outs = {}
+                t0 = time.perf_counter()
+                for where, dd, fn in (("dev", dev, tb.grpo_token_loss), ("cpu", cpu, tm.grpo_terms)):
+                    logp = dd["logp"].clone().requires_grad_(True)
+                    loss, kl, ratio = fn(logp, dd["old"] if opts["old"] else None, dd["adv"],
+                                         dd["ref"] if opts["ref"] else None, dd["w"] if opts["w"] else None,
+                                         dd["valid"], **kw)
+                    (grad,) = torch.autograd.grad((loss * dd["cot"]).sum(), logp)
+                    outs[where] = (loss, kl, ratio, grad)
+                    if where == "dev" and device.type == "cuda":
+                        torch.cuda.synchronize()
+                        wall = time.perf_counter() - t0
+                records.append(record(f"grpo_token_{loss_type}_{option}", dt, outs["dev"], outs["cpu"],
+                                      ("loss", "kl", "ratio", "dloss/dlogp"),
+                                      wall if device.type == "cuda" else time.perf_counter() - t0))
+        data = tm.dpo_data(b_pairs, dt)
+        cpu = {k: x.cpu() for k, x in data.items()}
+        dev = {k: x.to(device) for k, x in data.items()}
+        for loss_type, smoothing in (("sigmoid", 0.0), ("sigmoid", 0.1), ("ipo", 0.0), ("hinge", 0.0),
+                                     ("robust", 0.2)):
+            kw = dict(loss_type=loss_type, beta=0.1, label_smoothing=smoothing)
+            outs = {}
+            t0 = time.perf_counter()
+            for where, dd, fn in (("dev", dev, tb.dpo_pair_loss), ("cpu", cpu, tm.dpo_terms)):
+                c = dd["chosen"].clone().requires_grad_(True)
+                r = dd["rejected"].clone().requires_grad_(True)
+                loss = fn(c, r, dd["ref_c"], dd["ref_r"], dd["n_c"], dd["n_r"], **kw)
+                gc, gr = torch.autograd.grad((loss * dd["cot"]).sum(), (c, r))
+                outs[where] = (loss, gc, gr)
+            records.append(record(f"dpo_pair_{loss_type}_{smoothing}", dt, outs["dev"], outs["cpu"],
+                                  ("loss", "d chosen", "d rejected"), time.perf_counter() - t0))
+    return records
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="where to write the JSON results")
     ap.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU under TRITON_INTERPRET=1")
     ap.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    ap.add_argument("--skip-extra", action="store_true", help="skip the is_top1 ties and fused GRPO/DPO checks")
     args = ap.parse_args(argv)
 
     if args.cpu_smoke:
@@ -300,6 +418,23 @@ def main(argv=None) -> int:
     all_ok &= rec["ok"]
     results["records"].append(rec)
     print(rec, flush=True)
+    extra = []
+    for label, fn in (("top1_ties", lambda: top1_ties(device, (torch.float32, torch.float64) if args.cpu_smoke
+                                                      else (torch.float32, torch.bfloat16, torch.float64))),
+                      ("token_math", lambda: token_math(device, args.cpu_smoke))):
+        if args.skip_extra:
+            break
+        try:
+            extra += fn()
+        except Exception as exc:  # record and go on
+            extra.append(dict(case=label, ok=False, error=repr(exc)[:2000]))
+    for rec in extra:
+        all_ok &= rec["ok"]
+        results["records"].append(rec)
+        worst = max(rec.get("checks", []), key=lambda x: max(x["norm"], x["elem"]) / x["bound"], default=None)
+        print(f"{rec['case']:>32} {rec.get('dtype', ''):>8} ok={rec['ok']} "
+              + (f"worst {worst['what']} norm {worst['norm']:.2e} elem {worst['elem']:.2e} bound {worst['bound']:.0e}"
+                 if worst else str({k: rec[k] for k in ("config", "mismatches", "error") if k in rec})), flush=True)
     results["ok"] = bool(all_ok)
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

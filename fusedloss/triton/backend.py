@@ -5,7 +5,7 @@ Forward (``statistics_forward``; ``jsd_forward`` for the JSD mixture)
     ``[BLOCK_M, BLOCK_V] = h_blk @ W_blk.T`` with ``tl.dot`` in registers (fp32 accumulation, K-loop
     over D), applies bias, logit_scale, soft-cap and temperature, folds the tile into online
     statistics relative to the running maxima and drops it. Partial statistics of each split go to
-    a small ``[8, splits, N]`` buffer that is merged exactly here, with torch ops (``_merge_splits``).
+    a small ``[11, splits, N]`` buffer that is merged exactly here, with torch ops (``_merge_splits``).
     The number of splits is chosen so that a few tokens still fill the GPU. One GEMM-sized product
     (plus one for the JSD's second pass; a teacher adds its own products of size N x V x D_t).
 
@@ -24,7 +24,7 @@ Backward, deterministic mode (``hidden_backward`` + ``weight_backward``)
     both gradients are needed, two for a frozen weight.
 
 Memory (device allocations of this module, all through ``_alloc``)
-    forward: the ``[8, splits, N]`` and ``[2, splits, N]`` partials and the ``[8, N]`` outputs;
+    forward: the ``[11, splits, N]`` and ``[2, splits, N]`` partials and the ``[13, N]`` outputs;
     backward: the gradients themselves, an fp32 ``[N, D]`` accumulator for d hidden when hidden is
     not fp32/float64, an fp32 ``[chunk, D]`` scratch for d weight when the weight is not fp32/float64,
     with ``chunk`` bounded by ``TileConfig.scratch_bytes`` (independent of V: the vocabulary is
@@ -294,7 +294,7 @@ def _merge_splits(part: torch.Tensor, slots) -> dict:
         m=m, s=(f * k["s"]).sum(0), e=(f * (k["e"] + k["s"] * dm)).sum(0), s2=(f * f * k["s2"]).sum(0),
         sz=k["sz"].sum(0), mt=mt, st=(g * k["st"]).sum(0),
         a=(f * (k["a"] + k["s"] * (dm - dmt))).sum(0), b=(g * (k["b"] + k["st"] * (dmt - dm))).sum(0),
-        zy=k["zy"].sum(0),
+        zy=k["zy"].sum(0), mb=k["mb"].amax(0),
     )
 
 
@@ -316,7 +316,8 @@ def forward_statistics(p: StatsProblem) -> Statistics:
     part = _alloc((len(k.slots), splits, n), acc, dev, zero=False)
     k.forward[(row_blocks, splits)](
         *pointers, params, part, *ints, per_split, splits, HAS_TEACHER=p.has_teacher, WANT_E=p.want_entropy,
-        WANT_S2=p.want_extras, WANT_SZ=p.want_mean_logit, **flags, **opts,
+        WANT_S2=p.want_extras, WANT_SZ=p.want_mean_logit, WANT_TOP1=p.want_extras and p.targets is not None,
+        **flags, **opts,
     )
     st = _merge_splits(part, k.slots)
     o = Statistics(*out.unbind(0))
@@ -332,7 +333,8 @@ def forward_statistics(p: StatsProblem) -> Statistics:
     if p.want_extras:
         o.log_sum_sq_probs.copy_(torch.log(st["s2"]) - 2.0 * log_s)
         if p.targets is not None:
-            o.is_top1.copy_(st["zy"] >= st["m"])
+            # argmax's rule on exact ties (TRL): the target must be the *first* maximum.
+            o.is_top1.copy_((st["zy"] >= st["m"]) & (st["zy"] > st["mb"]))
     if p.want_mean_logit:
         o.mean_logit.copy_(st["sz"] / v)
     if p.has_teacher:
@@ -350,10 +352,8 @@ def forward_statistics(p: StatsProblem) -> Statistics:
             qm, pm = part2.sum(1).unbind(0)
             o.kl_qm.copy_(qm)
             o.jsd.copy_(p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm)
-        if "lse_t_lo" in Statistics._fields:
-            o.lse_t_lo.copy_(norm_t[1])
-    if "lse_lo" in Statistics._fields:
-        o.lse_lo.copy_(norm[1])
+        o.lse_t_lo.copy_(norm_t[1])
+    o.lse_lo.copy_(norm[1])
     if p.targets is not None:
         out = torch.where((p.targets >= 0)[None, :], out, torch.zeros((), dtype=acc, device=dev))
     return Statistics(*out.unbind(0))
@@ -369,10 +369,9 @@ def _normaliser(hi: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch
 
 
 def _saved_normaliser(saved: Statistics, name: str) -> torch.Tensor:
-    """The (hi, lo) normaliser of a saved statistic; lo is 0 when the protocol does not carry it."""
+    """The (hi, lo) normaliser of a saved statistic (``lse``/``lse_lo`` or ``lse_t``/``lse_t_lo``)."""
     hi = getattr(saved, name)
-    lo = getattr(saved, name + "_lo", None)
-    return torch.stack((hi, torch.zeros_like(hi) if lo is None else lo.to(hi.dtype)))
+    return torch.stack((hi, getattr(saved, name + "_lo").to(hi.dtype)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -446,3 +445,42 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     if need_b and db_acc is not db:
         db.copy_(db_acc)
     return dh, dw, db
+
+
+# ----------------------------------------------------------------------------------------------
+# Fused per-token GRPO and per-pair DPO math (token_math), one launch each
+
+
+def _token_math():
+    """token_math imports Triton and defines kernels: imported on first use (see ``_kernels``)."""
+    if _interpret_requested():
+        _interpreter_numpy_compat()
+    from . import token_math
+
+    return token_math
+
+
+def grpo_token_loss(logp, old_logprobs, advantages, ref_logprobs, importance_weights, valid, *, loss_type,
+                    epsilon_low, epsilon_high, delta, beta):
+    """Token-level importance sampling only. All tensor args are 1-D [T] (already flattened and expanded;
+    old_logprobs/ref_logprobs/importance_weights may be None; valid is bool). Returns (per_token_loss, kl,
+    ratio): per_token_loss exactly as fusedloss/losses/grpo.py's token_terms (masked to 0 where not valid),
+    kl the per-token KL penalty term exp(ref-logp)-(ref-logp)-1 (zeros when beta == 0), ratio the
+    (delta-capped for non-cispo) ratio used by the clip metrics; kl and ratio are not differentiable.
+    Differentiable with respect to logp (a torch.autograd.Function whose forward launch also writes
+    d per_token_loss / d logp, used by its backward); old_logprobs None means on-policy (ratio 1 in value,
+    gradient of ratio = ratio * dlogp). Computed in float64 for float64 logp, else fp32."""
+    return _token_math().grpo_token_loss(logp, old_logprobs, advantages, ref_logprobs, importance_weights, valid,
+                                         loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=epsilon_high,
+                                         delta=delta, beta=beta)
+
+
+def dpo_pair_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_tokens,
+                  rejected_tokens, *, loss_type, beta, label_smoothing):
+    """Per-pair losses [B] exactly as fusedloss/losses/dpo.py, differentiable w.r.t. chosen_logps and
+    rejected_logps (autograd.Function; the forward launch writes both derivatives). chosen_tokens /
+    rejected_tokens are the completion token counts (used by "ipo" only, as max(1, n); may be None
+    otherwise)."""
+    return _token_math().dpo_pair_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
+                                       chosen_tokens, rejected_tokens, loss_type=loss_type, beta=beta,
+                                       label_smoothing=label_smoothing)

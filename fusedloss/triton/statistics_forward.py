@@ -7,6 +7,10 @@ logits ever reach memory. The vocabulary is split across programs so that a few 
 the GPU; each program writes its partial statistics, relative to its own maxima, to
 ``part[slot, k, row]`` and the backend merges the splits exactly (the same associative merge).
 
+With ``WANT_TOP1`` (TRL's is_top1 metric) it also keeps ``mb``, the running max of z over the columns
+*before* each row's target (-inf where there are none; splits merge it by max): the target is the first
+argmax, argmax's rule on exact ties, iff z_y >= max_v z_v and z_y > mb.
+
 Row blocks whose targets are all ignored skip the whole sweep and write the empty state
 (m = -inf, sums 0). N, V and D are runtime values: a new sequence length never recompiles.
 """
@@ -14,10 +18,10 @@ Row blocks whose targets are all ignored skip the whole sweep and write the empt
 import triton
 import triton.language as tl
 
-from .tile_math import P_T_SCALE, logits_tile, online_update
+from .tile_math import P_T_SCALE, logits_tile, max_before_target, online_update
 
 # Slots of the partial-statistics buffer part[slot, split, row] (tile_math.online_update's names).
-SLOTS = ("m", "s", "e", "s2", "sz", "mt", "st", "a", "b", "zy")
+SLOTS = ("m", "s", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb")
 
 
 @triton.jit
@@ -26,7 +30,7 @@ def statistics_forward_kernel(
     N, V, D, DT, stride_h, stride_w, stride_th, stride_tw, tiles_per_split, num_splits,
     HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_TEACHER: tl.constexpr,
     HAS_TEACHER_BIAS: tl.constexpr, HAS_TEACHER_SOFTCAP: tl.constexpr, HAS_TARGETS: tl.constexpr,
-    WANT_E: tl.constexpr, WANT_S2: tl.constexpr, WANT_SZ: tl.constexpr,
+    WANT_E: tl.constexpr, WANT_S2: tl.constexpr, WANT_SZ: tl.constexpr, WANT_TOP1: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
     ACC: tl.constexpr, PRECISION: tl.constexpr,
 ):
@@ -45,6 +49,7 @@ def statistics_forward_kernel(
     zero = tl.zeros((BLOCK_M,), ACC)
     m, s, e, s2, sz, zy = neg_inf, zero, zero, zero, zero, zero
     mt, st, a, b = neg_inf, zero, zero, zero
+    mb = neg_inf
 
     if tl.max(active.to(tl.int32), axis=0) > 0:
         for t in range(0, tiles_per_split):
@@ -64,6 +69,8 @@ def statistics_forward_kernel(
                 zy, m, s, e, s2, sz, mt, st, a, b = online_update(
                     z, zt, zy, tgt, cols, col_mask, m, s, e, s2, sz, mt, st, a, b,
                     HAS_TEACHER, WANT_E, WANT_S2, WANT_SZ, HAS_TARGETS)
+                if WANT_TOP1:
+                    mb = tl.maximum(mb, max_before_target(z, tgt, cols))
 
     out = part_ptr + split * N + rows
     plane = num_splits * N
@@ -77,3 +84,4 @@ def statistics_forward_kernel(
     tl.store(out + 7 * plane, a, mask=row_mask)
     tl.store(out + 8 * plane, b, mask=row_mask)
     tl.store(out + 9 * plane, zy, mask=row_mask)
+    tl.store(out + 10 * plane, mb, mask=row_mask)

@@ -139,6 +139,13 @@ def online_update(z, zt, zy, tgt, cols, col_mask, m, s, e, s2, sz, mt, st, a, b,
 
 
 @triton.jit
+def max_before_target(z, tgt, cols):
+    """max of z over the tile's columns before each row's target (-inf where there are none; padded
+    columns are -inf already). With it, is_top1 follows argmax's rule on ties: the first maximum."""
+    return tl.max(tl.where(cols[None, :] < tgt[:, None], z, float("-inf")), axis=1)
+
+
+@triton.jit
 def load_coefficients(coef_ptr, N, rows, row_mask):
     """The seven per-row dz coefficients (problem.py order a, c0, c1, c2, c3, c4, c5; ``[7, N]``
     contiguous) and which rows have any non-zero one (the others are skipped)."""
