@@ -66,15 +66,17 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("dx_ld", &TileArgs::dx_ld)
       .def_readwrite("device", &TileArgs::device);
 
+  // Constants the loss modules form from Python floats are formed here in double, as Python does.
   py::class_<GrpoParams>(m, "GrpoParams")
-      .def(py::init([](int kind, float eps_low, float eps_high, bool has_delta, float delta, float beta) {
-             return GrpoParams{kind, eps_low, eps_high, has_delta ? 1 : 0, delta, beta};
+      .def(py::init([](int kind, double eps_low, double eps_high, bool has_delta, double delta, double beta) {
+             return GrpoParams{kind, eps_low, eps_high, has_delta ? 1 : 0, delta, beta, 1.0 - eps_low, 1.0 + eps_high};
            }),
            py::arg("kind"), py::arg("eps_low"), py::arg("eps_high"), py::arg("has_delta"), py::arg("delta"), py::arg("beta"));
 
   py::class_<GrpoArgs>(m, "GrpoArgs")
       .def(py::init<>())
       .def_readwrite("n", &GrpoArgs::n)
+      .def_readwrite("dtype", &GrpoArgs::dtype)
       .def_readwrite("logp", &GrpoArgs::logp)
       .def_readwrite("old_logp", &GrpoArgs::old_logp)
       .def_readwrite("logratio", &GrpoArgs::logratio)
@@ -88,12 +90,16 @@ PYBIND11_MODULE(_C, m) {
       .def_readwrite("device", &GrpoArgs::device);
 
   py::class_<DpoParams>(m, "DpoParams")
-      .def(py::init([](int kind, float beta, float label_smoothing) { return DpoParams{kind, beta, label_smoothing}; }),
+      .def(py::init([](int kind, double beta, double label_smoothing) {
+             return DpoParams{kind, beta, label_smoothing, 1.0 - label_smoothing, 1.0 / (2.0 * beta),
+                              1.0 - 2.0 * label_smoothing};
+           }),
            py::arg("kind"), py::arg("beta"), py::arg("label_smoothing"));
 
   py::class_<DpoArgs>(m, "DpoArgs")
       .def(py::init<>())
       .def_readwrite("n", &DpoArgs::n)
+      .def_readwrite("dtype", &DpoArgs::dtype)
       .def_readwrite("logp_c", &DpoArgs::logp_c)
       .def_readwrite("logp_r", &DpoArgs::logp_r)
       .def_readwrite("ref_c", &DpoArgs::ref_c)
@@ -107,6 +113,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("STATE_FIELDS") = int(kStateFields);
   m.attr("NUM_OUTPUTS") = int(kNumOutputs);
   m.attr("FOLD_THREADS") = kFoldThreads;
+  m.attr("GRPO_OUTPUTS") = kGrpoOutputs;
 
   // Device entry points: `stream` is torch.cuda.current_stream().cuda_stream.
   m.def("fold_tile", &fold_tile, py::arg("args"), py::arg("stream"));

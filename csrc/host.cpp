@@ -108,33 +108,22 @@ void host_dx_tile(const TileArgs& a) {
 }
 
 void host_grpo_tokens(const GrpoArgs& a) {
-  auto at = [](uint64_t p, int64_t i, float dflt) { return p ? reinterpret_cast<const float*>(p)[i] : dflt; };
-  float* out = reinterpret_cast<float*>(a.out);
+  if (a.n <= 0) return;
+  if (a.out == 0 || a.logp == 0) throw std::invalid_argument("fusedloss: grpo_tokens needs logp and out");
+  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: grpo_tokens dtype");
   for (int64_t i = 0; i < a.n; ++i) {
-    const float logp = at(a.logp, i, 0.0f);
-    const bool ratio_given = a.logratio != 0;
-    const float logratio = ratio_given ? at(a.logratio, i, 0.0f) : logp - at(a.old_logp, i, logp);
-    const GrpoToken t = grpo_token(logp, logratio, !ratio_given, at(a.adv, i, 0.0f), at(a.mask, i, 1.0f),
-                                   at(a.iw, i, 1.0f), a.ref != 0, at(a.ref, i, 0.0f), at(a.weight, i, 1.0f), a.params);
-    out[i] = t.loss;
-    out[a.n + i] = t.dlogp;
-    out[2 * a.n + i] = t.dlogratio;
-    out[3 * a.n + i] = t.kl;
-    out[4 * a.n + i] = t.is_low;
-    out[5 * a.n + i] = t.is_high;
-    out[6 * a.n + i] = t.is_region;
+    if (a.dtype == kFloat64) grpo_element<double>(a, i);
+    else grpo_element<float>(a, i);
   }
 }
 
 void host_dpo_pairs(const DpoArgs& a) {
-  auto at = [](uint64_t p, int64_t i, float dflt) { return p ? reinterpret_cast<const float*>(p)[i] : dflt; };
-  float* out = reinterpret_cast<float*>(a.out);
+  if (a.n <= 0) return;
+  if (a.out == 0) throw std::invalid_argument("fusedloss: dpo_pairs needs out");
+  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: dpo_pairs dtype");
   for (int64_t i = 0; i < a.n; ++i) {
-    const DpoPair d = dpo_pair(at(a.logp_c, i, 0.0f), at(a.logp_r, i, 0.0f), at(a.ref_c, i, 0.0f), at(a.ref_r, i, 0.0f),
-                               at(a.n_c, i, 1.0f), at(a.n_r, i, 1.0f), a.params);
-    out[i] = d.loss;
-    out[a.n + i] = d.d_chosen;
-    out[2 * a.n + i] = d.d_rejected;
+    if (a.dtype == kFloat64) dpo_element<double>(a, i);
+    else dpo_element<float>(a, i);
   }
 }
 

@@ -3,7 +3,7 @@
 //
 //   fold_tile   one block per row: the row's columns of a raw-product tile -> partial statistics
 //               (block reduction with the associative merge) -> merged into the running state, or
-//               finalised into the 8 per-row outputs on the last vocabulary tile.
+//               finalised into the per-row outputs (problem.Statistics) on the last vocabulary tile.
 //   jsd_tile    same shape: the second sweep of the generalized JSD (needs both normalisers).
 //   dx_tile     rows x column blocks: the raw-product tile -> d loss / d x, in place or into a
 //               half-precision copy that feeds the cuBLAS products.
@@ -45,6 +45,8 @@ __device__ RowState warp_merge(RowState r) {
     o.b = kTeacher ? shfl(r.b, mask) : 0.0f;
     o.s2 = shfl(r.s2, mask);
     o.sz = shfl(r.sz, mask);
+    o.mb = shfl(r.mb, mask);
+    o.t = shfl(r.t, mask);
     r = state_merge<kEntropy, kTeacher>(r, o);
   }
   return r;
@@ -106,35 +108,16 @@ __global__ void __launch_bounds__(kDxThreads) dx_kernel(const TileArgs a) {
   dx_lane<T, TO, kTeacher>(a, row, lane, nlanes);
 }
 
+template <typename S>
 __global__ void grpo_kernel(const GrpoArgs a) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= a.n) return;
-  auto at = [&](uint64_t p, float dflt) { return p ? reinterpret_cast<const float*>(p)[i] : dflt; };
-  const float logp = at(a.logp, 0.0f);
-  const bool ratio_given = a.logratio != 0;
-  const float logratio = ratio_given ? at(a.logratio, 0.0f) : logp - at(a.old_logp, logp);
-  const GrpoToken t = grpo_token(logp, logratio, !ratio_given, at(a.adv, 0.0f), at(a.mask, 1.0f), at(a.iw, 1.0f),
-                                 a.ref != 0, at(a.ref, 0.0f), at(a.weight, 1.0f), a.params);
-  float* out = reinterpret_cast<float*>(a.out);
-  out[i] = t.loss;
-  out[a.n + i] = t.dlogp;
-  out[2 * a.n + i] = t.dlogratio;
-  out[3 * a.n + i] = t.kl;
-  out[4 * a.n + i] = t.is_low;
-  out[5 * a.n + i] = t.is_high;
-  out[6 * a.n + i] = t.is_region;
+  if (i < a.n) grpo_element<S>(a, i);
 }
 
+template <typename S>
 __global__ void dpo_kernel(const DpoArgs a) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= a.n) return;
-  auto at = [&](uint64_t p, float dflt) { return p ? reinterpret_cast<const float*>(p)[i] : dflt; };
-  const DpoPair d = dpo_pair(at(a.logp_c, 0.0f), at(a.logp_r, 0.0f), at(a.ref_c, 0.0f), at(a.ref_r, 0.0f),
-                             at(a.n_c, 1.0f), at(a.n_r, 1.0f), a.params);
-  float* out = reinterpret_cast<float*>(a.out);
-  out[i] = d.loss;
-  out[a.n + i] = d.d_chosen;
-  out[2 * a.n + i] = d.d_rejected;
+  if (i < a.n) dpo_element<S>(a, i);
 }
 
 template <typename T>
@@ -221,19 +204,27 @@ void dx_tile(const TileArgs& a, uint64_t stream) {
 
 void grpo_tokens(const GrpoArgs& a, uint64_t stream) {
   if (a.n <= 0) return;
+  if (a.out == 0 || a.logp == 0) throw std::invalid_argument("fusedloss: grpo_tokens needs logp and out");
+  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: grpo_tokens dtype");
   set_device(a.device);
   const int threads = 256;
   const int64_t blocks = (a.n + threads - 1) / threads;
-  grpo_kernel<<<unsigned(blocks), threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (a.dtype == kFloat64) grpo_kernel<double><<<unsigned(blocks), threads, 0, s>>>(a);
+  else grpo_kernel<float><<<unsigned(blocks), threads, 0, s>>>(a);
   check(cudaGetLastError(), "grpo_tokens launch");
 }
 
 void dpo_pairs(const DpoArgs& a, uint64_t stream) {
   if (a.n <= 0) return;
+  if (a.out == 0) throw std::invalid_argument("fusedloss: dpo_pairs needs out");
+  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: dpo_pairs dtype");
   set_device(a.device);
   const int threads = 128;
   const int64_t blocks = (a.n + threads - 1) / threads;
-  dpo_kernel<<<unsigned(blocks), threads, 0, reinterpret_cast<cudaStream_t>(stream)>>>(a);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  if (a.dtype == kFloat64) dpo_kernel<double><<<unsigned(blocks), threads, 0, s>>>(a);
+  else dpo_kernel<float><<<unsigned(blocks), threads, 0, s>>>(a);
   check(cudaGetLastError(), "dpo_pairs launch");
 }
 

@@ -4,8 +4,10 @@
 functions (csrc/fusedloss/math.h, tile.h) over CPU pointers, and ``fusedloss.cuda.backend`` runs them
 when handed CPU tensors. These tests compare them with float64 brute force on materialised logits and
 with the torch backend: every statistic, ignored rows, bias, scale, soft-cap, temperature, peaked rows,
-prime vocabularies, one token, a teacher, the JSD, multi-tile merging, bf16/fp16 tiles, and the GRPO/DPO
-per-token math for every loss type. Skipped (with the reason) only when the extension is not built.
+prime vocabularies, one token, a teacher (with its own logit_scale and soft-cap), the JSD, multi-tile
+merging, bf16/fp16 tiles, the lse_lo residuals, is_top1's first-argmax rule on exact ties, fp32 confident rows
+(lse ~ 30) within 1e-5 of float64, and the GRPO/DPO per-token math for every loss type (the autograd
+functions the losses call are tested in tests/test_fused_token_math.py). Skipped (with the reason) only when the extension is not built.
 """
 
 from __future__ import annotations
@@ -95,7 +97,7 @@ def brute(p: StatsProblem) -> Statistics:
     if p.want_extras:
         out["log_sum_sq_probs"] = torch.log((q * q).sum(1))
         if y is not None:
-            out["is_top1"] = (z.gather(1, y.clamp_min(0)[:, None]).squeeze(1) >= z.amax(1)).to(F64)
+            out["is_top1"] = (z.argmax(1) == y).to(F64)  # the FIRST argmax (torch.argmax's rule on ties)
     if p.has_teacher:
         zt = logits64(p.teacher_hidden, p.teacher_weight, p.teacher_bias, p.teacher_transform)
         lse_t = torch.logsumexp(zt, 1)
@@ -116,8 +118,30 @@ def brute(p: StatsProblem) -> Statistics:
     return Statistics(**out)
 
 
+LO_FIELDS = {"lse_lo": "lse", "lse_t_lo": "lse_t"}
+
+
+def check_normalisers(got: Statistics, want: Statistics, atol=4e-6):
+    """The _lo fields are rounding residuals (problem.py), not comparable element by element: check that
+    hi + lo is the float64 normaliser to within a few ulps of log s (the sum m + log s, unrounded), plus
+    the rounding of the fp32 logits themselves (a few ulps of |lse|)."""
+    eps = torch.finfo(torch.float32).eps
+    for lo, hi in LO_FIELDS.items():
+        g_hi, g_lo, w_hi = getattr(got, hi), getattr(got, lo), getattr(want, hi)
+        assert g_lo.dtype == torch.float32 and torch.isfinite(g_lo).all(), lo
+        err = (g_hi.to(F64) + g_lo.to(F64) - w_hi).abs()
+        bound = atol + 4 * eps * w_hi.abs()
+        assert bool((err <= bound).all()), f"{hi} + {lo}: max |err| {float(err.max()):.3e}"
+        # the residual is at most half an ulp of hi (one ulp allowing for log s's own rounding)
+        ulp = torch.finfo(torch.float32).eps * g_hi.abs().clamp_min(1e-30)
+        assert bool((g_lo.abs() <= ulp).all()), lo
+
+
 def check_stats(got: Statistics, want: Statistics, tol=2e-5):
+    check_normalisers(got, want)
     for name in Statistics._fields:
+        if name in LO_FIELDS:
+            continue
         g, w = getattr(got, name), getattr(want, name)
         assert g.dtype == torch.float32, name
         assert torch.isfinite(g).all(), name
@@ -180,7 +204,10 @@ def test_forward_matches_torch_backend(small_tiles):
                      want_kl_fwd=True, **ALL_WANTS)
     want = torch_backend.forward_statistics(p)
     got = cuda.forward_statistics(p)
+    check_normalisers(got, want)
     for name in Statistics._fields:
+        if name in LO_FIELDS:
+            continue
         assert rel(getattr(got, name), getattr(want, name)) < 2e-5 or float(getattr(want, name).norm()) == 0, name
 
 
@@ -190,6 +217,110 @@ def test_nan_propagates():
     h[1, 0] = float("nan")
     got = cuda.forward_statistics(dataclasses.replace(p, hidden=h))
     assert torch.isnan(got.lse[1]) and torch.isfinite(got.lse[0]) and torch.isfinite(got.lse[2])
+
+
+def test_teacher_logit_scale_and_softcap(small_tiles):
+    """The teacher's whole transform (logit_scale, soft-cap, temperature), not only its temperature."""
+    p = make_problem(7, 131, seed=13, teacher=True, bias=True, ignored=(2,), jsd_beta=0.35, want_kl_rev=True,
+                     want_kl_fwd=True, **ALL_WANTS)
+    p = dataclasses.replace(p, teacher_transform=LogitTransform(1.7, 2.5, 6.0))
+    want = brute(p)
+    check_stats(cuda.forward_statistics(p), want)
+    # the transform is really applied: the plain-temperature teacher gives other statistics
+    other = brute(dataclasses.replace(p, teacher_transform=LogitTransform(1.7)))
+    assert rel(other.kl_rev, want.kl_rev) > 1e-2 and rel(other.lse_t, want.lse_t) > 1e-2
+    coeffs = random_coeffs(p, seed=4)
+    needs = GradientNeeds(True, True, True)
+    p64 = as64(p)
+    grads64 = torch_backend.backward_gradients(p64, torch_backend.forward_statistics(p64), coeffs, needs)
+    check_grads(cuda.backward_gradients(p, cuda.forward_statistics(p), coeffs.float(), needs), grads64)
+
+
+@pytest.mark.parametrize("tiles", ["whole", "small"])
+def test_is_top1_first_argmax_on_exact_ties(tiles, request):
+    """is_top1: y is the FIRST argmax (TRL / torch.argmax on exact ties). Duplicate rows of the weight give
+    bit-identical logits; with small tiles the tied columns sit in different vocabulary tiles."""
+    if tiles == "small":
+        request.getfixturevalue("small_tiles")
+    g = torch.Generator().manual_seed(21)
+    n, v, d = 8, 131, 19
+    u = torch.randn(d, generator=g)
+    u = u / u.norm()
+    h = torch.randn(n, d, generator=g) * 0.3 + u  # every token aligned with u
+    w = torch.randn(v, d, generator=g) / math.sqrt(d)
+    lead = 6.0 * u  # a row that every token ranks first, by a margin
+    for col in (5, 9, 77):  # exact duplicates: tied maxima (columns 5 and 9 in the first 40-column tile)
+        w[col] = lead
+    y = torch.tensor([5, 9, 77, 0, 5, 130, 9, 77])
+    p = StatsProblem(hidden=h, weight=w, bias=None, targets=y, transform=LogitTransform(), want_extras=True)
+    z = h.double() @ w.double().T
+    assert bool((z[:, 5] == z[:, 9]).all() and (z[:, 9] == z[:, 77]).all() and (z.argmax(1) == 5).all())
+    got = cuda.forward_statistics(p)
+    want = (z.argmax(1) == y).float()
+    assert want.tolist() == [1, 0, 0, 0, 1, 0, 0, 0]
+    assert torch.equal(got.is_top1, want)
+    assert torch.equal(torch_backend.forward_statistics(p).is_top1, want)
+    # and a unique maximum that is not the first column is top-1
+    w2 = w.clone()
+    w2[9] = 2 * lead
+    got2 = cuda.forward_statistics(dataclasses.replace(p, weight=w2))
+    assert got2.is_top1.tolist() == [0, 1, 0, 0, 0, 0, 1, 0]
+
+
+def confident_problem(n, gap, *, seed=0, top=30.0, v=131, d=19, peaked_weight=False):
+    """Rows whose target logit is ~top (30) and the rest ~top - gap: lse ~ 30 and 1 - q_y from ~0.1
+    (gap 6) to ~1e-4 (gap 13). peaked_weight: the same through a scaled weight row instead of the bias."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g)
+    w = torch.randn(v, d, generator=g) / math.sqrt(d) * 0.5
+    y = torch.randint(0, v, (n,), generator=g)
+    if peaked_weight:  # one token: x_y = top exactly in exact arithmetic, the rest ~ N(0, 0.25) + (top - gap)
+        assert n == 1
+        b = torch.full((v,), top - gap)
+        w[y[0]] += (gap - float(h[0] @ w[y[0]])) * h[0] / h[0].norm() ** 2
+    else:
+        b = torch.full((v,), top - gap) + torch.randn(v, generator=g) * 0.5
+        b[y] = top
+    return StatsProblem(hidden=h, weight=w, bias=b, targets=y, transform=LogitTransform())
+
+
+@pytest.mark.parametrize("n", [1, 5])
+@pytest.mark.parametrize("gap", [6.0, 8.0, 10.0, 13.0])
+@pytest.mark.parametrize("tiles", ["whole", "small"])
+def test_fp32_confident_rows_within_1e5(n, gap, tiles, request):
+    """SPEC section 6 on peaked fp32 rows (lse ~ 30): logp and the gradients of sum(logp) within 1e-5
+    (norm-wise relative) of float64, through the recompute backward and the eager path. Needs both
+    log s = log1p(t) (s - 1 kept apart from the maximum's 1) and log q = (z - lse) - lse_lo."""
+    if tiles == "small":
+        request.getfixturevalue("small_tiles")
+    p = confident_problem(n, gap, seed=int(gap) * 7 + n)
+    p64 = as64(p)
+    s64 = torch_backend.forward_statistics(p64)
+    s = cuda.forward_statistics(p)
+    assert rel(s.logp, s64.logp) <= 1e-5
+    assert rel(s.lse, s64.lse) <= 1e-6
+    coeffs = torch.zeros(NUM_COEFFS, n, dtype=F64)
+    coeffs[0], coeffs[1] = 1.0, -1.0  # d sum(logp) / dz = onehot(y) - q
+    needs = GradientNeeds(True, True, True)
+    want = torch_backend.backward_gradients(p64, s64, coeffs, needs)
+    check_grads(cuda.backward_gradients(p, s, coeffs.float(), needs), want, tol=1e-5)
+    _, eager = cuda.eager_gradients(p, lambda st, r0, r1: (st.logp.sum(), coeffs[:, r0:r1].float()), needs)
+    check_grads(eager, want, tol=1e-5)
+
+
+@pytest.mark.parametrize("gap", [6.0, 10.0])
+def test_fp32_single_token_peaked_weight(gap):
+    p = confident_problem(1, gap, seed=3, peaked_weight=True)
+    p64 = as64(p)
+    s64 = torch_backend.forward_statistics(p64)
+    assert float(s64.lse[0]) > 29.0
+    s = cuda.forward_statistics(p)
+    assert rel(s.logp, s64.logp) <= 1e-5
+    coeffs = torch.zeros(NUM_COEFFS, 1, dtype=F64)
+    coeffs[0], coeffs[1] = 1.0, -1.0
+    needs = GradientNeeds(True, True, False)
+    want = torch_backend.backward_gradients(p64, s64, coeffs, needs)
+    check_grads(cuda.backward_gradients(p, s, coeffs.float(), needs), want, tol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -351,10 +482,12 @@ def grpo_torch(logp, adv, mask, old, ref, iw, weight, loss_type, eps_low, eps_hi
         r = torch.exp(logp - (old.double() if old is not None else logp.detach()))
     if loss_type == "cispo":
         l = -torch.clamp(r, max=eps_high).detach() * adv * logp
+        metric_ratio = r
     else:
         c1 = torch.clamp(r, max=delta) if delta is not None else r
         c2 = torch.clamp(r, 1 - eps_low, 1 + eps_high)
         l = -torch.min(c1 * adv, c2 * adv)
+        metric_ratio = c1  # TRL measures clipping on the delta-capped ratio
     if iw is not None:
         l = l * iw
     kl = None
@@ -365,8 +498,13 @@ def grpo_torch(logp, adv, mask, old, ref, iw, weight, loss_type, eps_low, eps_hi
     total = (weight * mask * l).sum()
     grads = torch.autograd.grad(total, [logp] + ([lr] if seq_logratio is not None else []), allow_unused=True,
                                 materialize_grads=True)
-    low = ((r < 1 - eps_low) & (adv < 0)).double() * mask
-    high = ((r > 1 + eps_high) & (adv > 0)).double() * mask
+    r = metric_ratio.detach()
+    if loss_type == "cispo":  # TRL tracks only the upper clip of CISPO, against eps_high itself
+        low = torch.zeros_like(r)
+        high = ((r > eps_high) & (adv > 0)).double() * mask
+    else:
+        low = ((r < 1 - eps_low) & (adv < 0)).double() * mask
+        high = ((r > 1 + eps_high) & (adv > 0)).double() * mask
     return dict(loss=(l * mask).detach(), dlogp=grads[0], dlogratio=grads[1] if seq_logratio is not None else None,
                 kl=None if kl is None else (kl * mask).detach(), is_low=low, is_high=high,
                 is_region=((low + high) > 0).double() * mask)

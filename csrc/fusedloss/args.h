@@ -14,8 +14,9 @@
 
 namespace fl {
 
-// Per-row running-state fields: m, s, e, mt, st, a, b, zy (target logit), s2, sz.
-enum StateField : int { kM = 0, kS, kE, kMt, kSt, kA, kB, kZy, kS2, kSz, kStateFields };
+// Per-row running-state fields: m, s, e, mt, st, a, b, zy (target logit), s2, sz, mb (max before the target),
+// t (s - 1 without the maximum's own term).
+enum StateField : int { kM = 0, kS, kE, kMt, kSt, kA, kB, kZy, kS2, kSz, kMb, kT, kStateFields };
 
 struct TileArgs {
   // Student and (optional) teacher raw products x = h @ W.T for `rows` rows and vocabulary columns
@@ -55,26 +56,29 @@ struct TileArgs {
 
 struct GrpoArgs {
   int64_t n = 0;
-  uint64_t logp = 0;       // float [n]
-  uint64_t old_logp = 0;   // float [n] or 0 (on-policy: ratio 1)
-  uint64_t logratio = 0;   // float [n] or 0; when set, r = exp(logratio) (sequence level)
-  uint64_t adv = 0;        // float [n]
-  uint64_t mask = 0;       // float [n]
-  uint64_t iw = 0;         // float [n] or 0
-  uint64_t ref = 0;        // float [n] or 0
-  uint64_t weight = 0;     // float [n] or 0 (weight 1)
-  GrpoParams params{kGrpoClip, 0.2f, 0.2f, 0, 0.0f, 0.0f};
-  // Outputs, float [n] each: loss, dlogp, dlogratio, kl, is_low, is_high, is_region.
-  uint64_t out = 0;        // float [7, n]
+  int dtype = kFloat32;    // kFloat32 or kFloat64: every array below (outputs included) and the compute type
+  uint64_t logp = 0;       // [n]
+  uint64_t old_logp = 0;   // [n] or 0 (on-policy: ratio 1)
+  uint64_t logratio = 0;   // [n] or 0; when set, r = exp(logratio) (sequence level)
+  uint64_t adv = 0;        // [n]
+  uint64_t mask = 0;       // [n] (0/1 or weights); 0 = all ones. Token level: log r = 0 where mask == 0
+  uint64_t iw = 0;         // [n] or 0
+  uint64_t ref = 0;        // [n] or 0
+  uint64_t weight = 0;     // [n] or 0 (weight 1)
+  GrpoParams params{kGrpoClip, 0.2, 0.2, 0, 0.0, 0.0, 0.8, 1.2};
+  // Outputs [kGrpoOutputs, n]: loss, dlogp, dlogratio, kl, is_low, is_high, is_region, ratio.
+  uint64_t out = 0;
   int device = 0;
 };
+constexpr int kGrpoOutputs = 8;
 
 struct DpoArgs {
   int64_t n = 0;  // pairs
-  uint64_t logp_c = 0, logp_r = 0, ref_c = 0, ref_r = 0;  // float [n]
-  uint64_t n_c = 0, n_r = 0;                              // float [n] token counts (ipo) or 0
-  DpoParams params{kDpoSigmoid, 0.1f, 0.0f};
-  uint64_t out = 0;  // float [3, n]: loss, d_chosen, d_rejected
+  int dtype = kFloat32;  // kFloat32 or kFloat64 (arrays and compute type)
+  uint64_t logp_c = 0, logp_r = 0, ref_c = 0, ref_r = 0;  // [n]
+  uint64_t n_c = 0, n_r = 0;                              // [n] token counts (ipo) or 0 (count 1)
+  DpoParams params{kDpoSigmoid, 0.1, 0.0, 1.0, 5.0, 1.0};
+  uint64_t out = 0;  // [3, n]: loss, d_chosen, d_rejected
   int device = 0;
 };
 

@@ -5,8 +5,10 @@
 // the outputs lse, logp, entropy, kl_rev, kl_fwd, jsd, lse_t, kl_qm, the coefficients a, c0..c4, and the
 // partial statistics (m, s, e, mt, st, a, b) of fusedloss/core/torch_backend.py.
 //
-// All math is fp32. Sums are kept relative to the running maxima (m for the student, mt for the teacher)
-// so that peaked rows with logits near 1e4 keep the digits of their entropy and KL.
+// The statistics math is fp32 (the GRPO/DPO per-token math at the end is templated: fp32 or double). Sums
+// are kept relative to the running maxima (m for the student, mt for the teacher) so that peaked rows with
+// logits near 1e4 keep the digits of their entropy and KL; log s is formed as log1p(s - 1) and the
+// normaliser carries its rounding residual (lse_lo), so confident rows keep the digits of 1 - q_y.
 #pragma once
 
 #include <cmath>
@@ -29,7 +31,7 @@ namespace fl {
 // Storage types. bf16/fp16 are carried as raw 16-bit words so that the same code compiles without the
 // CUDA headers; the conversions round to nearest even exactly like __float2bfloat16_rn/__float2half_rn.
 // ---------------------------------------------------------------------------------------------------
-enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3 };  // kFloat64: GRPO/DPO math only
 
 struct bf16 { uint16_t bits; };
 struct fp16 { uint16_t bits; };
@@ -149,11 +151,14 @@ struct RowState {
   float m, s, e, mt, st, a, b;
   float s2;  // sum e^(2(z-m)): log sum q^2 = log s2 - 2 log s (TRL's log_sum_sq_probs)
   float sz;  // sum z (mean_logit = sz / V); needs no maximum
+  float mb;  // max of z over the columns before the target (is_top1's first-argmax rule); -inf if none
+  float t;   // s - 1: the sum without the maximum column's own e^0 = 1, so that log s = log1p(t) keeps
+             // the digits of a confident row (s = 1 + 1e-3 in fp32 would hold t to 1e-4 relative only)
 };
 
 FL_HD RowState empty_state() {
   const float ninf = -fl_inf();
-  return RowState{ninf, 0.0f, 0.0f, ninf, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  return RowState{ninf, 0.0f, 0.0f, ninf, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, ninf, 0.0f};
 }
 
 // x * y, taken as 0 when x == 0 (a probability that underflowed, times a log-ratio that may be -inf).
@@ -163,7 +168,8 @@ FL_HD float xmul(float x, float y) { return x != 0.0f ? x * y : 0.0f; }
 // so a column costs one exp per side. -inf logits contribute nothing; NaN and +inf propagate.
 template <bool kEntropy, bool kTeacher>
 FL_HD void state_add(RowState& r, float z, float zt) {
-  if (z > r.m) {
+  const bool new_max = z > r.m;
+  if (new_max) {
     if (r.m != -fl_inf()) {
       const float dm = r.m - z;
       const float f = expf(dm);
@@ -174,6 +180,7 @@ FL_HD void state_add(RowState& r, float z, float zt) {
       }
       r.s *= f;
       r.s2 *= f * f;
+      r.t = (r.t + 1.0f) * f;  // the old maximum column now contributes f
     }
     r.m = z;
   }
@@ -190,6 +197,7 @@ FL_HD void state_add(RowState& r, float z, float zt) {
   const float d = z - r.m;
   const float ez = z == -fl_inf() ? 0.0f : expf(d);
   r.s += ez;
+  if (!new_max) r.t += ez;  // the new maximum contributes the implicit 1
   r.s2 += ez * ez;
   r.sz += z;
   if (kEntropy) r.e += xmul(ez, d);
@@ -224,7 +232,10 @@ FL_HD RowState state_merge(const RowState& r, const RowState& p) {
   rescale_factor(p.m, o.m, fp, dp);
   o.s = fr * r.s + fp * p.s;
   o.s2 = fr * fr * r.s2 + fp * fp * p.s2;
+  // t: the side holding the maximum keeps its t; the other adds all of its columns (1 + t), rescaled.
+  o.t = r.m >= p.m ? r.t + fp * (1.0f + p.t) : p.t + fr * (1.0f + r.t);
   o.sz = r.sz + p.sz;
+  o.mb = fmaxf(r.mb, p.mb);
   o.e = kEntropy ? fr * (r.e + r.s * dr) + fp * (p.e + p.s * dp) : 0.0f;
   if (kTeacher) {
     o.mt = fmaxf(r.mt, p.mt);
@@ -243,10 +254,18 @@ FL_HD RowState state_merge(const RowState& r, const RowState& p) {
   return o;
 }
 
-// Per-row outputs, in the order of problem.OUTPUT_NAMES.
+// Per-row outputs, in the order of the fields of problem.Statistics.
 enum Output : int {
-  kLse = 0, kLogp, kEntropy, kKlRev, kKlFwd, kJsd, kLseT, kKlQm, kMeanLogit, kLogSumSqProbs, kIsTop1, kNumOutputs
+  kLse = 0, kLogp, kEntropy, kKlRev, kKlFwd, kJsd, kLseT, kKlQm, kMeanLogit, kLogSumSqProbs, kIsTop1, kLseLo, kLseTLo,
+  kNumOutputs
 };
+
+// (m - lse) + log s: what rounding lse = m + log s dropped (m - lse is exact); 0 where not finite.
+// The dz and JSD passes form log q = (z - lse) - lse_lo, exact near the maximum (problem.py).
+FL_HD float rounding_residual(float lse, float m, float log_s) {
+  const float lo = (m - lse) + log_s;
+  return (lo - lo == 0.0f) ? lo : 0.0f;  // finite (x - x is NaN for inf and NaN)
+}
 
 struct Wants {
   bool targets, entropy, teacher, kl_rev, kl_fwd, mean_logit, extras;
@@ -256,19 +275,24 @@ struct Wants {
 // The running state of the whole vocabulary -> the statistics (torch_backend.forward_statistics).
 FL_HD void finalize_row(const RowState& r, float zy, const Wants& w, float out[kNumOutputs]) {
   for (int k = 0; k < kNumOutputs; ++k) out[k] = 0.0f;
-  const float log_s = logf(r.s);
+  // log s = log1p(t) (s = 1 + t); log s directly for an empty row (-inf) and a non-finite s (NaN, inf).
+  const float log_s = (r.m == -fl_inf() || !(r.s - r.s == 0.0f)) ? logf(r.s) : log1pf(r.t);
   const float lse = r.m + log_s;
   out[kLse] = lse;
-  if (w.targets) out[kLogp] = zy - lse;
+  out[kLseLo] = rounding_residual(lse, r.m, log_s);
+  if (w.targets) out[kLogp] = (zy - r.m) - log_s;  // not zy - lse: see problem.py on the _lo terms
   if (w.entropy) out[kEntropy] = log_s - r.e / r.s;
   if (w.mean_logit) out[kMeanLogit] = r.sz / w.vocab;
   if (w.extras) {
     out[kLogSumSqProbs] = logf(r.s2) - 2.0f * log_s;
-    if (w.targets) out[kIsTop1] = zy >= r.m ? 1.0f : 0.0f;
+    // y is the FIRST argmax (argmax's rule on exact ties, as TRL): z_y >= max_v z_v and z_y > max_{v<y} z_v.
+    // A NaN row (s is NaN) is never top-1, as in the torch backend (its max is NaN there).
+    if (w.targets) out[kIsTop1] = (zy >= r.m && zy > r.mb && r.s == r.s) ? 1.0f : 0.0f;
   }
   if (w.teacher) {
     const float log_st = logf(r.st);
     out[kLseT] = r.mt + log_st;
+    out[kLseTLo] = rounding_residual(out[kLseT], r.mt, log_st);
     if (w.kl_rev) out[kKlRev] = r.a / r.s - log_s + log_st;
     if (w.kl_fwd) out[kKlFwd] = r.b / r.st - log_st + log_s;
   }
@@ -304,148 +328,181 @@ FL_HD float jsd_value(float kl_qm, float kl_pm, const JsdConsts& j) {
 // ---------------------------------------------------------------------------------------------------
 struct RowCoeffs {
   float a, c0, c1, c2, c3, c4, c5;
-  float lse, lse_t;
+  float lse, lse_t, lse_lo, lse_t_lo;  // (hi, lo) normalisers: log q = (z - lse) - lse_lo
 };
 
 template <bool kTeacher>
 FL_HD float dz_element(float z, float zt, bool is_target, const RowCoeffs& k, bool jsd, const JsdConsts& j) {
-  const float logq = z - k.lse;
+  const float logq = (z - k.lse) - k.lse_lo;
   const float q = expf(logq);
   float inner = k.c0 + k.c1 * logq;
   float extra = 0.0f;
   if (kTeacher) {
-    const float logpt = zt - k.lse_t;
+    const float logpt = (zt - k.lse_t) - k.lse_t_lo;
     inner += k.c2 * logpt;
     if (jsd) inner += k.c4 * logaddexp(logq + j.log_1m_beta, logpt + j.log_beta);
     extra = k.c3 * expf(logpt);
   }
-  float dz = xmul(q, inner) + extra + k.c5;
-  if (is_target) dz += k.a;
+  // The target column: a + q inner = (a + inner) + inner (q - 1), with q - 1 = expm1(log q) exact to
+  // rounding. For log-probability terms a + inner cancels exactly (a = -c0), which keeps the digits of
+  // 1 - q_y on a confident row (1e-4 in fp32 would otherwise carry q's rounding, 6e-8, as 6e-4 relative).
+  float dz;
+  if (is_target && q != 0.0f) dz = ((k.a + inner) + inner * expm1f(logq)) + extra + k.c5;
+  else dz = xmul(q, inner) + extra + k.c5 + (is_target ? k.a : 0.0f);
   return dz;
 }
 
 // ---------------------------------------------------------------------------------------------------
-// GRPO per-token math (SPEC section 5). One token at a time; the caller aggregates with `weight`.
+// GRPO per-token and DPO per-pair math (SPEC section 5), templated on the compute type S (float for
+// fp32/bf16/fp16 inputs, double for float64 ones), in the operation order of fusedloss/losses/grpo.py and
+// dpo.py so that the fused launches agree with the loss modules to rounding. Constants that the modules
+// form from Python floats (1 - eps_low, 1 / (2 beta), ...) are formed in double on the host and rounded
+// once to S, as torch does with a Python scalar.
 // ---------------------------------------------------------------------------------------------------
+FL_HD float s_exp(float x) { return expf(x); }
+FL_HD double s_exp(double x) { return exp(x); }
+FL_HD float s_log1p(float x) { return log1pf(x); }
+FL_HD double s_log1p(double x) { return log1p(x); }
+FL_HD float s_abs(float x) { return fabsf(x); }
+FL_HD double s_abs(double x) { return fabs(x); }
+
+// torch.clamp / torch.minimum semantics: NaN propagates (fminf/fmaxf would drop it).
+template <typename S> FL_HD S clamp_max(S x, S hi) { return x > hi ? hi : x; }
+template <typename S> FL_HD S clamp_min(S x, S lo) { return x < lo ? lo : x; }
+template <typename S> FL_HD S nan_min(S x, S y) { return (x != x || y != y) ? x + y : (y < x ? y : x); }
+
 enum GrpoKind : int { kGrpoClip = 0, kGrpoCispo = 1 };
 
 struct GrpoParams {
   int kind;
-  float eps_low, eps_high;
+  double eps_low, eps_high;  // eps_high already resolved (None -> eps_low)
   int has_delta;
-  float delta;
-  float beta;
+  double delta;
+  double beta;
+  double clip_low, clip_high;  // 1 - eps_low, 1 + eps_high (formed in double)
 };
 
+template <typename S>
 struct GrpoToken {
-  float loss;        // l_t * m_t (importance weight and KL penalty included)
-  float dlogp;       // weight_t * m_t * d l_t / d logp_t, through the per-token ratio and the KL penalty
-  float dlogratio;   // weight_t * m_t * d l_t / d log r, when the ratio is given (sequence level), else 0
-  float kl;          // m_t * (exp(ref - logp) - (ref - logp) - 1), 0 when beta == 0
-  float is_low, is_high, is_region;  // clip indicators (TRL's definitions), times m_t
+  S loss;       // l_t * m_t (importance weight and KL penalty included)
+  S dlogp;      // weight_t * m_t * d l_t / d logp_t, through the per-token ratio and the KL penalty
+  S dlogratio;  // weight_t * m_t * d l_t / d log r, when the ratio is given (sequence level), else 0
+  S kl;         // m_t * (exp(ref - logp) - (ref - logp) - 1), 0 when beta == 0
+  S is_low, is_high, is_region;  // clip indicators (TRL's definitions, on the ratio below), times m_t
+  S ratio;      // the ratio of the clip metrics: min(r, delta) (non-cispo with delta), else r
 };
 
-// logratio: log r of the token (logp - old at token level, the sequence's log r at sequence level).
-// ratio_from_logp: the ratio's derivative flows to logp (token level) rather than to dlogratio.
-FL_HD GrpoToken grpo_token(float logp, float logratio, bool ratio_from_logp, float adv, float mask,
-                           float iw, bool has_ref, float ref, float weight, const GrpoParams& g) {
-  GrpoToken o;
-  const float r = expf(logratio);
-  float l, dl_dr = 0.0f, dl_dlogp = 0.0f;
+// logratio: log r of the token (logp - old at token level, masked to 0 on masked tokens; the sequence's
+// log r at sequence level). ratio_from_logp: the ratio's derivative flows to logp (token level) rather
+// than to dlogratio.
+template <typename S>
+FL_HD GrpoToken<S> grpo_token(S logp, S logratio, bool ratio_from_logp, S adv, S mask, S iw, bool has_ref, S ref,
+                              S weight, const GrpoParams& g) {
+  GrpoToken<S> o;
+  const S zero = S(0), one = S(1);
+  const S r = s_exp(logratio);
+  S l, dl_dr = zero, dl_dlogp = zero, ratio = r;
   if (g.kind == kGrpoCispo) {
-    const float clipped = fminf(r, g.eps_high);  // sg(min(r, eps_high))
+    const S clipped = clamp_max(r, S(g.eps_high));  // sg(min(r, eps_high))
     l = -clipped * adv * logp;
     dl_dlogp = -clipped * adv;
   } else {
-    // first argument r A (r <- min(r, delta)), second clamp(r, 1 - eps_low, 1 + eps_high) A
-    float r1 = r, d1 = 1.0f;
+    // -min(r1 A, clamp(r, 1 - eps_low, 1 + eps_high) A), r1 = min(r, delta) when delta is set
+    const S lo = S(g.clip_low), hi = S(g.clip_high);
+    const S r2 = clamp_max(clamp_min(r, lo), hi);
+    const S d2 = (r >= lo && r <= hi) ? one : zero;  // torch.clamp passes the gradient at the bounds
+    S r1 = r, d1 = one;
     if (g.has_delta) {
-      r1 = fminf(r, g.delta);
-      d1 = r <= g.delta ? 1.0f : 0.0f;  // torch.clamp passes the gradient at the bound
+      r1 = clamp_max(r, S(g.delta));
+      d1 = r <= S(g.delta) ? one : zero;
     }
-    const float lo = 1.0f - g.eps_low, hi = 1.0f + g.eps_high;
-    const float r2 = fminf(fmaxf(r, lo), hi);
-    const float d2 = (r >= lo && r <= hi) ? 1.0f : 0.0f;
-    const float x1 = r1 * adv, x2 = r2 * adv;
-    // -min(x1, x2); torch.minimum splits the gradient evenly on ties
-    const float w1 = x1 < x2 ? 1.0f : (x1 == x2 ? 0.5f : 0.0f);
-    l = -fminf(x1, x2);
-    dl_dr = -(w1 * d1 + (1.0f - w1) * d2) * adv;
-    if (x1 != x1 || x2 != x2) l = x1 + x2;  // NaN propagates (fminf would drop it)
+    ratio = r1;
+    const S x1 = r1 * adv, x2 = r2 * adv;
+    const S w1 = x1 < x2 ? one : (x1 == x2 ? S(0.5) : zero);  // torch.minimum splits the gradient on ties
+    l = -nan_min(x1, x2);
+    dl_dr = -(w1 * d1 + (one - w1) * d2) * adv;
   }
   l *= iw;
   dl_dr *= iw;
   dl_dlogp *= iw;
-  float kl = 0.0f;
-  if (g.beta != 0.0f && has_ref) {
-    const float d = ref - logp;
-    const float ed = expf(d);
-    kl = ed - d - 1.0f;
-    l += g.beta * kl;
-    dl_dlogp += g.beta * (1.0f - ed);
+  S kl = zero;
+  if (g.beta != 0.0 && has_ref) {
+    const S b = S(g.beta);
+    const S d = ref - logp;
+    const S ed = s_exp(d);
+    kl = ed - d - one;
+    l += b * kl;
+    dl_dlogp -= b * ed - b;
   }
-  // d l / d logratio = d l / d r * r
-  const float dl_dlogratio = dl_dr * r;
-  const bool on = mask != 0.0f;
-  const float wm = weight * mask;
-  o.loss = on ? l * mask : 0.0f;
-  o.kl = on ? kl * mask : 0.0f;
-  o.dlogp = on ? wm * (dl_dlogp + (ratio_from_logp ? dl_dlogratio : 0.0f)) : 0.0f;
-  o.dlogratio = on && !ratio_from_logp ? wm * dl_dlogratio : 0.0f;
-  const bool low = r < 1.0f - g.eps_low && adv < 0.0f;
-  const bool high = r > 1.0f + g.eps_high && adv > 0.0f;
-  o.is_low = on && low ? mask : 0.0f;
-  o.is_high = on && high ? mask : 0.0f;
-  o.is_region = on && (low || high) ? mask : 0.0f;
+  const S dl_dlogratio = dl_dr * r;  // d l / d log r = d l / d r * r
+  const bool on = mask != zero;
+  const S wm = weight * mask;
+  o.loss = on ? l * mask : zero;
+  o.kl = on ? kl * mask : zero;
+  o.dlogp = on ? wm * (dl_dlogp + (ratio_from_logp ? dl_dlogratio : zero)) : zero;
+  o.dlogratio = on && !ratio_from_logp ? wm * dl_dlogratio : zero;
+  o.ratio = ratio;
+  bool low, high;
+  if (g.kind == kGrpoCispo) {  // TRL tracks only the upper clip of CISPO (its cispo_clip_ratio)
+    low = false;
+    high = ratio > S(g.eps_high) && adv > zero;
+  } else {
+    low = ratio < S(g.clip_low) && adv < zero;
+    high = ratio > S(g.clip_high) && adv > zero;
+  }
+  o.is_low = on && low ? mask : zero;
+  o.is_high = on && high ? mask : zero;
+  o.is_region = on && (low || high) ? mask : zero;
   return o;
 }
 
-// ---------------------------------------------------------------------------------------------------
-// DPO per-pair math (SPEC section 5): loss and d loss / d logp_chosen, d logp_rejected.
-// ---------------------------------------------------------------------------------------------------
 enum DpoKind : int { kDpoSigmoid = 0, kDpoIpo = 1, kDpoHinge = 2, kDpoRobust = 3 };
 
 struct DpoParams {
   int kind;
-  float beta, label_smoothing;
+  double beta, label_smoothing;
+  double one_minus_e, half_inv_beta, one_minus_2e;  // 1 - e, 1 / (2 beta), 1 - 2 e (formed in double)
 };
 
+template <typename S>
 struct DpoPair {
-  float loss, d_chosen, d_rejected;
+  S loss, d_chosen, d_rejected;
 };
 
-FL_HD float log_sigmoid(float x) { return fminf(x, 0.0f) - log1pf(expf(-fabsf(x))); }
-FL_HD float sigmoid(float x) {
-  const float e = expf(-fabsf(x));
-  return x >= 0.0f ? 1.0f / (1.0f + e) : e / (1.0f + e);
+// torch's log_sigmoid: min(x, 0) - log1p(exp(-|x|)); its derivative sigmoid(-x) in torch's form.
+template <typename S> FL_HD S log_sigmoid(S x) { return (x < S(0) ? x : S(0)) - s_log1p(s_exp(-s_abs(x))); }
+template <typename S> FL_HD S log_sigmoid_grad(S x) {
+  const S z = s_exp(-s_abs(x));
+  return x < S(0) ? S(1) - z / (S(1) + z) : z / (S(1) + z);
 }
+template <typename S> FL_HD S sigmoid(S x) { return log_sigmoid_grad(-x); }
 
-FL_HD DpoPair dpo_pair(float logp_c, float logp_r, float ref_c, float ref_r, float n_c, float n_r,
-                       const DpoParams& p) {
-  const float u_c = logp_c - ref_c, u_r = logp_r - ref_r;
-  const float b = p.beta, e = p.label_smoothing;
-  const float x = b * (u_c - u_r);
-  DpoPair o;
-  float dd = 0.0f;  // d loss / d Delta
+// ipo's n_c, n_r are the completion token counts (>= 1; the caller applies max(1, n)).
+template <typename S>
+FL_HD DpoPair<S> dpo_pair(S logp_c, S logp_r, S ref_c, S ref_r, S n_c, S n_r, const DpoParams& p) {
+  const S u_c = logp_c - ref_c, u_r = logp_r - ref_r;
+  const S b = S(p.beta), e = S(p.label_smoothing), ome = S(p.one_minus_e);
+  const S x = b * (u_c - u_r);
+  DpoPair<S> o;
+  S dd = S(0);  // d loss / d Delta
   if (p.kind == kDpoIpo) {
-    const float h = u_c / n_c - u_r / n_r - 1.0f / (2.0f * b);
+    const S h = u_c / n_c - u_r / n_r - S(p.half_inv_beta);
     o.loss = h * h;
-    o.d_chosen = 2.0f * h / n_c;
-    o.d_rejected = -2.0f * h / n_r;
+    o.d_chosen = S(2) * h / n_c;
+    o.d_rejected = -(S(2) * h) / n_r;
     return o;
   }
   if (p.kind == kDpoHinge) {
-    const float t = 1.0f - x;
-    o.loss = fmaxf(t, 0.0f);
-    if (t != t) o.loss = t;
-    dd = t > 0.0f ? -b : 0.0f;
+    const S t = S(1) - x;
+    o.loss = t > S(0) ? t : (t != t ? t : S(0));  // relu, NaN propagates
+    dd = t > S(0) ? -b : S(0);
   } else if (p.kind == kDpoRobust) {
-    const float inv = 1.0f / (1.0f - 2.0f * e);
-    o.loss = (-(1.0f - e) * log_sigmoid(x) + e * log_sigmoid(-x)) * inv;
-    dd = (-(1.0f - e) * b * sigmoid(-x) - e * b * sigmoid(x)) * inv;
+    const S den = S(p.one_minus_2e);
+    o.loss = (-ome * log_sigmoid(x) + e * log_sigmoid(-x)) / den;
+    dd = (-ome * log_sigmoid_grad(x) * b - e * log_sigmoid_grad(-x) * b) / den;
   } else {  // sigmoid
-    o.loss = -(1.0f - e) * log_sigmoid(x) - e * log_sigmoid(-x);
-    dd = -(1.0f - e) * b * sigmoid(-x) + e * b * sigmoid(x);
+    o.loss = -ome * log_sigmoid(x) - e * log_sigmoid(-x);
+    dd = -ome * log_sigmoid_grad(x) * b + e * log_sigmoid_grad(-x) * b;
   }
   o.d_chosen = dd;
   o.d_rejected = -dd;

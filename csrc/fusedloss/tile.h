@@ -107,6 +107,9 @@ FL_HD RowState fold_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t n
   const T* xr = reinterpret_cast<const T*>(a.x) + row * a.ld;
   const T* xtr = kTeacher ? reinterpret_cast<const T*>(a.xt) + row * a.ld : nullptr;
   RowState st = empty_state();
+  // is_top1 (first-argmax rule) needs the max over the columns before the target: tile column < ybefore.
+  const int64_t ybefore =
+      (a.want_extras && a.targets != 0) ? reinterpret_cast<const int64_t*>(a.targets)[row] - a.v0 : 0;
   for_lane_groups(xr, xtr, a.cols, lane, nlanes, [&](int64_t c, auto n, const float* v, const float* vt) {
     FL_UNROLL
     for (int k = 0; k < decltype(n)::value; ++k) {
@@ -115,6 +118,7 @@ FL_HD RowState fold_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t n
       float zt = 0.0f;
       if (kTeacher) zt = transform_logit(vt[k], bias_at(a.teacher_bias, a.teacher_bias_dtype, col), a.teacher_tf).z;
       state_add<kEntropy, kTeacher>(st, z, zt);
+      if (c + k < ybefore) st.mb = fmaxf(st.mb, z);
     }
   });
   return st;
@@ -152,6 +156,8 @@ FL_HD void fold_row_finish(const TileArgs& a, int64_t row, const RowState& part)
     old.b = state[kB * ss + row];
     old.s2 = state[kS2 * ss + row];
     old.sz = state[kSz * ss + row];
+    old.mb = state[kMb * ss + row];
+    old.t = state[kT * ss + row];
     run = state_merge<kEntropy, kTeacher>(old, part);
   }
   if (a.last) {
@@ -171,6 +177,8 @@ FL_HD void fold_row_finish(const TileArgs& a, int64_t row, const RowState& part)
     state[kZy * ss + row] = zy;
     state[kS2 * ss + row] = run.s2;
     state[kSz * ss + row] = run.sz;
+    state[kMb * ss + row] = run.mb;
+    state[kT * ss + row] = run.t;
   }
 }
 
@@ -180,6 +188,8 @@ FL_HD void jsd_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes
   const float* out = reinterpret_cast<const float*>(a.out);
   const float lse = out[kLse * a.out_stride + row];
   const float lse_t = out[kLseT * a.out_stride + row];
+  const float lse_lo = out[kLseLo * a.out_stride + row];
+  const float lse_t_lo = out[kLseTLo * a.out_stride + row];
   const T* xr = reinterpret_cast<const T*>(a.x) + row * a.ld;
   const T* xtr = reinterpret_cast<const T*>(a.xt) + row * a.ld;
   for_lane_groups(xr, xtr, a.cols, lane, nlanes, [&](int64_t c, auto n, const float* v, const float* vt) {
@@ -188,7 +198,7 @@ FL_HD void jsd_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes
       const int64_t col = a.v0 + c + k;
       const float z = transform_logit(v[k], bias_at(a.bias, a.bias_dtype, col), a.tf).z;
       const float zt = transform_logit(vt[k], bias_at(a.teacher_bias, a.teacher_bias_dtype, col), a.teacher_tf).z;
-      jsd_add(z - lse, zt - lse_t, a.jsd, kl_qm, kl_pm);
+      jsd_add((z - lse) - lse_lo, (zt - lse_t) - lse_t_lo, a.jsd, kl_qm, kl_pm);
     }
   });
 }
@@ -226,6 +236,8 @@ FL_HD RowCoeffs row_coeffs(const TileArgs& a, int64_t row) {
   r.c5 = k[6 * cs + row];
   r.lse = out[kLse * a.out_stride + row];
   r.lse_t = out[kLseT * a.out_stride + row];
+  r.lse_lo = out[kLseLo * a.out_stride + row];
+  r.lse_t_lo = out[kLseTLo * a.out_stride + row];
   return r;
 }
 
@@ -263,6 +275,41 @@ FL_HD void dx_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes)
     }
     store_group<TO, kCount>(dr + c, g);
   });
+}
+
+// ---- GRPO / DPO: one token (pair) of the per-token math, for the device kernels and the host loops ----
+template <typename S>
+FL_HD void grpo_element(const GrpoArgs& a, int64_t i) {
+  auto at = [&](uint64_t p, S dflt) { return p ? reinterpret_cast<const S*>(p)[i] : dflt; };
+  const S logp = at(a.logp, S(0));
+  const S mask = at(a.mask, S(1));
+  const bool ratio_given = a.logratio != 0;
+  // Token level: log r = logp - old where the token counts, 0 elsewhere (garbage such as an old
+  // log-prob of -inf on a padded position never reaches a sum), as grpo.py's token_log_ratio.
+  const S logratio = ratio_given ? at(a.logratio, S(0)) : (mask != S(0) ? logp - at(a.old_logp, logp) : S(0));
+  const GrpoToken<S> t = grpo_token<S>(logp, logratio, !ratio_given, at(a.adv, S(0)), mask, at(a.iw, S(1)),
+                                       a.ref != 0, at(a.ref, S(0)), at(a.weight, S(1)), a.params);
+  S* out = reinterpret_cast<S*>(a.out);
+  const int64_t n = a.n;
+  out[i] = t.loss;
+  out[n + i] = t.dlogp;
+  out[2 * n + i] = t.dlogratio;
+  out[3 * n + i] = t.kl;
+  out[4 * n + i] = t.is_low;
+  out[5 * n + i] = t.is_high;
+  out[6 * n + i] = t.is_region;
+  out[7 * n + i] = t.ratio;
+}
+
+template <typename S>
+FL_HD void dpo_element(const DpoArgs& a, int64_t i) {
+  auto at = [&](uint64_t p, S dflt) { return p ? reinterpret_cast<const S*>(p)[i] : dflt; };
+  const DpoPair<S> d = dpo_pair<S>(at(a.logp_c, S(0)), at(a.logp_r, S(0)), at(a.ref_c, S(0)), at(a.ref_r, S(0)),
+                                   at(a.n_c, S(1)), at(a.n_r, S(1)), a.params);
+  S* out = reinterpret_cast<S*>(a.out);
+  out[i] = d.loss;
+  out[a.n + i] = d.d_chosen;
+  out[2 * a.n + i] = d.d_rejected;
 }
 
 }  // namespace fl

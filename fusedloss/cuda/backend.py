@@ -16,8 +16,10 @@ Design
                     for fp32 or into a bf16/fp16 copy that feeds the two gradient products; rows whose
                     target is ignored or whose coefficients are all zero get 0.
 
-    ``grpo_token_math`` and ``dpo_pair_math`` run the per-token GRPO and per-pair DPO math of SPEC
-    section 5 in one launch each.
+    ``grpo_token_loss`` and ``dpo_pair_loss`` (autograd Functions used by the loss modules) and the
+    lower-level ``grpo_token_math`` / ``dpo_pair_math`` run the per-token GRPO and per-pair DPO math of
+    SPEC section 5 in one launch each (fp32, or float64 for float64 inputs), writing the loss and its
+    derivative with respect to the log-probs in the same launch.
 
 Products per op (one product = 2 N V D flops; a teacher adds its own N V D_t product wherever a
 student product is formed):
@@ -52,7 +54,8 @@ Host mode (tests without a GPU)
     on the CPU and the kernels' host twins (``_C.host_*``, the same ``__host__ __device__`` math of
     ``csrc/fusedloss/*.h``) do the rest. ``tests/test_cuda_host.py`` checks the kernel math this way.
 
-Float64 problems are delegated to the torch backend (the kernels compute in fp32).
+Float64 statistics problems are delegated to the torch backend (the tile kernels compute in fp32); the
+GRPO/DPO math kernels have float64 instantiations.
 """
 
 from __future__ import annotations
@@ -66,6 +69,8 @@ import torch
 from ..core import torch_backend
 from ..core.problem import COEF_TEACHER_PROB, COEF_UNIFORM, NUM_COEFFS, GradientNeeds, Statistics, StatsProblem
 
+_NUM_OUTPUTS = len(Statistics._fields)
+
 try:
     from .. import _C
 except ImportError as exc:  # not built (no nvcc, FUSEDLOSS_CUDA=0) or a plain source checkout
@@ -73,9 +78,15 @@ except ImportError as exc:  # not built (no nvcc, FUSEDLOSS_CUDA=0) or a plain s
     _IMPORT_ERROR: Optional[ImportError] = exc
 else:
     _IMPORT_ERROR = None
+    if getattr(_C, "NUM_OUTPUTS", None) != _NUM_OUTPUTS or not hasattr(_C, "GRPO_OUTPUTS"):
+        # An extension built from older sources (the Statistics protocol grew): refuse it rather than
+        # read or write past its output rows. Rebuild with `python setup.py build_ext --inplace`.
+        _IMPORT_ERROR = ImportError(f"fusedloss._C is stale: it writes {getattr(_C, 'NUM_OUTPUTS', '?')} per-row "
+                                    f"outputs, the protocol has {_NUM_OUTPUTS}; rebuild the extension")
+        _C = None
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_NUM_OUTPUTS = len(Statistics._fields)
+_FLOAT64_CODE = 3  # GRPO / DPO math only
 
 # Testing knobs: cap the tile shape (None: from the workspace budget) to exercise multi-tile merging.
 MAX_TILE_ROWS: Optional[int] = None
@@ -102,6 +113,8 @@ def extension_built() -> bool:
 def availability() -> str:
     if _C is None:
         status = _build_status()
+        if status == "built" and _IMPORT_ERROR is not None and "stale" in str(_IMPORT_ERROR):
+            return f"built but stale: {_IMPORT_ERROR}"
         if status == "built":
             return f"built but not importable: {_IMPORT_ERROR}"
         return status
@@ -497,21 +510,47 @@ DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 
 
 class GrpoTokenMath(NamedTuple):
-    """Per-token outputs of ``grpo_token_math``, each fp32 with the shape of ``logp``."""
+    """Per-token outputs of ``grpo_token_math``, each with the shape of ``logp`` (float64 for float64 ``logp``,
+    else fp32)."""
 
     loss: torch.Tensor        # m_t * l_t (importance weight and KL penalty included)
     dlogp: torch.Tensor       # weight_t * m_t * d l_t / d logp_t (ratio derivative included at token level)
     dlogratio: torch.Tensor   # weight_t * m_t * d l_t / d log r (only when ``logratio`` is given)
     kl: torch.Tensor          # m_t * (exp(ref - logp) - (ref - logp) - 1)
-    is_low: torch.Tensor      # m_t * [r < 1 - eps_low and A < 0]
-    is_high: torch.Tensor     # m_t * [r > 1 + eps_high and A > 0]
+    is_low: torch.Tensor      # m_t * [ratio < 1 - eps_low and A < 0]        (0 for cispo)
+    is_high: torch.Tensor     # m_t * [ratio > 1 + eps_high and A > 0]       (cispo: ratio > eps_high)
     is_region: torch.Tensor   # m_t * (is_low or is_high)
+    ratio: torch.Tensor       # min(r, delta) (non-cispo with delta), else r; r = 1 on masked tokens (token level)
 
 
-def _f32(t: Optional[torch.Tensor], like: torch.Tensor) -> Optional[torch.Tensor]:
+def _math_dtype(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _flat(t: Optional[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
     if t is None:
         return None
-    return t.to(device=like.device, dtype=torch.float32).expand(like.shape).contiguous().reshape(-1)
+    return t.detach().to(device=like.device, dtype=dtype).expand(like.shape).contiguous().reshape(-1)
+
+
+def _grpo_launch(ex: "_Exec", shape, dtype, lp, old, lr, adv, msk, iw, ref, wgt, *, loss_type, epsilon_low,
+                 epsilon_high, delta, beta) -> torch.Tensor:
+    """One grpo_tokens launch over flat contiguous ``dtype`` vectors -> the [GRPO_OUTPUTS, n] outputs."""
+    n = lp.numel()
+    eps_high = epsilon_low if epsilon_high is None else epsilon_high
+    args = _C.GrpoArgs()
+    out = torch.empty((_C.GRPO_OUTPUTS, n), device=lp.device, dtype=dtype)
+    args.n = n
+    args.dtype = _FLOAT64_CODE if dtype == torch.float64 else 0
+    args.logp, args.old_logp, args.logratio = _ptr(lp), _ptr(old), _ptr(lr)
+    args.adv, args.mask, args.iw, args.ref, args.weight = _ptr(adv), _ptr(msk), _ptr(iw), _ptr(ref), _ptr(wgt)
+    args.params = _C.GrpoParams(kind=1 if loss_type == "cispo" else 0, eps_low=float(epsilon_low),
+                                eps_high=float(eps_high), has_delta=delta is not None,
+                                delta=float(delta or 0.0), beta=float(beta))
+    args.out = _ptr(out)
+    if n:
+        ex.grpo(args)
+    return out
 
 
 def grpo_token_math(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
@@ -522,36 +561,82 @@ def grpo_token_math(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Te
                     beta: float = 0.0) -> GrpoTokenMath:
     """Per-token GRPO loss and its derivative, one launch (CUDA tensors) or the host twin (CPU).
 
-    Every tensor argument broadcasts to ``logp``'s shape. ``r = exp(logp - old_logprobs)`` (ratio 1 when
-    ``old_logprobs`` is None), or ``r = exp(logratio)`` when the sequence-level log-ratio is given per
-    token (GSPO): its derivative is then returned in ``dlogratio`` for the caller to spread over the
-    sequence (d log r_i / d logp_t = m_t / max(1, sum m)). ``weight`` is the per-token aggregation
-    weight (e.g. 1 / max(1, sum m) for bnpo), so that ``(weight * loss).sum()`` is the loss and
-    ``dlogp`` its gradient. ``logp`` is treated as detached (the caller chains dlogp into the statistics).
+    Every tensor argument broadcasts to ``logp``'s shape. ``r = exp(logp - old_logprobs)`` where ``mask``
+    is nonzero, 1 elsewhere (ratio 1 everywhere when ``old_logprobs`` is None), or ``r = exp(logratio)`` when
+    the sequence-level log-ratio is given per token (GSPO): its derivative is then returned in ``dlogratio``
+    for the caller to spread over the sequence (d log r_i / d logp_t = m_t / max(1, sum m)). ``weight`` is
+    the per-token aggregation weight (e.g. 1 / max(1, sum m) for bnpo), so that ``(weight * loss).sum()`` is
+    the loss and ``dlogp`` its gradient. ``logp`` is treated as detached (the caller chains dlogp into the
+    statistics). Computes in float64 for float64 ``logp``, else fp32. The differentiable form used by the
+    losses is ``grpo_token_loss``.
     """
     if loss_type not in GRPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
     ex = _Exec(logp.device)
-    shape = logp.shape
-    lp = logp.detach().to(torch.float32).contiguous().reshape(-1)
-    n = lp.numel()
-    eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    args = _C.GrpoArgs()
-    keep = [lp] + [_f32(t, logp) for t in (old_logprobs, logratio, advantages, mask, importance_weights,
+    dtype = _math_dtype(logp)
+    lp = logp.detach().to(dtype).contiguous().reshape(-1)
+    rest = [_flat(t, logp, dtype) for t in (old_logprobs, logratio, advantages, mask, importance_weights,
                                             ref_logprobs, weight)]
-    keep = [None if t is None else t.detach() for t in keep]
-    _, old, lr, adv, msk, iw, ref, wgt = keep
-    out = torch.empty((7, n), device=logp.device, dtype=torch.float32)
-    args.n = n
-    args.logp, args.old_logp, args.logratio = _ptr(lp), _ptr(old), _ptr(lr)
-    args.adv, args.mask, args.iw, args.ref, args.weight = _ptr(adv), _ptr(msk), _ptr(iw), _ptr(ref), _ptr(wgt)
-    args.params = _C.GrpoParams(kind=1 if loss_type == "cispo" else 0, eps_low=float(epsilon_low),
-                                eps_high=float(eps_high), has_delta=delta is not None,
-                                delta=float(delta or 0.0), beta=float(beta))
-    args.out = _ptr(out)
-    if n:
-        ex.grpo(args)
-    return GrpoTokenMath(*(o.view(shape) for o in out.unbind(0)))
+    out = _grpo_launch(ex, logp.shape, dtype, lp, *rest, loss_type=loss_type, epsilon_low=epsilon_low,
+                       epsilon_high=epsilon_high, delta=delta, beta=beta)
+    return GrpoTokenMath(*(o.view(logp.shape) for o in out.unbind(0)))
+
+
+class _GrpoTokenLoss(torch.autograd.Function):
+    """per-token GRPO loss, KL term and ratio in one launch; the launch also writes d loss / d logp."""
+
+    @staticmethod
+    def forward(ctx, logp, old_logprobs, advantages, ref_logprobs, importance_weights, valid, loss_type,
+                epsilon_low, epsilon_high, delta, beta):
+        ex = _Exec(logp.device)
+        dtype = _math_dtype(logp)
+        lp = logp.detach().to(dtype).contiguous().reshape(-1)
+        old, adv, ref, iw = (_flat(t, logp, dtype) for t in (old_logprobs, advantages, ref_logprobs,
+                                                             importance_weights))
+        msk = _flat(valid, logp, dtype)
+        if beta == 0:
+            ref = None  # no KL term: the kernel then writes kl = 0
+        out = _grpo_launch(ex, logp.shape, dtype, lp, old, None, adv, msk, iw, ref, None, loss_type=loss_type,
+                           epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta)
+        # Separate tensors (not views of one buffer), so that callers may modify them in place.
+        loss, kl, ratio = (out[k].clone().view(logp.shape) for k in (0, 3, 7))
+        ctx.save_for_backward(out[1].clone())
+        ctx.logp_dtype = logp.dtype
+        ctx.mark_non_differentiable(kl, ratio)
+        return loss, kl, ratio
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss, grad_kl, grad_ratio):
+        (dlogp,) = ctx.saved_tensors
+        grad = None
+        if ctx.needs_input_grad[0] and grad_loss is not None:
+            grad = (grad_loss.reshape(-1).to(dlogp.dtype) * dlogp).view(grad_loss.shape).to(ctx.logp_dtype)
+        return grad, None, None, None, None, None, None, None, None, None, None
+
+
+def grpo_token_loss(logp: torch.Tensor, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
+                    ref_logprobs: Optional[torch.Tensor], importance_weights: Optional[torch.Tensor],
+                    valid: torch.Tensor, *, loss_type: str, epsilon_low: float, epsilon_high: Optional[float],
+                    delta: Optional[float], beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token-level GRPO math of fusedloss/losses/grpo.py (``token_terms``) in one launch.
+
+    All tensors are 1-D ``[T]`` on one device (CUDA: the device kernel; CPU: its host twin); ``valid`` is
+    bool; ``old_logprobs``, ``ref_logprobs`` and ``importance_weights`` may be None (``old_logprobs`` None:
+    on-policy, ratio 1 with gradient ``-A``). Returns ``(per_token_loss, kl, ratio)``: the per-token loss
+    (0 where not valid), the KL penalty term ``exp(ref - logp) - (ref - logp) - 1`` (0 where not valid, and
+    everywhere when ``beta == 0``), and the ratio of the clip metrics (``min(r, delta)`` for non-cispo with
+    ``delta``; ``r = 1`` on tokens that are not valid). Only ``per_token_loss`` is differentiable, and only
+    with respect to ``logp``: the launch writes d per_token_loss / d logp, which the backward scales.
+    Computes in float64 for float64 ``logp``, else in fp32 (other inputs are converted to that dtype).
+    """
+    if loss_type not in GRPO_LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
+    if beta != 0 and ref_logprobs is None:
+        raise ValueError("ref_logprobs is required when beta != 0")
+    return _GrpoTokenLoss.apply(logp, old_logprobs, advantages, ref_logprobs, importance_weights, valid,
+                                loss_type, float(epsilon_low), None if epsilon_high is None else float(epsilon_high),
+                                None if delta is None else float(delta), float(beta))
 
 
 class DpoPairMath(NamedTuple):
@@ -560,23 +645,20 @@ class DpoPairMath(NamedTuple):
     d_rejected: torch.Tensor  # d loss_i / d logp_rejected_i
 
 
-def dpo_pair_math(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-                  ref_rejected_logps: torch.Tensor, *, beta: float = 0.1, loss_type: str = "sigmoid",
-                  label_smoothing: float = 0.0, chosen_counts: Optional[torch.Tensor] = None,
-                  rejected_counts: Optional[torch.Tensor] = None) -> DpoPairMath:
-    """Per-pair DPO loss (SPEC section 5) and its derivatives, one launch. ``*_counts`` are the
-    completion token counts n of the ipo loss (used as given; 1 when None)."""
+def _dpo_launch(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_counts, rejected_counts,
+                *, beta, loss_type, label_smoothing) -> torch.Tensor:
     if loss_type not in DPO_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
     ex = _Exec(chosen_logps.device)
     like = chosen_logps
-    c, r, rc, rr, nc, nr = (_f32(t, like) for t in (chosen_logps.detach(), rejected_logps.detach(),
-                                                     ref_chosen_logps, ref_rejected_logps,
-                                                     chosen_counts, rejected_counts))
+    dtype = _math_dtype(like)
+    c, r, rc, rr, nc, nr = (_flat(t, like, dtype) for t in (chosen_logps, rejected_logps, ref_chosen_logps,
+                                                             ref_rejected_logps, chosen_counts, rejected_counts))
     n = c.numel()
-    out = torch.empty((3, n), device=like.device, dtype=torch.float32)
+    out = torch.empty((3, n), device=like.device, dtype=dtype)
     args = _C.DpoArgs()
     args.n = n
+    args.dtype = _FLOAT64_CODE if dtype == torch.float64 else 0
     args.logp_c, args.logp_r, args.ref_c, args.ref_r = _ptr(c), _ptr(r), _ptr(rc), _ptr(rr)
     args.n_c, args.n_r = _ptr(nc), _ptr(nr)
     args.params = _C.DpoParams(kind=DPO_LOSS_TYPES.index(loss_type), beta=float(beta),
@@ -584,4 +666,50 @@ def dpo_pair_math(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_
     args.out = _ptr(out)
     if n:
         ex.dpo(args)
-    return DpoPairMath(*(o.view(like.shape) for o in out.unbind(0)))
+    return out
+
+
+def dpo_pair_math(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+                  ref_rejected_logps: torch.Tensor, *, beta: float = 0.1, loss_type: str = "sigmoid",
+                  label_smoothing: float = 0.0, chosen_counts: Optional[torch.Tensor] = None,
+                  rejected_counts: Optional[torch.Tensor] = None) -> DpoPairMath:
+    """Per-pair DPO loss (SPEC section 5) and its derivatives, one launch. ``*_counts`` are the
+    completion token counts n of the ipo loss (used as given; 1 when None). float64 in, float64 math."""
+    out = _dpo_launch(chosen_logps.detach(), rejected_logps.detach(), ref_chosen_logps, ref_rejected_logps,
+                      chosen_counts, rejected_counts, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
+    return DpoPairMath(*(o.view(chosen_logps.shape) for o in out.unbind(0)))
+
+
+class _DpoPairLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_tokens,
+                rejected_tokens, loss_type, beta, label_smoothing):
+        counts = [None if t is None else t.detach().to(_math_dtype(chosen_logps)).clamp(min=1)
+                  for t in (chosen_tokens, rejected_tokens)]
+        out = _dpo_launch(chosen_logps.detach(), rejected_logps.detach(), ref_chosen_logps, ref_rejected_logps,
+                          *counts, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
+        ctx.save_for_backward(out[1].clone(), out[2].clone())
+        ctx.dtypes = (chosen_logps.dtype, rejected_logps.dtype)
+        return out[0].clone().view(chosen_logps.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss):
+        d_chosen, d_rejected = ctx.saved_tensors
+        g = grad_loss.reshape(-1).to(d_chosen.dtype)
+        gc = (g * d_chosen).view(grad_loss.shape).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+        gr = (g * d_rejected).view(grad_loss.shape).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+        return gc, gr, None, None, None, None, None, None, None
+
+
+def dpo_pair_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+                  ref_rejected_logps: torch.Tensor, chosen_tokens: Optional[torch.Tensor],
+                  rejected_tokens: Optional[torch.Tensor], *, loss_type: str, beta: float,
+                  label_smoothing: float) -> torch.Tensor:
+    """Per-pair DPO losses ``[B]`` exactly as fusedloss/losses/dpo.py, in one launch (CUDA kernel, or its
+    host twin for CPU tensors). ``*_tokens`` are the completion token counts of the ipo loss (max(1, n) is
+    applied; None counts as 1; unused by the other losses). Differentiable with respect to
+    ``chosen_logps`` and ``rejected_logps``: the launch writes both derivatives, which the backward scales.
+    Computes in float64 for float64 ``chosen_logps``, else in fp32."""
+    return _DpoPairLoss.apply(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_tokens,
+                              rejected_tokens, loss_type, float(beta), float(label_smoothing))
