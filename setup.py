@@ -133,6 +133,10 @@ class BuildExt(build_ext):
         cxx = os.environ.get("CXX", "c++")
         includes = [f"-I{CSRC}", f"-I{pybind11.get_include()}", f"-I{sysconfig.get_paths()['include']}"]
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs()]
+        # PTX of the oldest target too, so that newer GPUs (e.g. sm_100/sm_120) JIT-compile the kernels
+        # instead of failing with "no kernel image is available".
+        oldest = min(archs(), key=lambda a: int("".join(ch for ch in a if ch.isdigit())))
+        gencode.append(f"-gencode=arch=compute_{oldest.rstrip('a')},code=compute_{oldest.rstrip('a')}")
         threads = os.environ.get("FUSEDLOSS_NVCC_THREADS", "2")
         cuda_flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
                       f"--threads={threads}", "-lineinfo", f"-I{CSRC}"] + gencode

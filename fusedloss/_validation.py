@@ -67,6 +67,11 @@ def require_real(name: str, value, *, positive: bool = False, nonnegative: bool 
         raise ValueError(f"{name} must be < {below}, got {value!r}")
 
 
+def require_bool(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {_describe(value)}")
+
+
 def require_mask(name: str, t, shape) -> torch.Tensor:
     require_tensor(name, t)
     require_shape(name, t, shape)

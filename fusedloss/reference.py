@@ -188,7 +188,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     """TRL GRPOTrainer's loss (gradient accumulation 1), SPEC section 5, written as TRL writes it."""
     if epsilon_high is None:
         epsilon_high = epsilon_low
-    mask = completion_mask.bool()
+    mask = completion_mask != 0
     ids = torch.where(mask, completion_ids, torch.full_like(completion_ids, -100))
     logp, entropy = token_logprobs(hidden, weight, ids, bias=bias, temperature=temperature,
                                    logit_scale=logit_scale, softcap=softcap, ignore_index=-100,
@@ -196,7 +196,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     acc = logp.dtype
     zero = torch.zeros_like(logp)
     B, C = logp.shape
-    mask_f = mask.to(acc)
+    mask_f = completion_mask.to(acc)  # TRL multiplies by the mask: a fractional mask weights tokens
     n_seq = mask_f.sum(-1)
     n_tok = mask_f.sum()
 
@@ -209,7 +209,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     if importance_sampling_level == "token":
         log_w = log_ratio
     elif importance_sampling_level == "sequence":
-        log_w = (log_ratio.sum(-1) / n_seq.clamp(min=1.0)).unsqueeze(-1)  # GSPO, [B, 1]
+        log_w = ((log_ratio * mask_f).sum(-1) / n_seq.clamp(min=1.0)).unsqueeze(-1)  # GSPO, [B, 1]
     else:
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
     r = torch.exp(log_w)
@@ -236,8 +236,8 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         d = torch.where(mask, ref - logp, zero)
         per_token_kl = torch.exp(d) - d - 1.0
         per_token = per_token + beta * per_token_kl
-        kl = torch.where(mask, per_token_kl, zero).sum().detach() / n_tok.clamp(min=1.0)
-    per_token = torch.where(mask, per_token, zero)
+        kl = (torch.where(mask, per_token_kl, zero) * mask_f).sum().detach() / n_tok.clamp(min=1.0)
+    per_token = torch.where(mask, per_token, zero) * mask_f
 
     if loss_type == "grpo":
         loss = (per_token.sum(-1) / n_seq.clamp(min=1.0)).mean()
@@ -255,7 +255,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         x = x.to(acc)
         if x.shape[1] == 1:  # sequence-level ratio: TRL takes a plain mean
             return x.mean()
-        return torch.where(mask, x, torch.zeros_like(x)).sum() / n_tok.clamp(min=1.0)
+        return (torch.where(mask, x, torch.zeros_like(x)) * mask_f).sum() / n_tok.clamp(min=1.0)
 
     r_d = r.detach()  # TRL measures clipping on coef_1, i.e. after the delta cap
     if loss_type == "cispo":

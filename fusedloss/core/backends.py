@@ -9,6 +9,7 @@ Modules are imported lazily, so a missing Triton or an unbuilt CUDA extension ne
 from __future__ import annotations
 
 import importlib
+import os
 from functools import lru_cache
 
 import torch
@@ -65,4 +66,11 @@ def resolve(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend={backend!r} is not available here: {state}")
     if backend == "cuda" and device.type != "cuda":
         raise ValueError(f"backend='cuda' needs tensors on a CUDA device, got device {device}")
+    if backend == "triton" and device.type != "cuda" and not _interpreting():
+        raise ValueError(f"backend='triton' needs tensors on a CUDA device, got device {device} "
+                         "(TRITON_INTERPRET=1 runs the kernels on CPU tensors, slowly)")
     return backend
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"

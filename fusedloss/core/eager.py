@@ -17,6 +17,7 @@ composable op when the backend has no eager path, when no gradient is needed, or
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Callable
 
@@ -49,8 +50,10 @@ class _EagerLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, problem: StatsProblem, backend_name: str, row_loss: RowLoss,
                 needs: GradientNeeds):
-        loss, grads = backends.get(backend_name).eager_gradients(problem, _chunk_function(row_loss, problem),
-                                                                  needs)
+        device = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
+        with device:
+            loss, grads = backends.get(backend_name).eager_gradients(problem, _chunk_function(row_loss, problem),
+                                                                      needs)
         ctx.grads = grads
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss.to(problem.acc_dtype)

@@ -9,6 +9,7 @@ are written once for all backends.
 
 from __future__ import annotations
 
+import contextlib
 from typing import NamedTuple, Optional
 
 import torch
@@ -17,6 +18,12 @@ from . import backends
 from .problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
 
 _NUM_OUTPUTS = len(Statistics._fields)
+
+
+def _on_device_of(t: torch.Tensor):
+    """Make t's GPU current while kernels launch (Triton and the extension launch on the current device),
+    and restore the caller's afterwards: tensors on cuda:1 must not run on, or leave behind, cuda:0."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _problem(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature,
@@ -45,7 +52,8 @@ def _statistics_op(
     problem = _problem(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature,
                        logit_scale, softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy,
                        want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit, want_extras)
-    return torch.stack(tuple(backends.get(backend).forward_statistics(problem)))
+    with _on_device_of(hidden):
+        return torch.stack(tuple(backends.get(backend).forward_statistics(problem)))
 
 
 @_statistics_op.register_fake
@@ -72,7 +80,8 @@ def _statistics_backward_op(
                        logit_scale, softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy,
                        want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit, want_extras)
     needs = GradientNeeds(need_hidden, need_weight, need_bias and bias is not None)
-    grads = backends.get(backend).backward_gradients(problem, Statistics(*stats.unbind(0)), coeffs, needs)
+    with _on_device_of(hidden):
+        grads = backends.get(backend).backward_gradients(problem, Statistics(*stats.unbind(0)), coeffs, needs)
     # custom ops cannot return None: an unneeded gradient travels as an empty tensor.
     return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
 

@@ -9,6 +9,7 @@ vocabulary across programs.
 Partial statistics of a set of vocabulary columns, for one row (m = max z, m_t = max z_t)::
 
     s   = sum e^(z - m)                      s_t = sum e^(z_t - m_t)
+    t   = s - 1: the same sum without the maximum column's own e^0 = 1 (log s = log1p(t))
     e   = sum e^(z - m) (z - m)              entropy:  H = log s - e / s
     a   = sum e^(z - m) ((z - m) - (z_t - m_t))          KL(q||p) = a / s - log s + log s_t
     b   = sum e^(z_t - m_t) ((z_t - m_t) - (z - m))      KL(p||q) = b / s_t - log s_t + log s
@@ -17,6 +18,13 @@ Partial statistics of a set of vocabulary columns, for one row (m = max z, m_t =
 
 Keeping every sum relative to the running maxima avoids forming ``lse - sum p z`` from two large
 numbers (peaked rows with logits near 1e4 would lose all digits of the entropy in fp32).
+
+``t`` is kept beside ``s`` for confident rows: with 1 - q_y = 1e-3, s = 1 + 1e-3 rounded to fp32 holds
+t to 1e-4 relative only, and log s = log(s) passes that on to logp. t never cancels: a tile's t leaves
+out one (the first) maximum column and adds every other, ties included (each contributes exactly 1), and
+the merge adds the side with the smaller maximum whole, ``t = t_max_side + f (1 + t_other)``. On the
+target column the gradient a + q_y inner is formed as (a + inner) + inner expm1(log q_y) (see
+``logits_gradient_tile``), the same two changes as the CUDA kernels (csrc/fusedloss/math.h).
 """
 
 from __future__ import annotations
@@ -78,7 +86,9 @@ def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem)
     m = z.amax(dim=1)
     zc = z - m[:, None]
     ez = torch.exp(zc)
-    part = {"m": m, "s": ez.sum(1)}
+    # t: every column but the first maximum (whose e^0 = 1 is implicit); tied maxima still count 1 each.
+    first_max = z.argmax(dim=1, keepdim=True)
+    part = {"m": m, "s": ez.sum(1), "t": ez.scatter(1, first_max, 0.0).sum(1)}
     if p.want_entropy:
         part["e"] = (ez * zc).sum(1)
     if p.want_extras:
@@ -106,6 +116,10 @@ def _merge(run: dict, part: dict) -> dict:
     dm_run = torch.nan_to_num(run["m"] - m, neginf=0.0)
     dm_part = part["m"] - m
     out = {"m": m, "s": f_run * run["s"] + f_part * part["s"]}
+    # The side holding the maximum keeps its t; the other side adds all its columns, 1 + t, rescaled
+    # (all terms positive: no cancellation). On a tie the part's maximum column counts 1.
+    out["t"] = torch.where(run["m"] >= part["m"], run["t"] + f_part * (1.0 + part["t"]),
+                           part["t"] + f_run * (1.0 + run["t"]))
     if "e" in part:
         out["e"] = f_run * (run["e"] + run["s"] * dm_run) + f_part * (part["e"] + part["s"] * dm_part)
     if "s2" in part:
@@ -131,7 +145,7 @@ def _merge(run: dict, part: dict) -> dict:
 def _empty_state(rows, p: StatsProblem, device, acc):
     neg_inf = torch.full((rows,), -math.inf, device=device, dtype=acc)
     zero = torch.zeros(rows, device=device, dtype=acc)
-    st = {"m": neg_inf, "s": zero}
+    st = {"m": neg_inf, "s": zero, "t": zero}
     if p.want_entropy:
         st["e"] = zero
     if p.want_extras:
@@ -176,9 +190,17 @@ def _rounding_residual(lse, m, log_s):
     return torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))
 
 
+def _log_s(state: dict) -> torch.Tensor:
+    """log s = log1p(t) (s = 1 + t keeps the digits of a confident row); log s itself for an empty row
+    (m = -inf) or a non-finite s (NaN or inf inputs), as the CUDA kernels do."""
+    s, m = state["s"], state["m"]
+    direct = torch.isneginf(m) | ~torch.isfinite(s)
+    return torch.where(direct, torch.log(s), torch.log1p(state["t"]))
+
+
 def _finalize(state: dict, zy, tgt, p: StatsProblem, vocab: int, max_before=None) -> dict:
     """Per-row statistics (problem.py) from the merged partial sums of all vocabulary columns."""
-    log_s = torch.log(state["s"])
+    log_s = _log_s(state)
     lse = state["m"] + log_s
     out = {"lse": lse, "lse_lo": _rounding_residual(lse, state["m"], log_s)}
     if tgt is not None:
@@ -305,15 +327,22 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0,
         if p.jsd_beta is not None:
             inner = inner + coef[COEF_LOGM] * _log_mixture(logq, logpt, p.jsd_beta)
     dz = q * inner
+    if tgt is not None:
+        # The target column: a + q inner = (a + inner) + inner (q - 1) with q - 1 = expm1(log q), exact to
+        # rounding. For log-probability terms a + inner cancels exactly (a = -c0), so a confident row keeps
+        # the digits of 1 - q_y (1e-4 in fp32 would otherwise carry q's rounding, 6e-8, as 6e-4 relative).
+        inside = (tgt >= v0) & (tgt < v1)
+        idx = torch.where(inside, tgt - v0, torch.zeros_like(tgt))[:, None]
+        a = coeffs[COEF_ONEHOT]
+        logq_y = logq.gather(1, idx).squeeze(1)
+        inner_y = inner.expand_as(logq).gather(1, idx).squeeze(1)
+        q_y = q.gather(1, idx).squeeze(1)
+        at_y = torch.where(q_y != 0, (a + inner_y) + inner_y * torch.expm1(logq_y), q_y * inner_y + a)
+        dz = dz.scatter(1, idx, torch.where(inside, at_y, dz.gather(1, idx).squeeze(1))[:, None])
     if zt is not None and p.want_kl_fwd:
         dz = dz + coef[COEF_TEACHER_PROB] * torch.exp(logpt)
     if p.want_mean_logit:
         dz = dz + coef[COEF_UNIFORM]
-    if tgt is not None:
-        inside = (tgt >= v0) & (tgt < v1)
-        idx = torch.where(inside, tgt - v0, torch.zeros_like(tgt))
-        add = torch.where(inside, coeffs[COEF_ONEHOT], torch.zeros_like(coeffs[COEF_ONEHOT]))
-        dz = dz.scatter_add(1, idx[:, None], add[:, None])
     tf = p.transform
     scale = tf.logit_scale / tf.temperature
     if tf.softcap is not None:
@@ -437,6 +466,9 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         loss = loss + chunk_loss.to(acc)
         dx = logits_gradient_tile(p, z, c, zt, coeffs, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
                                   tgt, 0, v)
+        # Rows that do not enter the loss (ignored, masked) must give exact zeros: their logits may overflow
+        # exp (q = inf, times a zero coefficient = NaN) or be NaN padding.
+        dx = torch.where((coeffs != 0).any(dim=0)[:, None], dx, torch.zeros((), dtype=dx.dtype, device=dx.device))
         del z, c, zt
         if dh is not None:
             dh[rows] = dx @ w_acc

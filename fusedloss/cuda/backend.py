@@ -120,6 +120,9 @@ def availability() -> str:
         return status
     if not torch.cuda.is_available():
         return "built; no CUDA device visible"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 8:
+        return f"built for sm_80 and newer; this GPU is sm_{major}{minor}"
     return "available"
 
 

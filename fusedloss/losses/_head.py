@@ -76,6 +76,8 @@ def lm_head(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, soft
     if weight.shape[1] != hidden.shape[-1]:
         raise ValueError(f"{weight_name} has hidden size {weight.shape[1]} but {hidden_name} has "
                          f"{hidden.shape[-1]} (last dimension): they must match")
+    if hidden.shape[-1] == 0:
+        raise ValueError(f"{hidden_name} must have a hidden size of at least 1, got shape {tuple(hidden.shape)}")
     if weight.shape[0] == 0:
         raise ValueError(f"{weight_name} must have at least one vocabulary row, got shape {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
@@ -114,6 +116,9 @@ def count_or_one(count: torch.Tensor) -> torch.Tensor:
 def items_divisor(num_items_in_batch, like: torch.Tensor) -> torch.Tensor:
     """``num_items_in_batch`` (int or tensor, as trainers pass it) as a tensor on ``like``'s device."""
     if isinstance(num_items_in_batch, torch.Tensor):
-        return num_items_in_batch.to(device=like.device, dtype=like.dtype)
+        if num_items_in_batch.numel() != 1 or num_items_in_batch.is_complex():
+            raise ValueError("num_items_in_batch must be a number or a one-element real tensor, got "
+                             f"shape {tuple(num_items_in_batch.shape)} ({num_items_in_batch.dtype})")
+        return num_items_in_batch.reshape(()).to(device=like.device, dtype=like.dtype)
     v.require_real("num_items_in_batch", num_items_in_batch, nonnegative=True)
     return torch.tensor(float(num_items_in_batch), device=like.device, dtype=like.dtype)

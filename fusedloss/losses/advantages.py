@@ -30,6 +30,8 @@ def group_advantages(rewards, group_size, *, scale="group", drop_silent_groups=F
         raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
     v.require_choice("scale", scale, SCALES)
     v.require_real("eps", eps, nonnegative=True)
+    v.require_bool("unbiased", unbiased)
+    v.require_bool("drop_silent_groups", drop_silent_groups)
     if rewards.is_complex():
         raise TypeError(f"rewards must be real, got {rewards.dtype}")
     r = rewards.detach()

@@ -28,6 +28,7 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
     v.require_real("hard_weight", hard_weight)
     v.require_real("soft_weight", soft_weight)
     v.require_choice("reduction", reduction, ("batchmean", "sum", "none"))
+    v.require_bool("t_squared", t_squared)
     student = lm_head(hidden, weight, bias, temperature=temperature, backend=backend)
     teacher = lm_head(teacher_hidden, teacher_weight, teacher_bias, temperature=temperature, backend="torch",
                       hidden_name="teacher_hidden", weight_name="teacher_weight", bias_name="teacher_bias")

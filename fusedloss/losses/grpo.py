@@ -21,6 +21,7 @@ from ..types import GRPODetails
 from ._head import count_or_one, items_divisor, lm_head
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
+_NO_IGNORE_INDEX = -(2**63)  # completion ids have no ignore value: the mask says which tokens count
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -47,8 +48,14 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         raise ValueError(f"hidden must be [B, C, D] (row t predicts completion_ids[:, t]), got shape "
                          f"{tuple(hidden.shape)}")
     b, c = head.lead_shape
-    ids = head.targets("completion_ids", completion_ids, ignore_index=-100)
     mask = v.require_mask("completion_mask", completion_mask, (b, c))
+    v.require_tensor("completion_ids", completion_ids, floating=False)
+    v.require_shape("completion_ids", completion_ids, (b, c), "the leading dimensions of hidden")
+    v.require_same_device(hidden=hidden, completion_ids=completion_ids, completion_mask=completion_mask)
+    # Ids outside the mask (padding) are never read; every id inside it must be a real token.
+    valid = mask != 0
+    ids = head.targets("completion_ids", torch.where(valid, completion_ids, torch.zeros_like(completion_ids)),
+                       ignore_index=_NO_IGNORE_INDEX)
     v.require_tensor("advantages", advantages, floating=None)
     if tuple(advantages.shape) not in ((b,), (b, c)):
         raise ValueError(f"advantages must have shape ({b},) or ({b}, {c}), got {tuple(advantages.shape)}")
@@ -71,10 +78,9 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     # Tokens outside the completion mask are ignored rows of the core: no work, logprobs 0, no gradient.
     # Every per-token term is masked (not only the sum), so garbage there (an old log-prob of -inf on a
     # padded position) cannot turn the loss into NaN.
-    valid = mask.bool()
     ids = torch.where(valid.reshape(-1), ids, torch.full_like(ids, -1))
     acc = torch.float64 if head.hidden.dtype == torch.float64 else torch.float32
-    m = valid.to(acc)
+    m = mask.to(acc)  # TRL multiplies by the mask, so a fractional mask weights its tokens
     adv = advantages.to(acc)
     adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, c)
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
@@ -144,7 +150,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
                                 for t in flat_token_terms(stats.logp, slice(None)))
     else:  # GSPO: one ratio per completion
         log_ratio = token_log_ratio(stats.logp, slice(None)).reshape(b, c)
-        log_ratio = (log_ratio.sum(-1) / count_or_one(m.sum(-1))).unsqueeze(-1)
+        log_ratio = ((log_ratio * m).sum(-1) / count_or_one(m.sum(-1))).unsqueeze(-1)
         per_token, kl, ratio = token_terms(logp, log_ratio, None)
     loss = (token_weight * per_token).sum()
     if not return_details:

@@ -5,7 +5,7 @@ Forward (``statistics_forward``; ``jsd_forward`` for the JSD mixture)
     ``[BLOCK_M, BLOCK_V] = h_blk @ W_blk.T`` with ``tl.dot`` in registers (fp32 accumulation, K-loop
     over D), applies bias, logit_scale, soft-cap and temperature, folds the tile into online
     statistics relative to the running maxima and drops it. Partial statistics of each split go to
-    a small ``[11, splits, N]`` buffer that is merged exactly here, with torch ops (``_merge_splits``).
+    a small ``[12, splits, N]`` buffer that is merged exactly here, with torch ops (``_merge_splits``).
     The number of splits is chosen so that a few tokens still fill the GPU. One GEMM-sized product
     (plus one for the JSD's second pass; a teacher adds its own products of size N x V x D_t).
 
@@ -24,7 +24,7 @@ Backward, deterministic mode (``hidden_backward`` + ``weight_backward``)
     both gradients are needed, two for a frozen weight.
 
 Memory (device allocations of this module, all through ``_alloc``)
-    forward: the ``[11, splits, N]`` and ``[2, splits, N]`` partials and the ``[13, N]`` outputs;
+    forward: the ``[12, splits, N]`` and ``[2, splits, N]`` partials and the ``[13, N]`` outputs;
     backward: the gradients themselves, an fp32 ``[N, D]`` accumulator for d hidden when hidden is
     not fp32/float64, an fp32 ``[chunk, D]`` scratch for d weight when the weight is not fp32/float64,
     with ``chunk`` bounded by ``TileConfig.scratch_bytes`` (independent of V: the vocabulary is
@@ -290,8 +290,13 @@ def _merge_splits(part: torch.Tensor, slots) -> dict:
 
     m, f, dm = rebase(k["m"])
     mt, g, dmt = rebase(k["mt"])
+    # t = s - 1 without cancellation: the (first) split holding the maximum keeps its t, every other
+    # split adds all of its columns, f (1 + t) (a split tied at the maximum adds 1 + t; empty ones 0).
+    holder = k["m"].argmax(0, keepdim=True)
+    split_ids = torch.arange(k["m"].shape[0], device=m.device)[:, None]
+    t = torch.where(split_ids == holder, k["t"], f * (1.0 + k["t"])).sum(0)
     return dict(
-        m=m, s=(f * k["s"]).sum(0), e=(f * (k["e"] + k["s"] * dm)).sum(0), s2=(f * f * k["s2"]).sum(0),
+        m=m, s=(f * k["s"]).sum(0), t=t, e=(f * (k["e"] + k["s"] * dm)).sum(0), s2=(f * f * k["s2"]).sum(0),
         sz=k["sz"].sum(0), mt=mt, st=(g * k["st"]).sum(0),
         a=(f * (k["a"] + k["s"] * (dm - dmt))).sum(0), b=(g * (k["b"] + k["st"] * (dmt - dm))).sum(0),
         zy=k["zy"].sum(0), mb=k["mb"].amax(0),
@@ -321,7 +326,10 @@ def forward_statistics(p: StatsProblem) -> Statistics:
     )
     st = _merge_splits(part, k.slots)
     o = Statistics(*out.unbind(0))
-    log_s = torch.log(st["s"])
+    # log s = log1p(t), s = 1 + t: a confident row keeps the digits of t (torch_backend._log_s); log s
+    # itself for an empty row (m = -inf) or a non-finite s.
+    direct = torch.isneginf(st["m"]) | ~torch.isfinite(st["s"])
+    log_s = torch.where(direct, torch.log(st["s"]), torch.log1p(st["t"]))
     o.lse.copy_(st["m"] + log_s)
     norm = _normaliser(o.lse, st["m"], log_s)
     if p.targets is not None:

@@ -21,7 +21,7 @@ import triton.language as tl
 from .tile_math import P_T_SCALE, logits_tile, max_before_target, online_update
 
 # Slots of the partial-statistics buffer part[slot, split, row] (tile_math.online_update's names).
-SLOTS = ("m", "s", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb")
+SLOTS = ("m", "s", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb", "t")
 
 
 @triton.jit
@@ -47,7 +47,7 @@ def statistics_forward_kernel(
 
     neg_inf = tl.full((BLOCK_M,), float("-inf"), ACC)
     zero = tl.zeros((BLOCK_M,), ACC)
-    m, s, e, s2, sz, zy = neg_inf, zero, zero, zero, zero, zero
+    m, s, t_sum, e, s2, sz, zy = neg_inf, zero, zero, zero, zero, zero, zero
     mt, st, a, b = neg_inf, zero, zero, zero
     mb = neg_inf
 
@@ -66,8 +66,8 @@ def statistics_forward_kernel(
                     zt, ct = logits_tile(th_ptr, stride_th, tw_ptr, stride_tw, tb_ptr, params_ptr, rows, row_mask,
                                          cols, col_mask, DT, P_T_SCALE, HAS_TEACHER_BIAS, HAS_TEACHER_SOFTCAP,
                                          BLOCK_M, BLOCK_V, BLOCK_K, ACC, PRECISION)
-                zy, m, s, e, s2, sz, mt, st, a, b = online_update(
-                    z, zt, zy, tgt, cols, col_mask, m, s, e, s2, sz, mt, st, a, b,
+                zy, m, s, t_sum, e, s2, sz, mt, st, a, b = online_update(
+                    z, zt, zy, tgt, cols, col_mask, m, s, t_sum, e, s2, sz, mt, st, a, b,
                     HAS_TEACHER, WANT_E, WANT_S2, WANT_SZ, HAS_TARGETS)
                 if WANT_TOP1:
                     mb = tl.maximum(mb, max_before_target(z, tgt, cols))
@@ -85,3 +85,4 @@ def statistics_forward_kernel(
     tl.store(out + 8 * plane, b, mask=row_mask)
     tl.store(out + 9 * plane, zy, mask=row_mask)
     tl.store(out + 10 * plane, mb, mask=row_mask)
+    tl.store(out + 11 * plane, t_sum, mask=row_mask)

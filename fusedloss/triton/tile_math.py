@@ -59,6 +59,20 @@ def logaddexp(x, y):
 
 
 @triton.jit
+def expm1(x):
+    """e^x - 1 to a few ulp without libdevice (the CPU interpreter has none): with u = e^x rounded,
+    (u - 1) x / log u cancels the rounding of u (Kahan); x itself where u == 1, -1 where u - 1 == -1,
+    and u where u is infinite. Called on float64 values (fp32 ``tl.exp``/``tl.log`` are approximate on
+    NVIDIA GPUs, and log u near 1 is exactly where their error is largest)."""
+    u = tl.exp(x)
+    um1 = u - 1.0
+    plain = (um1 == 0.0) | (um1 == -1.0) | (u == float("inf"))
+    log_u = tl.where(plain, 1.0, tl.log(u))
+    kahan = um1 * (x / log_u)
+    return tl.where(um1 == 0.0, x, tl.where(plain, um1, kahan))
+
+
+@triton.jit
 def logits_tile(h_ptr, stride_h, w_ptr, stride_w, b_ptr, params_ptr, rows, row_mask, cols, col_mask, D,
                 P_OFF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -101,7 +115,7 @@ def rebase(m_old, tile_max):
 
 
 @triton.jit
-def online_update(z, zt, zy, tgt, cols, col_mask, m, s, e, s2, sz, mt, st, a, b,
+def online_update(z, zt, zy, tgt, cols, col_mask, m, s, t, e, s2, sz, mt, st, a, b,
                   HAS_TEACHER: tl.constexpr, WANT_E: tl.constexpr, WANT_S2: tl.constexpr, WANT_SZ: tl.constexpr,
                   HAS_TARGETS: tl.constexpr):
     """Fold one tile into the running statistics, all relative to the running maxima
@@ -109,14 +123,22 @@ def online_update(z, zt, zy, tgt, cols, col_mask, m, s, e, s2, sz, mt, st, a, b,
 
         s = sum e^(z-m)        e = sum e^(z-m) (z-m)        s2 = sum e^(2(z-m))       sz = sum z
         st = sum e^(zt-mt)     a = sum e^(z-m) ((z-m) - (zt-mt))      b = sum e^(zt-mt) ((zt-mt) - (z-m))
+        t = s - 1, the sum without the running maximum column's own e^0 = 1 (log s = log1p(t))
 
-    and the target logit zy. Terms with e^(.) = 0 (padded columns) are dropped explicitly:
-    0 * -inf would be NaN."""
-    m_new, f, dm, m_sub = rebase(m, tl.max(z, axis=1))
+    and the target logit zy. t never cancels: when the tile holds a new (strictly larger) maximum, the
+    old columns become f (1 + t) and the tile's first maximum column is left out of its sum; otherwise
+    every column of the tile is added (a column tied with the running maximum adds exactly 1).
+    Terms with e^(.) = 0 (padded columns) are dropped explicitly: 0 * -inf would be NaN."""
+    tile_max = tl.max(z, axis=1)
+    m_new, f, dm, m_sub = rebase(m, tile_max)
     zc = z - m_sub[:, None]
     ez = tl.exp(zc)
     s_old = s
     s = f * s + tl.sum(ez, axis=1)
+    new_max = tile_max > m
+    first_max = tl.min(tl.where(z == tile_max[:, None], cols[None, :], 2147483647), axis=1)
+    left_out = new_max[:, None] & (cols[None, :] == first_max[:, None])
+    t = tl.where(new_max, f * (1.0 + t), t) + tl.sum(tl.where(left_out, 0.0, ez), axis=1)
     if WANT_E:
         e = f * (e + s_old * dm) + tl.sum(tl.where(ez > 0, ez * zc, 0.0), axis=1)
     if WANT_S2:
@@ -135,7 +157,7 @@ def online_update(z, zt, zy, tgt, cols, col_mask, m, s, e, s2, sz, mt, st, a, b,
         mt = mt_new
     if HAS_TARGETS:
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
-    return zy, m_new, s, e, s2, sz, mt, st, a, b
+    return zy, m_new, s, t, e, s2, sz, mt, st, a, b
 
 
 @triton.jit
@@ -190,14 +212,25 @@ def logits_gradient(z, c, zt, lse, lse_lo, lse_t, lse_t_lo, tgt, cols, col_mask,
         if HAS_JSD:
             log_m = logaddexp(logq + tl.load(params_ptr + P_LOG1M_BETA), logpt + tl.load(params_ptr + P_LOG_BETA))
             inner += c4[:, None] * log_m
-    dz = tl.exp(logq) * inner
+    q = tl.exp(logq)
+    dz = q * inner
+    if HAS_TARGETS:
+        # The target column: a + q inner = (a + inner) + inner (q - 1) with q - 1 = expm1(log q). For
+        # log-probability terms a + inner cancels exactly (a = -c0), so a confident row keeps the digits
+        # of 1 - q_y (1e-4 in fp32 would otherwise carry q's rounding, 6e-8, as 6e-4 relative). Formed
+        # per row ([BLOCK_M]) on the gathered target column, with expm1 in float64.
+        is_y = cols[None, :] == tgt[:, None]
+        logq_y = tl.sum(tl.where(is_y, logq, 0.0), axis=1)
+        inner_y = tl.sum(tl.where(is_y, inner, 0.0), axis=1)
+        q_y = tl.sum(tl.where(is_y, q, 0.0), axis=1)
+        qm1_y = expm1(logq_y.to(tl.float64)).to(logq_y.dtype)
+        at_y = tl.where(q_y != 0.0, (a + inner_y) + inner_y * qm1_y, q_y * inner_y + a)
+        dz = tl.where(is_y, at_y[:, None], dz)
     if HAS_TEACHER:
         if HAS_KL_FWD:
             dz += c3[:, None] * tl.exp(logpt)
     if HAS_MEAN_LOGIT:
         dz += c5[:, None]
-    if HAS_TARGETS:
-        dz += tl.where(cols[None, :] == tgt[:, None], a[:, None], 0.0)
     dx_scale = tl.load(params_ptr + P_DX_SCALE)
     if HAS_SOFTCAP:
         r = c / tl.load(params_ptr + P_CAP)

@@ -1,0 +1,112 @@
+"""Regressions from review: inputs at the edges of what trainers pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fusedloss
+from fusedloss import reference
+from fusedloss.core import backends
+
+
+def _rel(a, b):
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "distillation_loss", "grpo_loss"])
+def test_ignored_rows_with_huge_logits_give_finite_gradients(backend, op, monkeypatch):
+    """Ignored / masked rows must not contribute, even when exp of their logits overflows (inf * 0 = NaN)."""
+    g = torch.Generator().manual_seed(0)
+    n, d, v = 6, 8, 37
+    h = torch.randn(n, d, generator=g)
+    h[2] *= 300.0  # this row is ignored / masked below: its logits reach ~1e3
+    h[4] *= 100.0
+    w = torch.randn(v, d, generator=g)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[2] = y[4] = -100
+    for eager in ("1", "0"):
+        monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        if op == "cross_entropy":
+            loss = fusedloss.cross_entropy(hh, ww, y, temperature=0.3, backend=backend)
+        elif op == "distillation_loss":
+            loss = fusedloss.distillation_loss(hh, ww, h.nan_to_num(), w, y, beta=0.5, backend=backend)
+        else:
+            mask = (y >= 0).reshape(2, 3)
+            loss = fusedloss.grpo_loss(hh.reshape(2, 3, d), ww, y.clamp(min=0).reshape(2, 3), torch.tensor([1.0, -1.0]),
+                                       mask, temperature=0.3, backend=backend)
+        loss.backward()
+        assert torch.isfinite(loss), (op, eager)
+        assert torch.isfinite(ww.grad).all(), (op, eager)
+        assert torch.isfinite(hh.grad).all(), (op, eager)
+        assert (hh.grad[[2, 4]] == 0).all(), (op, eager)
+
+
+def test_grpo_ids_outside_the_mask_are_never_read_and_inside_must_be_tokens(backend):
+    g = torch.Generator().manual_seed(1)
+    h, w = torch.randn(2, 3, 5, generator=g, dtype=torch.float64), torch.randn(11, 5, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 11, (2, 3), generator=g)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
+    adv = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    padded = ids.clone()
+    padded[~mask] = -1  # pad ids outside the vocabulary, outside the mask: fine
+    a = fusedloss.grpo_loss(h, w, padded, adv, mask, backend=backend)
+    b = fusedloss.grpo_loss(h, w, ids, adv, mask, backend=backend)
+    assert _rel(a, b) < 1e-12
+    bad = ids.clone()
+    bad[0, 0] = -100  # inside the mask: not a token
+    with pytest.raises(ValueError, match="completion_ids"):
+        fusedloss.grpo_loss(h, w, bad, adv, mask, backend=backend)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
+def test_grpo_fractional_mask_weights_tokens_like_trl(backend, level, loss_type):
+    """TRL multiplies per-token terms by the mask (tool masks, partial credit): a 0.5 weighs half."""
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(2, 4, 6, generator=g, dtype=torch.float64).requires_grad_()
+    w = torch.randn(13, 6, generator=g, dtype=torch.float64)
+    ids = torch.randint(0, 13, (2, 4), generator=g)
+    mask = torch.tensor([[1.0, 0.5, 0.25, 0.0], [1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
+    adv = torch.tensor([0.7, -0.3], dtype=torch.float64)
+    old = torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.1 - 2.0
+    kw = dict(old_logprobs=old, loss_type=loss_type, importance_sampling_level=level, return_details=True)
+    loss, det = fusedloss.grpo_loss(h, w, ids, adv, mask, backend=backend, **kw)
+    ref_loss, ref_det = reference.grpo_loss(h, w, ids, adv, mask, **kw)
+    assert _rel(loss, ref_loss) < 1e-12
+    assert _rel(torch.autograd.grad(loss, h)[0], torch.autograd.grad(ref_loss, h)[0]) < 1e-10
+    # TRL by hand, token level: bnpo = sum(mask * l) / sum(mask)
+    if level == "token" and loss_type == "bnpo":
+        logp = reference.token_logprobs(h, w, ids)
+        r = torch.exp(logp - old)
+        a = adv[:, None]
+        l = -torch.minimum(r * a, r.clamp(0.8, 1.2) * a)
+        assert _rel(loss, (l * mask).sum() / mask.sum()) < 1e-12
+
+
+def test_num_items_in_batch_tensor_must_be_one_number():
+    h, w, y = torch.randn(3, 4), torch.randn(7, 4), torch.tensor([1, 2, 3])
+    loss = fusedloss.cross_entropy(h, w, y, num_items_in_batch=torch.tensor([5]))
+    assert loss.shape == ()
+    with pytest.raises(ValueError, match="num_items_in_batch"):
+        fusedloss.cross_entropy(h, w, y, num_items_in_batch=torch.tensor([5, 6]))
+
+
+def test_zero_hidden_size_is_a_clear_error():
+    with pytest.raises(ValueError, match="hidden"):
+        fusedloss.token_logprobs(torch.randn(3, 0), torch.randn(7, 0), torch.tensor([1, 2, 3]))
+
+
+def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU, CPU tensors are the case to check: covered by the device script")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+        backends.resolve("triton", torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name,kwargs", [("unbiased", {"unbiased": 1}), ("drop_silent_groups", {"drop_silent_groups": "yes"})])
+def test_group_advantages_flags_are_bools(name, kwargs):
+    with pytest.raises(TypeError, match=name):
+        fusedloss.group_advantages(torch.tensor([0.0, 1.0]), 2, **kwargs)
