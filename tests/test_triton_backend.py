@@ -93,6 +93,14 @@ def _logits(h, w, b, tf: LogitTransform, dtype):
     return c / tf.temperature
 
 
+def _log_softmax_log1p(z):
+    """log-softmax with log s = log1p(t), t the sum without the (first) maximum's own 1: log_softmax rounds
+    log(1 + t) to 0 for t < 1e-16 and so loses the entropy of extremely peaked rows (-q log q ~ t)."""
+    m = z.amax(1, keepdim=True)
+    t = torch.exp(z - m).scatter(1, z.argmax(1, keepdim=True), 0.0).sum(1, keepdim=True)
+    return (z - m) - torch.log1p(t)
+
+
 def brute_force(p: StatsProblem, dtype=torch.float64, h=None, w=None, b=None) -> dict:
     """Every statistic of problem.py from the materialised logits, in ``dtype`` (float64: the ground
     truth; fp16: the naive same-dtype computation). Differentiable in h, w, b."""
@@ -103,7 +111,7 @@ def brute_force(p: StatsProblem, dtype=torch.float64, h=None, w=None, b=None) ->
     n, v = z.shape
     zero = torch.zeros(n, dtype=dtype, device=z.device)
     out = dict.fromkeys(Statistics._fields, zero)
-    logq = torch.log_softmax(z, dim=1)
+    logq = _log_softmax_log1p(z)
     q = logq.exp()
     out["lse"] = torch.logsumexp(z, dim=1)
     if p.targets is not None:
@@ -119,7 +127,7 @@ def brute_force(p: StatsProblem, dtype=torch.float64, h=None, w=None, b=None) ->
         out["mean_logit"] = z.mean(1)
     if p.has_teacher:
         zt = _logits(p.teacher_hidden, p.teacher_weight, p.teacher_bias, p.teacher_transform, dtype)
-        logpt = torch.log_softmax(zt, dim=1)
+        logpt = _log_softmax_log1p(zt)
         pt = logpt.exp()
         out["lse_t"] = torch.logsumexp(zt, dim=1)
         if p.want_kl_rev:

@@ -48,9 +48,9 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         raise ValueError(f"hidden must be [B, C, D] (row t predicts completion_ids[:, t]), got shape "
                          f"{tuple(hidden.shape)}")
     b, c = head.lead_shape
-    mask = v.require_mask("completion_mask", completion_mask, (b, c))
     v.require_tensor("completion_ids", completion_ids, floating=False)
     v.require_shape("completion_ids", completion_ids, (b, c), "the leading dimensions of hidden")
+    mask = v.require_mask("completion_mask", completion_mask, (b, c))
     v.require_same_device(hidden=hidden, completion_ids=completion_ids, completion_mask=completion_mask)
     # Ids outside the mask (padding) are never read; every id inside it must be a real token.
     valid = mask != 0

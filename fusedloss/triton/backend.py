@@ -34,7 +34,10 @@ Memory (device allocations of this module, all through ``_alloc``)
 Precision
     Products of fp32 inputs use ``input_precision="ieee"`` unless PyTorch allows TF32
     (``torch.backends.cuda.matmul.allow_tf32``); ``FUSEDLOSS_TRITON_FP32_PRECISION`` (ieee, tf32,
-    tf32x3) overrides. Float64 inputs accumulate in float64. bf16/fp16 inputs: logits and all sums
+    tf32x3) overrides. Float64 inputs accumulate in float64. Confident rows (1 - q_y down to 1e-4 in
+    fp32) keep their digits as in the CUDA kernels: the forward carries t = s - 1 and takes
+    log s = log1p(t), and the backward forms the target column's a + q_y inner as
+    (a + inner) + inner expm1(log q_y) (``tile_math.logits_gradient``). bf16/fp16 inputs: logits and all sums
     in fp32, dx rounded to the input dtype only as an operand of the two backward products.
 
 No sequence length is a compile-time constant: N, V and D are runtime arguments, only the block
