@@ -22,9 +22,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from fusedloss.cuda import backend as cuda
+from fusedloss.losses import dpo as dpo_module
+from fusedloss.losses import grpo as grpo_module
 
 pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
 
@@ -44,27 +45,12 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype, what: str) -> None:
 # GRPO
 # ------------------------------------------------------------------------------------------------
 def ref_token_terms(logp, old, adv, ref, weights, valid, *, loss_type, epsilon_low, eps_high, delta, beta):
-    """fusedloss/losses/grpo.py's token_log_ratio + token_terms, verbatim (flat [T] tensors)."""
+    """fusedloss/losses/grpo.py's token log-ratio and token_terms (the definition), on flat [T] tensors."""
     old_rows = logp.detach() if old is None else old
     log_ratio = torch.where(valid, logp - old_rows, torch.zeros_like(logp))
-    zero = torch.zeros_like(logp)
-    ok, a = valid, adv
-    ratio = torch.exp(log_ratio)
-    if loss_type == "cispo":
-        loss = -torch.clamp(ratio, max=eps_high).detach() * a * logp
-    else:
-        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high)
-        if delta is not None:
-            ratio = torch.clamp(ratio, max=delta)
-        loss = -torch.min(ratio * a, clipped * a)
-    if weights is not None:
-        loss = loss * weights
-    kl = None
-    if beta != 0:
-        ref_gap = torch.where(ok, ref - logp, zero)
-        kl = torch.exp(ref_gap) - ref_gap - 1
-        loss = loss + beta * kl
-    return torch.where(ok, loss, zero), kl, ratio
+    return grpo_module.token_terms(logp, log_ratio, adv, valid, ref_logprobs=ref, weights=weights,
+                                   loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=eps_high, delta=delta,
+                                   beta=beta)
 
 
 VARIANTS = {
@@ -198,18 +184,9 @@ def test_grpo_token_loss_empty():
 # DPO
 # ------------------------------------------------------------------------------------------------
 def ref_dpo(chosen_logps, rejected_logps, ref_c, ref_r, n_c, n_r, *, loss_type, beta, label_smoothing):
-    """fusedloss/losses/dpo.py's per-pair formulas, verbatim (n already max(1, count))."""
-    u_chosen = chosen_logps - ref_c
-    u_rejected = rejected_logps - ref_r
-    delta = u_chosen - u_rejected
-    e = label_smoothing
-    if loss_type == "sigmoid":
-        return -(1 - e) * F.logsigmoid(beta * delta) - e * F.logsigmoid(-beta * delta)
-    if loss_type == "robust":
-        return (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
-    if loss_type == "hinge":
-        return torch.relu(1 - beta * delta)
-    return (u_chosen / n_c - u_rejected / n_r - 1 / (2 * beta)) ** 2
+    """fusedloss/losses/dpo.py's pair_losses (the definition); n already max(1, count)."""
+    return dpo_module.pair_losses(chosen_logps - ref_c, rejected_logps - ref_r, n_c, n_r, loss_type=loss_type,
+                                  beta=beta, label_smoothing=label_smoothing)
 
 
 def dpo_data(dtype, seed=0, b=23):

@@ -24,9 +24,10 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import fusedloss
+from fusedloss.losses import dpo as dpo_module
+from fusedloss.losses import grpo as grpo_module
 from conftest import make_head, rel_err
 
 triton_backend = pytest.importorskip("fusedloss.triton.backend")
@@ -56,42 +57,21 @@ def assert_close(actual, expected, dtype, what):
 
 
 def grpo_terms(logp, old, adv, ref, w, valid, *, loss_type, epsilon_low, epsilon_high, delta, beta):
-    """grpo.py's token_log_ratio + token_terms (token level), op for op."""
+    """grpo.py's token log-ratio and token_terms (the definition), token level; kl zeros when beta == 0."""
     eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    zero = torch.zeros_like(logp)
     old_rows = logp.detach() if old is None else old
-    log_ratio = torch.where(valid, logp - old_rows, zero)
-    ratio = torch.exp(log_ratio)
-    if loss_type == "cispo":
-        loss = -torch.clamp(ratio, max=eps_high).detach() * adv * logp
-    else:
-        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high)
-        if delta is not None:
-            ratio = torch.clamp(ratio, max=delta)
-        loss = -torch.min(ratio * adv, clipped * adv)
-    if w is not None:
-        loss = loss * w
-    kl = zero
-    if beta != 0:
-        ref_gap = torch.where(valid, ref - logp, zero)
-        kl = torch.exp(ref_gap) - ref_gap - 1
-        loss = loss + beta * kl
-    return torch.where(valid, loss, zero), kl, ratio
+    log_ratio = torch.where(valid, logp - old_rows, torch.zeros_like(logp))
+    loss, kl, ratio = grpo_module.token_terms(logp, log_ratio, adv, valid, ref_logprobs=ref, weights=w,
+                                              loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=eps_high,
+                                              delta=delta, beta=beta)
+    return loss, torch.zeros_like(logp) if kl is None else kl, ratio
 
 
 def dpo_terms(chosen, rejected, ref_c, ref_r, n_c, n_r, *, loss_type, beta, label_smoothing):
-    """dpo.py's per-pair losses, op for op (n: completion token counts)."""
-    u_chosen, u_rejected = chosen - ref_c, rejected - ref_r
-    delta = u_chosen - u_rejected
-    e = label_smoothing
-    if loss_type == "sigmoid":
-        return -(1 - e) * F.logsigmoid(beta * delta) - e * F.logsigmoid(-beta * delta)
-    if loss_type == "robust":
-        return (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
-    if loss_type == "hinge":
-        return torch.relu(1 - beta * delta)
+    """dpo.py's pair_losses (the definition); n: completion token counts."""
     n_c, n_r = n_c.to(chosen.dtype).clamp(min=1), n_r.to(chosen.dtype).clamp(min=1)
-    return (u_chosen / n_c - u_rejected / n_r - 1 / (2 * beta)) ** 2
+    return dpo_module.pair_losses(chosen - ref_c, rejected - ref_r, n_c, n_r, loss_type=loss_type, beta=beta,
+                                  label_smoothing=label_smoothing)
 
 
 # ------------------------------------------------------------------------------------------------------

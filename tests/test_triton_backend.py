@@ -273,7 +273,6 @@ def test_float16_no_worse_than_naive_float16(name):
 def test_tile_and_split_layout_does_not_change_the_result():
     """One vocabulary split per row block, many splits, tiles wider than V: the same numbers."""
     p = build(CASES["teacher"], torch.float64)
-    grad = cotangents(p)
     expected = brute_force(p)
     for fields in (dict(target_programs=1), dict(target_programs=64), dict(block_v=64, block_m=32, block_k=32)):
         with triton_backend.override_config(**fields):

@@ -356,7 +356,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     so no full-size fp32 [V, D] buffer is ever held (only the [VOCAB_TILE, D] one of the current tile)."""
     acc = p.acc_dtype
     h_all, w = p.hidden, p.weight
-    n, v = h_all.shape[0], w.shape[0]
+    v = w.shape[0]
     dh = torch.zeros(h_all.shape, device=h_all.device, dtype=acc) if needs.hidden else None
     dw = torch.empty_like(w) if needs.weight else None
     db = torch.empty_like(p.bias) if needs.bias else None

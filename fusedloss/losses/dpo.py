@@ -48,24 +48,30 @@ def dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, *, be
     chosen_logps, rejected_logps = seq_logps[:pairs], seq_logps[pairs:]
     u_chosen = chosen_logps - ref_chosen_logps.to(acc)
     u_rejected = rejected_logps - ref_rejected_logps.to(acc)
-    delta = u_chosen - u_rejected
-    e = label_smoothing
+    n = count_or_one(head.unflatten(tgt >= 0).sum(-1).to(acc))  # completion tokens, for ipo
     fused = None if torch.compiler.is_compiling() else getattr(backends.get(head.backend), "dpo_pair_loss", None)
-    if fused is not None:  # GPU backends: the per-pair math below in one launch (tested against it)
-        n = count_or_one(head.unflatten(tgt >= 0).sum(-1).to(acc))
+    if fused is not None:  # GPU backends: pair_losses in one launch (tested against it)
         losses = fused(chosen_logps, rejected_logps, ref_chosen_logps.to(acc), ref_rejected_logps.to(acc),
-                       n[:pairs], n[pairs:], loss_type=loss_type, beta=beta, label_smoothing=e)
-    elif loss_type == "sigmoid":
-        losses = -(1 - e) * F.logsigmoid(beta * delta) - e * F.logsigmoid(-beta * delta)
-    elif loss_type == "robust":
-        losses = (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
-    elif loss_type == "hinge":
-        losses = torch.relu(1 - beta * delta)
-    else:  # ipo: length-normalised log-ratios
-        n = count_or_one(head.unflatten(tgt >= 0).sum(-1).to(acc))
-        losses = (u_chosen / n[:pairs] - u_rejected / n[pairs:] - 1 / (2 * beta)) ** 2
+                       n[:pairs], n[pairs:], loss_type=loss_type, beta=beta, label_smoothing=label_smoothing)
+    else:
+        losses = pair_losses(u_chosen, u_rejected, n[:pairs], n[pairs:], loss_type=loss_type, beta=beta,
+                             label_smoothing=label_smoothing)
     loss = losses.mean() if pairs else losses.sum()
     if not return_details:
         return loss
     return loss, DPODetails(chosen_logps=chosen_logps, rejected_logps=rejected_logps,
                             chosen_rewards=(beta * u_chosen).detach(), rejected_rewards=(beta * u_rejected).detach())
+
+
+def pair_losses(u_chosen, u_rejected, n_chosen, n_rejected, *, loss_type, beta, label_smoothing):
+    """Per-pair losses from the log-ratio gains u = logp - ref and the completion token counts n (>= 1).
+    The fused GPU launches are tested against this function."""
+    delta = u_chosen - u_rejected
+    e = label_smoothing
+    if loss_type == "sigmoid":
+        return -(1 - e) * F.logsigmoid(beta * delta) - e * F.logsigmoid(-beta * delta)
+    if loss_type == "robust":
+        return (-(1 - e) * F.logsigmoid(beta * delta) + e * F.logsigmoid(-beta * delta)) / (1 - 2 * e)
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * delta)
+    return (u_chosen / n_chosen - u_rejected / n_rejected - 1 / (2 * beta)) ** 2  # ipo: length-normalised

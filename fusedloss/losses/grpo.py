@@ -93,34 +93,19 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     # The loss is sum_t token_weight_t * l_t, the aggregation of the loss type written as weights.
     token_weight = _token_weights(m, loss_type, b, c, max_completion_length, num_items_in_batch, num_processes)
 
-    def token_terms(logp, log_ratio, rows):
-        """Per-token loss, KL penalty and the (delta-capped) ratio, for tokens ``rows`` of the flat batch."""
+    def terms(logp, log_ratio, rows):
+        """token_terms for tokens ``rows`` of the flat batch (rows None: the [B, C] batch as it is)."""
         pick = (lambda t: None if t is None else t.reshape(-1)[rows]) if rows is not None else (lambda t: t)
-        zero = torch.zeros_like(logp)
-        ok, a = pick(valid), pick(adv)
-        ratio = torch.exp(log_ratio)
-        if loss_type == "cispo":
-            loss = -torch.clamp(ratio, max=eps_high).detach() * a * logp
-        else:
-            clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + eps_high)
-            if delta is not None:
-                ratio = torch.clamp(ratio, max=delta)  # TRL measures clipping on this capped ratio too
-            loss = -torch.min(ratio * a, clipped * a)
-        if weights is not None:
-            loss = loss * pick(weights)
-        kl = None
-        if beta != 0:
-            ref_gap = torch.where(ok, pick(ref) - logp, zero)
-            kl = torch.exp(ref_gap) - ref_gap - 1
-            loss = loss + beta * kl
-        return torch.where(ok, loss, zero), kl, ratio
+        return token_terms(logp, log_ratio, pick(adv), pick(valid), ref_logprobs=pick(ref), weights=pick(weights),
+                           loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=eps_high, delta=delta,
+                           beta=beta)
 
     def token_log_ratio(logp, rows):
         old_rows = logp.detach() if old is None else old.reshape(-1)[rows]
         return torch.where(valid.reshape(-1)[rows], logp - old_rows, torch.zeros_like(logp))
 
     # Token level: every token's terms depend on that token alone. GPU backends evaluate them in one fused
-    # launch (tested against token_terms above, which stays the definition); under torch.compile the
+    # launch (tested against token_terms below, which stays the definition); under torch.compile the
     # elementwise ops are left to the compiler, which fuses them itself.
     fused = None
     if importance_sampling_level == "token" and not torch.compiler.is_compiling():
@@ -128,7 +113,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
 
     def flat_token_terms(logp, rows):
         if fused is None:
-            return token_terms(logp, token_log_ratio(logp, rows), rows)
+            return terms(logp, token_log_ratio(logp, rows), rows)
         pick = (lambda t: None if t is None else t.reshape(-1)[rows])
         loss, kl, ratio = fused(logp, pick(old), pick(adv), pick(ref), pick(weights), pick(valid),
                                 loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=eps_high, delta=delta,
@@ -151,7 +136,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     else:  # GSPO: one ratio per completion
         log_ratio = token_log_ratio(stats.logp, slice(None)).reshape(b, c)
         log_ratio = ((log_ratio * m).sum(-1) / count_or_one(m.sum(-1))).unsqueeze(-1)
-        per_token, kl, ratio = token_terms(logp, log_ratio, None)
+        per_token, kl, ratio = terms(logp, log_ratio, None)
     loss = (token_weight * per_token).sum()
     if not return_details:
         return loss
@@ -179,6 +164,31 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
             clip_ratio_region=masked_mean((low | high).to(acc)),
         )
     return loss, details
+
+
+def token_terms(logp, log_ratio, advantages, valid, *, ref_logprobs=None, weights=None, loss_type, epsilon_low,
+                epsilon_high, delta, beta):
+    """The per-token math of SPEC section 5 (shapes broadcast): returns the per-token loss (0 where not
+    ``valid``), the KL penalty term (None when beta == 0) and the ratio the clip metrics read (capped by
+    delta, as TRL's coef_1). ``log_ratio`` is log r (per token, or per sequence for GSPO), already 0
+    outside ``valid``. The fused GPU launches are tested against this function."""
+    zero = torch.zeros_like(logp)
+    ratio = torch.exp(log_ratio)
+    if loss_type == "cispo":
+        loss = -torch.clamp(ratio, max=epsilon_high).detach() * advantages * logp
+    else:
+        clipped = torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:
+            ratio = torch.clamp(ratio, max=delta)  # first argument only; TRL's clip metrics read it too
+        loss = -torch.min(ratio * advantages, clipped * advantages)
+    if weights is not None:
+        loss = loss * weights
+    kl = None
+    if beta != 0:
+        ref_gap = torch.where(valid, ref_logprobs - logp, zero)
+        kl = torch.exp(ref_gap) - ref_gap - 1
+        loss = loss + beta * kl
+    return torch.where(valid, loss, zero), kl, ratio
 
 
 def _token_weights(m, loss_type, b, c, max_completion_length, num_items_in_batch, num_processes):
