@@ -304,7 +304,7 @@ def test_fp32_confident_rows_within_1e5(n, gap, tiles, request):
     needs = GradientNeeds(True, True, True)
     want = torch_backend.backward_gradients(p64, s64, coeffs, needs)
     check_grads(cuda.backward_gradients(p, s, coeffs.float(), needs), want, tol=1e-5)
-    _, eager = cuda.eager_gradients(p, lambda st, r0, r1: (st.logp.sum(), coeffs[:, r0:r1].float()), needs)
+    _, eager = cuda.eager_gradients(p, lambda st, rows: (st.logp.sum(), coeffs[:, rows].float()), needs)
     check_grads(eager, want, tol=1e-5)
 
 
@@ -382,10 +382,10 @@ def _chunk_fn_for(p: StatsProblem, coeffs64: torch.Tensor):
     """A row-local 'loss' sum(logp + entropy) whose coefficients are given (stand-in for a real loss)."""
     calls = []
 
-    def chunk_fn(stats: Statistics, r0: int, r1: int):
-        calls.append((r0, r1))
+    def chunk_fn(stats: Statistics, rows):
+        calls.append(rows)
         loss = (stats.logp + stats.entropy).sum()
-        return loss, coeffs64[:, r0:r1].to(stats.lse.dtype)
+        return loss, coeffs64[:, rows].to(stats.lse.dtype)
 
     return chunk_fn, calls
 

@@ -27,20 +27,22 @@ from . import backends
 from .problem import GradientNeeds, Statistics, StatsProblem
 from .statistics import dz_coefficients
 
-RowLoss = Callable[[Statistics, int, int], torch.Tensor]
-"""``row_loss(stats_of_rows_r0_to_r1, r0, r1) -> scalar``: the loss contribution of those rows."""
+RowLoss = Callable[[Statistics, "slice | torch.Tensor"], torch.Tensor]
+"""``row_loss(stats_of_rows, rows) -> scalar``: the loss contribution of those rows of the flattened batch;
+``rows`` is a slice or an int64 index tensor (a backend may skip ignored rows), usable to index any
+per-row tensor of the loss."""
 
 
 def _chunk_function(row_loss: RowLoss, problem: StatsProblem):
-    """Wrap a row-local loss into ``chunk_fn(stats, r0, r1) -> (chunk loss, [7, r1 - r0] coefficients)``."""
+    """Wrap a row-local loss into ``chunk_fn(stats, rows) -> (chunk loss, [7, len(rows)] coefficients)``."""
     vocab = problem.weight.shape[0]
 
-    def chunk_fn(stats: Statistics, r0: int, r1: int):
+    def chunk_fn(stats: Statistics, rows):
         with torch.enable_grad():
             leaf = torch.stack(tuple(stats)).detach().requires_grad_(True)
-            loss = row_loss(Statistics(*leaf.unbind(0)), r0, r1)
+            loss = row_loss(Statistics(*leaf.unbind(0)), rows)
             (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True, materialize_grads=True)
-        targets = None if problem.targets is None else problem.targets[r0:r1]
+        targets = None if problem.targets is None else problem.targets[rows]
         return loss.detach(), dz_coefficients(grad, leaf.detach(), problem.jsd_beta, targets, vocab)
 
     return chunk_fn

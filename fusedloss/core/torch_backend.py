@@ -444,16 +444,22 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     db = torch.zeros(v, device=p.weight.device, dtype=acc) if needs.bias else None
     w_acc = p.weight.to(acc)
     loss = torch.zeros((), device=p.hidden.device, dtype=acc)
+    # Ignored rows (prompt tokens, padding) cost nothing: chunk over the valid rows only.
+    active = None
+    if p.targets is not None and not bool((p.targets >= 0).all()):
+        active = torch.nonzero(p.targets >= 0).squeeze(1)
+    count = n if active is None else active.numel()
     step = eager_rows(p)
-    for r0 in range(0, n, step):
-        rows = slice(r0, min(n, r0 + step))
+    for r0 in range(0, count, step):
+        r1 = min(count, r0 + step)
+        rows = slice(r0, r1) if active is None else active[r0:r1]
         tgt = p.targets[rows] if p.targets is not None else None
         z, c = _student_tile(p, rows, 0, v)
         zt = _teacher_tile(p, rows, 0, v)
-        state = _merge(_empty_state(rows.stop - r0, p, z.device, acc), _tile_partials(z, zt, p))
+        state = _merge(_empty_state(r1 - r0, p, z.device, acc), _tile_partials(z, zt, p))
         zy = _gather_target(z, tgt, 0, v)[0] if tgt is not None else None
         max_before = _max_before_target(z, tgt, 0, v) if tgt is not None and p.want_extras else None
-        out = {name: torch.zeros(rows.stop - r0, device=z.device, dtype=acc) for name in Statistics._fields}
+        out = {name: torch.zeros(r1 - r0, device=z.device, dtype=acc) for name in Statistics._fields}
         out.update(_finalize(state, zy, tgt, p, v, max_before))
         if p.jsd_beta is not None:
             out["kl_qm"], kl_pm = _jsd_sums(z, zt, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
@@ -462,7 +468,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         if tgt is not None:
             valid = tgt >= 0
             out = {k: torch.where(valid, x, torch.zeros_like(x)) for k, x in out.items()}
-        chunk_loss, coeffs = chunk_fn(Statistics(**out), r0, rows.stop)
+        chunk_loss, coeffs = chunk_fn(Statistics(**out), rows)
         loss = loss + chunk_loss.to(acc)
         dx = logits_gradient_tile(p, z, c, zt, coeffs, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
                                   tgt, 0, v)

@@ -42,7 +42,7 @@ Workspace budget
 Eager (3-product) API, for ``core/eager.py``
     ``eager_gradients(problem, chunk_fn, needs) -> (loss, (d_hidden, d_weight, d_bias))``: for each row
     chunk the full ``[rows_chunk, V]`` logits are formed in the workspace, folded into the chunk's
-    statistics, and ``chunk_fn(stats, r0, r1) -> (chunk_loss, coeffs [7, r1 - r0])`` is asked for the
+    statistics, and ``chunk_fn(stats, slice(r0, r1)) -> (chunk_loss, coeffs [7, r1 - r0])`` is asked for the
     loss and the per-row coefficients (``core.statistics.dz_coefficients``); dx is formed in place and
     the gradients accumulated right away. Returns the summed loss and the gradients: d hidden and
     d bias in fp32; d weight in fp32, except for a bf16/fp16 weight whose rows all fit one chunk, which
@@ -445,7 +445,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
 # Eager: 3 products, no recompute (core/eager.py)
 # ------------------------------------------------------------------------------------------------
 def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
-    """See the module docstring. ``chunk_fn(stats, r0, r1) -> (loss, coeffs [7, r1 - r0])``."""
+    """See the module docstring. ``chunk_fn(stats, slice(r0, r1)) -> (loss, coeffs [7, r1 - r0])``."""
     if p.acc_dtype == torch.float64:
         return torch_backend.eager_gradients(p, chunk_fn, needs)
     p = _contiguous_problem(p)
@@ -482,7 +482,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         ex.fold(a)
         if p.jsd_beta is not None and p.has_teacher:
             ex.jsd(a)
-        chunk_loss, coeffs = chunk_fn(Statistics(*out.clone().unbind(0)), r0, rows.stop)
+        chunk_loss, coeffs = chunk_fn(Statistics(*out.clone().unbind(0)), slice(r0, rows.stop))
         loss = loss + chunk_loss.to(torch.float32)
         coeffs = _gate_coeffs(p, coeffs)
         if coeffs.shape != (NUM_COEFFS, m):

@@ -50,14 +50,14 @@ class LMHead:
 
     def row_local_loss(self, row_loss: eager.RowLoss, *, targets=None, teacher: Optional[TeacherHead] = None,
                        **wants) -> torch.Tensor:
-        """``row_loss(stats[r0:r1], r0, r1)`` summed over all rows, for a loss that is a weighted sum of
+        """``row_loss(stats[rows], rows)`` summed over all rows, for a loss that is a weighted sum of
         per-row terms. On the eager 3-product path when it applies (core/eager.py), else on the
         composable statistics op; both evaluate the same ``row_loss``."""
         if eager.want_eager(self.backend, self.hidden, self.weight, self.bias):
             problem = build_problem(self.hidden, self.weight, bias=self.bias, targets=targets,
                                     transform=self.transform, teacher=teacher, **wants)
             return eager.eager_loss(problem, self.backend, row_loss)
-        return row_loss(self.statistics(targets=targets, teacher=teacher, **wants), 0, self.num_rows)
+        return row_loss(self.statistics(targets=targets, teacher=teacher, **wants), slice(None))
 
     def unflatten(self, per_row: torch.Tensor) -> torch.Tensor:
         return per_row.reshape(self.lead_shape)

@@ -122,8 +122,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
 
     if importance_sampling_level == "token" and not return_details:
         # A row-local loss: eligible for the eager 3-product path.
-        def row_loss(stats, r0, r1):
-            rows = slice(r0, r1)
+        def row_loss(stats, rows):
             return (token_weight.reshape(-1)[rows] * flat_token_terms(stats.logp, rows)[0]).sum()
 
         return head.row_local_loss(row_loss, targets=ids)

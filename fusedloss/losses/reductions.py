@@ -27,10 +27,10 @@ def reduced_token_loss(head: LMHead, per_token, valid: torch.Tensor, reduction: 
     else:
         scale = None
 
-    def row_loss(stats, r0, r1):
-        total = per_token(stats, slice(r0, r1)).sum()
+    def row_loss(stats, rows):
+        total = per_token(stats, rows).sum()
         return total if scale is None else total * scale.to(total.dtype)
 
     if row_local:
         return head.row_local_loss(row_loss, **wants)
-    return row_loss(head.statistics(**wants), 0, head.num_rows)
+    return row_loss(head.statistics(**wants), slice(None))
