@@ -171,18 +171,29 @@ class TeacherHead(NamedTuple):
     softcap: Optional[float] = None
 
 
+def _op_arguments(hidden, weight, bias, targets, transform: LogitTransform, teacher: Optional[TeacherHead],
+                  want_entropy=False, want_kl_rev=False, want_kl_fwd=False, jsd_beta=None, want_mean_logit=False,
+                  want_extras=False) -> tuple:
+    """The op's flat arguments (all but ``backend``), with the teacher detached (SPEC: gradients flow to the
+    student only). Plain Python values: torch.compile traces this without meeting a user-defined class."""
+    t_hidden = t_weight = t_bias = None
+    t_temperature, t_scale, t_softcap = 1.0, 1.0, None
+    if teacher is not None:
+        t_hidden, t_weight = teacher.hidden.detach(), teacher.weight.detach()
+        t_bias = None if teacher.bias is None else teacher.bias.detach()
+        t_temperature, t_scale = float(teacher.temperature), float(teacher.logit_scale)
+        t_softcap = None if teacher.softcap is None else float(teacher.softcap)
+    return (hidden, weight, bias, targets, t_hidden, t_weight, t_bias, float(transform.temperature),
+            float(transform.logit_scale), None if transform.softcap is None else float(transform.softcap),
+            t_temperature, t_scale, t_softcap, bool(want_entropy), bool(want_kl_rev), bool(want_kl_fwd),
+            None if jsd_beta is None else float(jsd_beta), bool(want_mean_logit), bool(want_extras))
+
+
 def build_problem(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                   targets: Optional[torch.Tensor] = None, transform: LogitTransform = LogitTransform(),
                   teacher: Optional[TeacherHead] = None, **wants) -> StatsProblem:
-    """The StatsProblem of a call, with the teacher detached (SPEC: gradients flow to the student only)."""
-    if teacher is None:
-        return StatsProblem(hidden=hidden, weight=weight, bias=bias, targets=targets, transform=transform, **wants)
-    return StatsProblem(
-        hidden=hidden, weight=weight, bias=bias, targets=targets, transform=transform,
-        teacher_hidden=teacher.hidden.detach(), teacher_weight=teacher.weight.detach(),
-        teacher_bias=None if teacher.bias is None else teacher.bias.detach(),
-        teacher_transform=LogitTransform(float(teacher.temperature), float(teacher.logit_scale),
-                                         None if teacher.softcap is None else float(teacher.softcap)), **wants)
+    """The StatsProblem of a call, as the op would see it (for the eager path, which runs outside the op)."""
+    return _problem(*_op_arguments(hidden, weight, bias, targets, transform, teacher, **wants))
 
 
 def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
@@ -192,19 +203,6 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Option
                      want_extras: bool = False, backend: str = "torch") -> Statistics:
     """Differentiable per-row statistics for 2-D ``hidden`` ``[N, D]`` (validated by the caller; targets
     already mapped to -1 on ignored rows). ``backend`` is a concrete backend name, never "auto"."""
-    # Flat arguments straight to the op: no StatsProblem is built here, so torch.compile traces this
-    # function without meeting a user-defined class.
-    t_hidden = t_weight = t_bias = None
-    t_temperature, t_scale, t_softcap = 1.0, 1.0, None
-    if teacher is not None:  # frozen: gradients flow to the student only
-        t_hidden, t_weight = teacher.hidden.detach(), teacher.weight.detach()
-        t_bias = None if teacher.bias is None else teacher.bias.detach()
-        t_temperature, t_scale = float(teacher.temperature), float(teacher.logit_scale)
-        t_softcap = None if teacher.softcap is None else float(teacher.softcap)
-    stats = _statistics_op(
-        hidden, weight, bias, targets, t_hidden, t_weight, t_bias, float(transform.temperature),
-        float(transform.logit_scale), None if transform.softcap is None else float(transform.softcap),
-        t_temperature, t_scale, t_softcap, bool(want_entropy), bool(want_kl_rev), bool(want_kl_fwd),
-        None if jsd_beta is None else float(jsd_beta), bool(want_mean_logit), bool(want_extras), backend,
-    )
+    stats = _statistics_op(*_op_arguments(hidden, weight, bias, targets, transform, teacher, want_entropy,
+                                          want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit, want_extras), backend)
     return Statistics(*stats.unbind(0))
