@@ -80,9 +80,17 @@ def eager_loss(problem: StatsProblem, backend_name: str, row_loss: RowLoss) -> t
     return _EagerLoss.apply(problem.hidden, problem.weight, problem.bias, problem, backend_name, row_loss, needs)
 
 
+def pays(backend_name: str, problem: StatsProblem) -> bool:
+    """The backend's own measured policy (``eager_pays(problem)``), if it has one; else yes.
+    ``FUSEDLOSS_EAGER=1`` forces the eager path, ``0`` turns it off, unset follows the policy."""
+    if os.environ.get("FUSEDLOSS_EAGER") == "1":
+        return True
+    policy = getattr(backends.get(backend_name), "eager_pays", None)
+    return True if policy is None else bool(policy(problem))
+
+
 def want_eager(backend_name: str, hidden: torch.Tensor, weight: torch.Tensor, bias) -> bool:
-    """Use the eager path when a gradient will be asked for and the backend has one.
-    ``FUSEDLOSS_EAGER=0`` in the environment turns it off (tests run both paths)."""
+    """The eager path can apply: a gradient will be asked for and the backend has one (``pays`` decides)."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or os.environ.get("FUSEDLOSS_EAGER") == "0":
         return False
     wants_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)

@@ -56,7 +56,8 @@ class LMHead:
         if eager.want_eager(self.backend, self.hidden, self.weight, self.bias):
             problem = build_problem(self.hidden, self.weight, bias=self.bias, targets=targets,
                                     transform=self.transform, teacher=teacher, **wants)
-            return eager.eager_loss(problem, self.backend, row_loss)
+            if eager.pays(self.backend, problem):
+                return eager.eager_loss(problem, self.backend, row_loss)
         return row_loss(self.statistics(targets=targets, teacher=teacher, **wants), slice(None))
 
     def unflatten(self, per_row: torch.Tensor) -> torch.Tensor:
