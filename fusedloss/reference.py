@@ -69,13 +69,13 @@ def _gather(logq: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> t
 def _entropy(logq: torch.Tensor) -> torch.Tensor:
     """-sum_v q_v log q_v, with 0 log 0 = 0."""
     q = logq.exp()
-    return -torch.where(q > 0, q * logq, torch.zeros_like(q)).sum(-1)
+    return -torch.where(q == 0, torch.zeros_like(q), q * logq).sum(-1)  # a NaN q stays NaN
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
     """KL(a || b) = sum_v a_v (log a_v - log b_v), over the last dimension, with 0 log 0 = 0."""
     a = log_a.exp()
-    return torch.where(a > 0, a * (log_a - log_b), torch.zeros_like(a)).sum(-1)
+    return torch.where(a == 0, torch.zeros_like(a), a * (log_a - log_b)).sum(-1)  # a NaN a stays NaN
 
 
 def _as_float(x: Number) -> float:

@@ -589,3 +589,30 @@ def test_unknown_loss_type():
         cuda.grpo_token_math(x, x, x, loss_type="ppo")
     with pytest.raises(ValueError, match="loss_type"):
         cuda.dpo_pair_math(x, x, x, x, loss_type="kto")
+
+
+@pytest.mark.parametrize("eager", ["0", "1"])
+def test_public_api_edges_on_the_host_path(eager, monkeypatch):
+    """NaN padding rows stay out of d weight, and a -inf bias (masked vocabulary) gives finite statistics and
+    gradients, through the public API routed to the CUDA backend's host path, on both gradient paths."""
+    import math
+
+    import fusedloss
+    from fusedloss.core import backends
+
+    original = backends.resolve
+    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(4, 6, generator=g), torch.randn(19, 6, generator=g)
+    h[1] = float("nan")
+    hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+    fusedloss.cross_entropy(hh, ww, torch.tensor([3, -100, 7, 5]), backend="cuda").backward()
+    assert torch.isfinite(ww.grad).all() and torch.isfinite(hh.grad[[0, 2, 3]]).all()
+    b = torch.zeros(19)
+    b[4:8] = -math.inf
+    hh, ww = torch.randn(3, 6, generator=g).requires_grad_(), w.clone().requires_grad_()
+    lp, ent = fusedloss.token_logprobs(hh, ww, torch.tensor([1, 9, 12]), bias=b, return_entropy=True, backend="cuda")
+    (lp.sum() + ent.sum()).backward()
+    assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
+    assert torch.isfinite(ww.grad).all() and torch.isfinite(hh.grad).all()

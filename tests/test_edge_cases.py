@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import functools
+import math
+
 import pytest
 import torch
 
@@ -149,3 +152,80 @@ def test_forced_eager_path_matches_the_reference_across_chunks(case, monkeypatch
     assert _rel(got, want) < 1e-12
     for a, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, ref_leaves)):
         assert _rel(a, e) < 1e-10
+
+
+def test_nan_padding_rows_stay_out_of_the_weight_gradient(backend, monkeypatch):
+    """Fully masked attention rows can leave NaN hidden states in padding: ignored rows must not touch d weight."""
+    g = torch.Generator().manual_seed(5)
+    h, w = torch.randn(4, 6, generator=g), torch.randn(19, 6, generator=g)
+    h[1] = float("nan")
+    y = torch.tensor([3, -100, 7, 5])
+    for eager in ("0", "1"):
+        monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        fusedloss.cross_entropy(hh, ww, y, backend=backend).backward()
+        assert torch.isfinite(ww.grad).all(), eager
+        assert torch.isfinite(hh.grad[[0, 2, 3]]).all() and (hh.grad[1] == 0).all(), eager
+
+
+def _with_backend(backend):
+    """The public functions with ``backend`` fixed, shaped like the ``reference`` module."""
+    import types
+
+    return types.SimpleNamespace(**{name: functools.partial(getattr(fusedloss, name), backend=backend)
+                                    for name in ("token_logprobs", "cross_entropy", "distillation_loss")})
+
+
+@pytest.mark.parametrize("op", ["token_logprobs", "cross_entropy", "kl_fwd", "kl_rev", "jsd"])
+def test_minus_inf_bias_masks_vocabulary_entries(backend, op, monkeypatch):
+    """A -inf bias (vocabulary masking) gives q = 0 there: finite statistics and gradients like the reference,
+    also when a whole vocabulary tile is masked."""
+    from fusedloss.core import torch_backend
+
+    monkeypatch.setattr(torch_backend, "VOCAB_TILE", 8)
+    g = torch.Generator().manual_seed(6)
+    n, d, v = 3, 5, 40
+    h, w = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(v, d, generator=g, dtype=torch.float64)
+    b = torch.zeros(v, dtype=torch.float64)
+    b[8:16] = -math.inf  # one whole tile of the torch backend
+    b[-3:] = -math.inf
+    y = torch.tensor([1, 20, 30])
+    ht, wt = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(v, d, generator=g, dtype=torch.float64)
+
+    # The reference's autograd turns 0 * log 0 into NaN gradients; a bias of -1e4 underflows exp to exactly 0
+    # in float64 and is the same problem for it.
+    b_ref = torch.where(torch.isinf(b), torch.full_like(b, -1e4), b)
+
+    def run(m, hh, ww, b):
+        if op == "token_logprobs":
+            logp, ent = m.token_logprobs(hh, ww, y, bias=b, return_entropy=True)
+            return logp.sum() + ent.sum()
+        if op == "cross_entropy":
+            return m.cross_entropy(hh, ww, y, bias=b, label_smoothing=0.0)
+        beta = {"kl_fwd": 0.0, "kl_rev": 1.0, "jsd": 0.5}[op]
+        return m.distillation_loss(hh, ww, ht, wt, y, beta=beta, bias=b, teacher_bias=b)
+
+    for eager in ("0", "1"):
+        monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+        leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+        got = run(_with_backend(backend), *leaves, b)
+        ref_leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
+        want = run(reference, *ref_leaves, b_ref)
+        assert torch.isfinite(got), (op, eager)
+        assert _rel(got, want) < 1e-10, (op, eager)
+        for a, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, ref_leaves)):
+            assert torch.isfinite(a).all(), (op, eager)
+            assert _rel(a, e) < 1e-9, (op, eager)
+
+
+def test_grpo_kl_metric_is_a_masked_mean_even_for_one_token_completions(backend):
+    g = torch.Generator().manual_seed(7)
+    h, w = torch.randn(2, 1, 4, generator=g, dtype=torch.float64), torch.randn(9, 4, generator=g, dtype=torch.float64)
+    ids = torch.tensor([[2], [5]])
+    mask = torch.tensor([[1], [0]], dtype=torch.bool)
+    ref_lp = torch.full((2, 1), -1.0, dtype=torch.float64)
+    _, det = fusedloss.grpo_loss(h, w, ids, torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
+                                 ref_logprobs=ref_lp, beta=0.1, return_details=True, backend=backend)
+    _, want = reference.grpo_loss(h, w, ids, torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
+                                  ref_logprobs=ref_lp, beta=0.1, return_details=True)
+    assert _rel(det.kl, want.kl) < 1e-12

@@ -82,25 +82,36 @@ def _logits_tile(h, w, b, tf, acc):
     return _transform(_raw_product(h, w, acc), b, tf)
 
 
+def _finite_or_zero(m):
+    """A row maximum to subtract: 0 for a row whose every logit is -inf (masked vocabulary), so that
+    z - m stays -inf (exp 0) instead of -inf - -inf = NaN."""
+    return torch.where(torch.isneginf(m), torch.zeros_like(m), m)
+
+
+def _xlogy_terms(prob, log_ratio):
+    """prob * log_ratio, with 0 where prob == 0 (0 * -inf would be NaN); a NaN prob stays NaN."""
+    return torch.where(prob == 0, torch.zeros_like(prob), prob * log_ratio)
+
+
 def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem):
     m = z.amax(dim=1)
-    zc = z - m[:, None]
+    zc = z - _finite_or_zero(m)[:, None]
     ez = torch.exp(zc)
     # t: every column but the first maximum (whose e^0 = 1 is implicit); tied maxima still count 1 each.
     first_max = z.argmax(dim=1, keepdim=True)
     part = {"m": m, "s": ez.sum(1), "t": ez.scatter(1, first_max, 0.0).sum(1)}
     if p.want_entropy:
-        part["e"] = (ez * zc).sum(1)
+        part["e"] = _xlogy_terms(ez, zc).sum(1)
     if p.want_extras:
         part["s2"] = (ez * ez).sum(1)
     if p.want_mean_logit:
         part["sz"] = z.sum(1)
     if zt is not None:
         mt = zt.amax(dim=1)
-        ztc = zt - mt[:, None]
+        ztc = zt - _finite_or_zero(mt)[:, None]
         ezt = torch.exp(ztc)
         diff = zc - ztc
-        part.update(mt=mt, st=ezt.sum(1), a=(ez * diff).sum(1), b=(ezt * -diff).sum(1))
+        part.update(mt=mt, st=ezt.sum(1), a=_xlogy_terms(ez, diff).sum(1), b=_xlogy_terms(ezt, -diff).sum(1))
     return part
 
 
@@ -114,7 +125,7 @@ def _merge(run: dict, part: dict) -> dict:
     m = torch.maximum(run["m"], part["m"])
     f_run, f_part = _rescale(run["m"], m), _rescale(part["m"], m)
     dm_run = torch.nan_to_num(run["m"] - m, neginf=0.0)
-    dm_part = part["m"] - m
+    dm_part = torch.nan_to_num(part["m"] - m, neginf=0.0)
     out = {"m": m, "s": f_run * run["s"] + f_part * part["s"]}
     # The side holding the maximum keeps its t; the other side adds all its columns, 1 + t, rescaled
     # (all terms positive: no cancellation). On a tie the part's maximum column counts 1.
@@ -130,7 +141,7 @@ def _merge(run: dict, part: dict) -> dict:
         mt = torch.maximum(run["mt"], part["mt"])
         g_run, g_part = _rescale(run["mt"], mt), _rescale(part["mt"], mt)
         dmt_run = torch.nan_to_num(run["mt"] - mt, neginf=0.0)
-        dmt_part = part["mt"] - mt
+        dmt_part = torch.nan_to_num(part["mt"] - mt, neginf=0.0)
         out["mt"] = mt
         out["st"] = g_run * run["st"] + g_part * part["st"]
         out["a"] = f_run * (run["a"] + run["s"] * (dm_run - dmt_run)) + f_part * (
@@ -168,11 +179,6 @@ def _gather_target(z, targets_rows, v0, v1):
 def _log_mixture(logq, logp, beta):
     """log m with m = (1 - beta) q + beta p, formed in the log domain (no underflow for tiny q, p)."""
     return torch.logaddexp(logq + math.log1p(-beta), logp + math.log(beta))
-
-
-def _xlogy_terms(prob, log_ratio):
-    """prob * log_ratio, with 0 where prob == 0 (0 * -inf would be NaN)."""
-    return torch.where(prob > 0, prob * log_ratio, torch.zeros_like(prob))
 
 
 def _max_before_target(z, targets_rows, v0, v1):
@@ -321,7 +327,8 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0,
     logq = (z - lse[0][:, None]).sub_(lse[1][:, None])
     coef = coeffs[:, :, None]
     inner = coef[COEF_CONST]
-    if p.want_entropy or p.want_kl_rev or p.jsd_beta is not None:
+    log_terms = p.want_entropy or p.want_kl_rev or p.jsd_beta is not None
+    if log_terms:
         inner = inner + coef[COEF_LOGQ] * logq
     logpt = None
     if zt is not None and (p.want_kl_rev or p.want_kl_fwd or p.jsd_beta is not None):
@@ -338,7 +345,10 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0,
     dz = torch.exp(logq)
     if tgt is not None:
         q_y = dz.gather(1, idx).squeeze(1)
-    dz.mul_(inner)
+    if not log_terms:  # a per-row constant: q * c0 is 0 wherever q is
+        dz.mul_(inner)
+    else:  # 0 * (c1 * log 0) would be NaN: q_j log q_j -> 0
+        dz = _xlogy_terms(dz, inner)
     if tgt is not None:
         # The target column: a + q inner = (a + inner) + inner (q - 1) with q - 1 = expm1(log q), exact to
         # rounding. For log-probability terms a + inner cancels exactly (a = -c0), so a confident row keeps

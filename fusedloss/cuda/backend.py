@@ -490,6 +490,10 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         a.coeffs, a.coeff_stride = _ptr(coeffs), m
         dx = _dx_into(ex, a, x, ws.view(ws.dx, m, v))
         h = h_all[rows]
+        if dw is not None:
+            # dx is 0 on rows outside the loss, but 0 * NaN is not: NaN padding rows (fully masked attention)
+            # must stay out of d weight. [rows, D] of work next to the [rows, V, D] products.
+            h = torch.where((coeffs != 0).any(dim=0)[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
         if dh is not None:
             dh[rows] = _mm32(dx, w)
         if dw is not None:

@@ -141,9 +141,12 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         return loss
 
     def masked_mean(x):
-        if x.shape[1] == 1:  # sequence level: already one value per completion (TRL's convention)
-            return x.sum() / count_or_one(torch.tensor(float(x.shape[0]), dtype=acc, device=x.device))
         return (x * m).sum() / count_or_one(m.sum())
+
+    def clip_mean(x):
+        if x.shape[1] == 1:  # one value per completion (a GSPO ratio): TRL takes a plain mean
+            return x.sum() / count_or_one(torch.tensor(float(x.shape[0]), dtype=acc, device=x.device))
+        return masked_mean(x)
 
     # Shapes broadcast as in TRL: [B, 1] only for a sequence-level ratio with per-completion advantages.
     sign = advantages.to(acc).reshape(b, -1)
@@ -158,9 +161,9 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
             logprobs=logp,
             entropy=head.unflatten(stats.entropy).detach(),
             kl=None if kl is None else masked_mean(kl.detach()),
-            clip_ratio_low=masked_mean(low.to(acc)),
-            clip_ratio_high=masked_mean(high.to(acc)),
-            clip_ratio_region=masked_mean((low | high).to(acc)),
+            clip_ratio_low=clip_mean(low.to(acc)),
+            clip_ratio_high=clip_mean(high.to(acc)),
+            clip_ratio_region=clip_mean((low | high).to(acc)),
         )
     return loss, details
 

@@ -53,8 +53,8 @@ def jsd_forward_kernel(
                 log_m = logaddexp(logq + log1m_beta, logp + log_beta)
                 q = tl.exp(logq)
                 p = tl.exp(logp)
-                kl_qm += tl.sum(tl.where(q > 0, q * (logq - log_m), 0.0), axis=1)
-                kl_pm += tl.sum(tl.where(p > 0, p * (logp - log_m), 0.0), axis=1)
+                kl_qm += tl.sum(tl.where(q == 0.0, 0.0, q * (logq - log_m)), axis=1)
+                kl_pm += tl.sum(tl.where(p == 0.0, 0.0, p * (logp - log_m)), axis=1)
 
     out = part_ptr + split * N + rows
     tl.store(out, kl_qm, mask=row_mask)

@@ -75,7 +75,7 @@ def logits_backward_kernel(
                               mask=active[:, None] & d_mask[None, :], sem="relaxed")
             if NEED_WEIGHT:
                 h_blk = tl.load(h_ptr + rows64[:, None] * stride_h + ds[None, :],
-                                mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+                                mask=active[:, None] & d_mask[None, :], other=0.0)  # NaN padding rows stay out
                 dw_part = tl.dot(tl.trans(dx_in), h_blk, input_precision=PRECISION, out_dtype=ACC)
                 tl.atomic_add(dw_ptr + (cols64 - v_start)[:, None] * stride_dw + ds[None, :], dw_part,
                               mask=col_mask[:, None] & d_mask[None, :], sem="relaxed")

@@ -140,7 +140,7 @@ def online_update(z, zt, zy, tgt, cols, col_mask, m, s, t, e, s2, sz, mt, st, a,
     left_out = new_max[:, None] & (cols[None, :] == first_max[:, None])
     t = tl.where(new_max, f * (1.0 + t), t) + tl.sum(tl.where(left_out, 0.0, ez), axis=1)
     if WANT_E:
-        e = f * (e + s_old * dm) + tl.sum(tl.where(ez > 0, ez * zc, 0.0), axis=1)
+        e = f * (e + s_old * dm) + tl.sum(tl.where(ez == 0.0, 0.0, ez * zc), axis=1)
     if WANT_S2:
         s2 = f * f * s2 + tl.sum(ez * ez, axis=1)
     if WANT_SZ:
@@ -152,8 +152,8 @@ def online_update(z, zt, zy, tgt, cols, col_mask, m, s, t, e, s2, sz, mt, st, a,
         st_old = st
         st = g * st + tl.sum(ezt, axis=1)
         diff = zc - ztc
-        a = f * (a + s_old * (dm - dmt)) + tl.sum(tl.where(ez > 0, ez * diff, 0.0), axis=1)
-        b = g * (b + st_old * (dmt - dm)) - tl.sum(tl.where(ezt > 0, ezt * diff, 0.0), axis=1)
+        a = f * (a + s_old * (dm - dmt)) + tl.sum(tl.where(ez == 0.0, 0.0, ez * diff), axis=1)
+        b = g * (b + st_old * (dmt - dm)) - tl.sum(tl.where(ezt == 0.0, 0.0, ezt * diff), axis=1)
         mt = mt_new
     if HAS_TARGETS:
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
@@ -213,7 +213,7 @@ def logits_gradient(z, c, zt, lse, lse_lo, lse_t, lse_t_lo, tgt, cols, col_mask,
             log_m = logaddexp(logq + tl.load(params_ptr + P_LOG1M_BETA), logpt + tl.load(params_ptr + P_LOG_BETA))
             inner += c4[:, None] * log_m
     q = tl.exp(logq)
-    dz = q * inner
+    dz = tl.where(q == 0.0, 0.0, q * inner)  # q_j log q_j -> 0 where q_j = 0 (a -inf logit)
     if HAS_TARGETS:
         # The target column: a + q inner = (a + inner) + inner (q - 1) with q - 1 = expm1(log q). For
         # log-probability terms a + inner cancels exactly (a = -c0), so a confident row keeps the digits

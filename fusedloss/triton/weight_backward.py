@@ -60,7 +60,7 @@ def weight_backward_kernel(
                     ds = d0 + tl.arange(0, BLOCK_D)
                     d_mask = ds < D
                     h_blk = tl.load(h_ptr + rows64[:, None] * stride_h + ds[None, :],
-                                    mask=row_mask[:, None] & d_mask[None, :], other=0.0)
+                                    mask=active[:, None] & d_mask[None, :], other=0.0)  # NaN padding rows stay out
                     out = dw_ptr + (cols64 - v_start)[:, None] * stride_dw + ds[None, :]
                     out_mask = col_mask[:, None] & d_mask[None, :]
                     acc = tl.load(out, mask=out_mask, other=0.0)
