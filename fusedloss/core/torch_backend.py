@@ -173,7 +173,7 @@ def _gather_target(z, targets_rows, v0, v1):
     inside = (targets_rows >= v0) & (targets_rows < v1)
     idx = torch.where(inside, targets_rows - v0, torch.zeros_like(targets_rows))
     picked = z.gather(1, idx[:, None]).squeeze(1)
-    return torch.where(inside, picked, torch.zeros_like(picked)), inside
+    return torch.where(inside, picked, torch.zeros_like(picked))
 
 
 def _log_mixture(logq, logp, beta):
@@ -296,7 +296,7 @@ def _forward_rows(p: StatsProblem) -> Statistics:
             z, _ = _student_tile(p, rows, v0, v1)
             state = _merge(state, _tile_partials(z, _teacher_tile(p, rows, v0, v1), p))
             if tgt is not None:
-                zy = zy + _gather_target(z, tgt, v0, v1)[0]
+                zy = zy + _gather_target(z, tgt, v0, v1)
                 if p.want_extras:
                     max_before = torch.maximum(max_before, _max_before_target(z, tgt, v0, v1))
         for name, value in _finalize(state, zy, tgt, p, v, max_before).items():
@@ -483,7 +483,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         z, c = _student_tile(p, rows, 0, v)
         zt = _teacher_tile(p, rows, 0, v)
         state = _merge(_empty_state(r1 - r0, p, z.device, acc), _tile_partials(z, zt, p))
-        zy = _gather_target(z, tgt, 0, v)[0] if tgt is not None else None
+        zy = _gather_target(z, tgt, 0, v) if tgt is not None else None
         max_before = _max_before_target(z, tgt, 0, v) if tgt is not None and p.want_extras else None
         out = {name: torch.zeros(r1 - r0, device=z.device, dtype=acc) for name in Statistics._fields}
         out.update(_finalize(state, zy, tgt, p, v, max_before))

@@ -325,27 +325,29 @@ def forward_statistics(p: StatsProblem) -> Statistics:
     multi = cols_max < v
     state = torch.empty((_C.STATE_FIELDS, rows_max), device=p.hidden.device, dtype=torch.float32) if multi else None
     jsd_acc = torch.empty((2, rows_max), device=p.hidden.device, dtype=torch.float32) if multi else None
-    for r0 in range(0, n, rows_max):
-        rows = slice(r0, min(n, r0 + rows_max))
-        a = _tile_args(p, p.targets, r0, out)
-        a.state, a.state_stride = _ptr(state), rows_max
-        for v0 in range(0, v, cols_max):
-            v1 = min(v, v0 + cols_max)
-            x, xt = ws.logits(p, rows, v0, v1)
-            _set_tile(a, x, xt, v0)
-            a.first, a.last = v0 == 0, v1 == v
-            ex.fold(a)
-    if p.jsd_beta is not None and p.has_teacher:
+
+    def sweep(launch, attach):
+        """One pass over all (row chunk, vocabulary tile) pairs: the fold, then (JSD) the mixture pass."""
         for r0 in range(0, n, rows_max):
             rows = slice(r0, min(n, r0 + rows_max))
             a = _tile_args(p, p.targets, r0, out)
-            a.jsd_acc, a.jsd_acc_stride = _ptr(jsd_acc), rows_max
+            attach(a)
             for v0 in range(0, v, cols_max):
                 v1 = min(v, v0 + cols_max)
                 x, xt = ws.logits(p, rows, v0, v1)
                 _set_tile(a, x, xt, v0)
                 a.first, a.last = v0 == 0, v1 == v
-                ex.jsd(a)
+                launch(a)
+
+    def with_state(a):
+        a.state, a.state_stride = _ptr(state), rows_max
+
+    def with_jsd_acc(a):
+        a.jsd_acc, a.jsd_acc_stride = _ptr(jsd_acc), rows_max
+
+    sweep(ex.fold, with_state)
+    if p.jsd_beta is not None and p.has_teacher:
+        sweep(ex.jsd, with_jsd_acc)
     return Statistics(*out.unbind(0))
 
 

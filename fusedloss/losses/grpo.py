@@ -93,9 +93,14 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     # The loss is sum_t token_weight_t * l_t, the aggregation of the loss type written as weights.
     token_weight = _token_weights(m, loss_type, b, c, max_completion_length, num_items_in_batch, num_processes)
 
+    def picker(rows):
+        """Per-token inputs restricted to ``rows`` of the flat batch (rows None: the [B, C] batch as it is)."""
+        if rows is None:
+            return lambda t: t
+        return lambda t: None if t is None else t.reshape(-1)[rows]
+
     def terms(logp, log_ratio, rows):
-        """token_terms for tokens ``rows`` of the flat batch (rows None: the [B, C] batch as it is)."""
-        pick = (lambda t: None if t is None else t.reshape(-1)[rows]) if rows is not None else (lambda t: t)
+        pick = picker(rows)
         return token_terms(logp, log_ratio, pick(adv), pick(valid), ref_logprobs=pick(ref), weights=pick(weights),
                            loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=eps_high, delta=delta,
                            beta=beta)
@@ -114,7 +119,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     def flat_token_terms(logp, rows):
         if fused is None:
             return terms(logp, token_log_ratio(logp, rows), rows)
-        pick = (lambda t: None if t is None else t.reshape(-1)[rows])
+        pick = picker(rows)
         loss, kl, ratio = fused(logp, pick(old), pick(adv), pick(ref), pick(weights), pick(valid),
                                 loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=eps_high, delta=delta,
                                 beta=beta)
