@@ -1,0 +1,194 @@
+"""The cost model: what a backend's plan for one call costs on a given GPU, without a GPU.
+
+Every GPU backend describes how it will execute a call as a ``Plan``: a list of ``Pass``es (a GEMM-sized
+product, an elementwise sweep over a workspace, a reduction ...) each with the flops it performs and the
+bytes it moves through HBM. ``evaluate`` turns a plan into a modelled time with a roofline per pass
+(``max(flops / peak, bytes / bandwidth)``, passes summed unless a pass says it overlaps the previous one)
+and compares it with the *product-count bound* of the workload: the time of the fewest GEMM-sized
+products any exact method needs for that op at the GPU's dense peak (``product_bound``).
+
+The backends' own plan functions are what the model evaluates (``fusedloss.cuda.backend.plan``,
+``fusedloss.triton.backend.plan``), and the same functions drive their run-time choices (eager or
+composable path, chunk rows, vocabulary tile), so the model and the code cannot drift apart.
+``benchmarks/cost_model.py`` is the command line over this module, and the benchmark stores the modelled
+figures beside the measured ones. See docs/design.md, "Plans and the cost model".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+# ------------------------------------------------------------------------------------------------
+# GPUs
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GPUSpec:
+    """Dense (non-sparse) throughput and memory figures. ``tflops`` maps the product's operand dtype
+    ("bfloat16", "float16", "tf32", "float32") to TFLOP/s; ``hbm_tbps`` is the *effective* bandwidth a
+    streaming kernel reaches (not the datasheet peak)."""
+
+    name: str
+    tflops: dict
+    hbm_tbps: float
+    l2_bytes: int
+    sm_count: int
+    memory_bytes: int
+
+
+GPUS = {
+    # H200 SXM: bf16 dense ~790 TFLOP/s on random data and a 4.3 TB/s device copy, as measured on the lent
+    # device by an earlier task; 4.0 TB/s is what a streaming kernel should expect.
+    "h200": GPUSpec("H200", {"bfloat16": 790.0, "float16": 790.0, "tf32": 395.0, "float32": 60.0},
+                    hbm_tbps=4.0, l2_bytes=50 * 2**20, sm_count=132, memory_bytes=141 * 10**9),
+    # A100 SXM 80 GB: 312 TFLOP/s bf16 dense (datasheet; ~280 reached), 2.0 TB/s datasheet, ~1.7 effective.
+    "a100": GPUSpec("A100", {"bfloat16": 280.0, "float16": 280.0, "tf32": 140.0, "float32": 19.5},
+                    hbm_tbps=1.7, l2_bytes=40 * 2**20, sm_count=108, memory_bytes=80 * 10**9),
+    # B200: ~2250 TFLOP/s bf16 dense (datasheet), 8 TB/s datasheet, ~7 effective.
+    "b200": GPUSpec("B200", {"bfloat16": 2000.0, "float16": 2000.0, "tf32": 1000.0, "float32": 75.0},
+                    hbm_tbps=7.0, l2_bytes=126 * 2**20, sm_count=148, memory_bytes=180 * 10**9),
+}
+
+# ------------------------------------------------------------------------------------------------
+# Workloads
+# ------------------------------------------------------------------------------------------------
+
+# What each op asks of the core, for the bound: whether the loss is known in the forward (row-local:
+# a chunk can be finished in the forward, 3 products) and whether it has a teacher head.
+OPS = {
+    "token_logprobs": dict(row_local=False, teacher=False),
+    "token_logprobs_entropy": dict(row_local=False, teacher=False),
+    "cross_entropy": dict(row_local=True, teacher=False),
+    "grpo": dict(row_local=True, teacher=False),  # token-level importance sampling
+    "grpo_sequence": dict(row_local=False, teacher=False),  # GSPO: the ratio needs the whole sequence
+    "dpo": dict(row_local=False, teacher=False),
+    "distill_reverse_kl": dict(row_local=True, teacher=True),
+    "distill_forward_kl": dict(row_local=True, teacher=True),
+    "distill_jsd": dict(row_local=True, teacher=True),
+}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One call: ``n`` tokens, hidden size ``d`` (teacher hidden size ``teacher_d``), vocabulary ``v``,
+    operand dtype, and which gradients are wanted (a frozen head: ``weight_grad=False``)."""
+
+    op: str
+    n: int
+    d: int
+    v: int
+    dtype: str = "bfloat16"
+    teacher_d: Optional[int] = None
+    hidden_grad: bool = True
+    weight_grad: bool = True
+
+    def __post_init__(self):
+        if self.op not in OPS:
+            raise ValueError(f"op must be one of {tuple(OPS)}, got {self.op!r}")
+
+    @property
+    def row_local(self) -> bool:
+        return OPS[self.op]["row_local"]
+
+    @property
+    def has_teacher(self) -> bool:
+        return OPS[self.op]["teacher"]
+
+    @property
+    def product_flops(self) -> float:
+        """One GEMM-sized student product: 2 N V D."""
+        return 2.0 * self.n * self.v * self.d
+
+    @property
+    def teacher_product_flops(self) -> float:
+        return 2.0 * self.n * self.v * (self.teacher_d or self.d) if self.has_teacher else 0.0
+
+    @property
+    def operand_bytes(self) -> int:
+        return {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[self.dtype]
+
+
+def product_bound(w: Workload) -> tuple[float, float]:
+    """(student products, teacher products) the fewest an exact method needs: the logits once, then d hidden
+    and d weight from them. A loss known in the forward can use each chunk's logits right away (1 + 2); a
+    composable one (log-probs whose loss comes later) must recompute them in the backward (1 + 1 + 2). The
+    teacher's logits are needed once per student logits formation."""
+    grads = int(w.hidden_grad) + int(w.weight_grad)
+    forms = 1 if w.row_local or grads == 0 else 2
+    teacher = forms * (2 if w.op == "distill_jsd" and not w.row_local else 1) if w.has_teacher else 0
+    return float(forms + grads), float(teacher)
+
+
+# ------------------------------------------------------------------------------------------------
+# Plans
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Pass:
+    """One step of a plan. ``flops`` at ``math`` throughput ("bfloat16", "tf32", "float32", ... or
+    "cuda_core" for elementwise work, counted at the fp32 rate), ``hbm_bytes`` read plus written.
+    ``overlaps_previous``: runs concurrently with the previous pass (second stream), so the pair costs the
+    longer of the two."""
+
+    name: str
+    flops: float = 0.0
+    hbm_bytes: float = 0.0
+    math: str = "bfloat16"
+    count: int = 1
+    overlaps_previous: bool = False
+
+
+@dataclass
+class Plan:
+    """How a backend executes one workload: its passes, the GEMM-sized products they add up to, and the
+    parameters the backend chose (chunk rows, vocabulary tile, workspace bytes, accumulators ...)."""
+
+    backend: str
+    path: str  # "eager" (3 products for a row-local loss) or "composable" (statistics op + recompute)
+    products: float
+    passes: list = field(default_factory=list)
+    params: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    flops: float
+    hbm_bytes: float
+    model_ms: float
+    bound_ms: float
+    ratio: float
+    pass_ms: dict
+
+
+def _pass_ms(p: Pass, gpu: GPUSpec) -> float:
+    rate = gpu.tflops["float32" if p.math == "cuda_core" else p.math] * 1e12
+    return p.count * max(p.flops / rate, p.hbm_bytes / (gpu.hbm_tbps * 1e12)) * 1e3
+
+
+def bound_ms(w: Workload, gpu: GPUSpec) -> float:
+    student, teacher = product_bound(w)
+    math = w.dtype if w.dtype != "float32" else "float32"
+    rate = gpu.tflops[math] * 1e12
+    return (student * w.product_flops + teacher * w.teacher_product_flops) / rate * 1e3
+
+
+def evaluate(plan: Plan, w: Workload, gpu: GPUSpec) -> Estimate:
+    total = 0.0
+    prev = 0.0
+    per_pass = {}
+    for p in plan.passes:
+        ms = _pass_ms(p, gpu)
+        per_pass[p.name] = per_pass.get(p.name, 0.0) + ms
+        if p.overlaps_previous:
+            total += max(0.0, ms - prev)
+            prev = max(ms, prev)
+        else:
+            total += ms
+            prev = ms
+    b = bound_ms(w, gpu)
+    return Estimate(flops=sum(p.flops * p.count for p in plan.passes),
+                    hbm_bytes=sum(p.hbm_bytes * p.count for p in plan.passes),
+                    model_ms=total, bound_ms=b, ratio=total / b if b else float("inf"), pass_ms=per_pass)
