@@ -489,29 +489,6 @@ _COMPILE_SCRIPT = textwrap.dedent("""
             assert compiled.metadata.shared <= 227 * 1024, (fn.__name__, compiled.metadata.shared)
             print(dtype, fn.__name__, "shared", compiled.metadata.shared)
 
-    # the fused GRPO / DPO math (token_math): every flag on, fp32 and fp64
-    from fusedloss.triton.token_math import dpo_pair_kernel, grpo_token_kernel
-    for acc in ("fp32", "fp64"):
-        for fn, variants in ((grpo_token_kernel, [dict(HAS_OLD=True, HAS_KL=True, HAS_W=True, HAS_DELTA=True,
-                                                        CISPO=c) for c in (False, True)]),
-                             (dpo_pair_kernel, [dict(KIND=k) for k in range(4)])):
-            for consts in variants:
-                consts = dict(consts, BLOCK=1024, ACC=tl.float64 if acc == "fp64" else tl.float32)
-                sig = {}
-                for name in fn.arg_names:
-                    if name in consts:
-                        sig[name] = "constexpr"
-                    elif name == "valid_ptr":
-                        sig[name] = "*u8"
-                    elif name in ("nc_ptr", "nr_ptr"):
-                        sig[name] = "*i64"
-                    elif name.endswith("_ptr"):
-                        sig[name] = "*" + acc
-                    else:
-                        sig[name] = "i32"
-                triton.compile(ASTSource(fn=fn, signature=sig, constexprs=consts), target=GPUTarget("cuda", 90, 32),
-                               options=dict(num_warps=4))
-                print(acc, fn.__name__, consts, "compiled")
 """)
 
 

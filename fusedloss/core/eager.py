@@ -10,7 +10,7 @@ is still written once), forms dz and accumulates d hidden, d weight, d bias righ
 recompute. The backward then only scales the stored gradients by the incoming scalar gradient.
 
 Backends opt in with ``eager_gradients(problem, chunk_fn, needs)``; the loss modules call
-``eager_loss`` only through ``fusedloss.losses._head.LMHead.row_local_loss``, which falls back to the
+``eager_loss`` only through ``fusedloss.losses.implicit_logits.ImplicitLogits.row_local_loss``, which falls back to the
 composable op when the backend has no eager path, when no gradient is needed, or under torch.compile
 (a Python callback cannot live inside a compiled graph; the custom op can).
 """

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as v
-from ._head import lm_head
+from .implicit_logits import implicit_logits
 from .reductions import reduced_token_loss
 
 
@@ -23,9 +23,9 @@ def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, redu
     if label_smoothing > 1:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     v.require_real("z_loss", z_loss, nonnegative=True)
-    head = lm_head(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+    logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
                    backend=backend)
-    tgt = head.targets("targets", targets, ignore_index)
+    tgt = logits.targets("targets", targets, ignore_index)
     valid = tgt >= 0
     wants = dict(targets=tgt, want_mean_logit=label_smoothing > 0)
 
@@ -37,4 +37,4 @@ def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, redu
             loss = loss + z_loss * stats.lse.square()
         return torch.where(valid[rows], loss, torch.zeros_like(loss))
 
-    return reduced_token_loss(head, per_token, valid, reduction, num_items_in_batch, **wants)
+    return reduced_token_loss(logits, per_token, valid, reduction, num_items_in_batch, **wants)

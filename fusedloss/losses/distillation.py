@@ -15,7 +15,7 @@ import torch
 
 from .. import _validation as v
 from ..core import LogitTransform, TeacherHead
-from ._head import lm_head
+from .implicit_logits import implicit_logits
 from .reductions import reduced_token_loss
 
 
@@ -29,8 +29,8 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
     v.require_real("soft_weight", soft_weight)
     v.require_choice("reduction", reduction, ("batchmean", "sum", "none"))
     v.require_bool("t_squared", t_squared)
-    student = lm_head(hidden, weight, bias, temperature=temperature, backend=backend)
-    teacher = lm_head(teacher_hidden, teacher_weight, teacher_bias, temperature=temperature, backend="torch",
+    student = implicit_logits(hidden, weight, bias, temperature=temperature, backend=backend)
+    teacher = implicit_logits(teacher_hidden, teacher_weight, teacher_bias, temperature=temperature, backend="torch",
                       hidden_name="teacher_hidden", weight_name="teacher_weight", bias_name="teacher_bias")
     if teacher.lead_shape != student.lead_shape:
         raise ValueError(f"teacher_hidden must have the leading shape of hidden {student.lead_shape}, "

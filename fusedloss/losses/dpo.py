@@ -15,9 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from .. import _validation as v
-from ..core import backends
 from ..types import DPODetails
-from ._head import count_or_one, lm_head
+from .implicit_logits import count_or_one, implicit_logits
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 
@@ -28,34 +27,29 @@ def dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, *, be
     v.require_choice("loss_type", loss_type, LOSS_TYPES)
     v.require_real("beta", beta, positive=True)
     v.require_real("label_smoothing", label_smoothing, nonnegative=True, below=0.5 if loss_type == "robust" else 1.0)
-    head = lm_head(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+    logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
                    backend=backend)
-    if len(head.lead_shape) != 2 or head.lead_shape[0] % 2:
+    if len(logits.lead_shape) != 2 or logits.lead_shape[0] % 2:
         raise ValueError("hidden must be [2B, T, D], chosen rows then rejected rows, with an even first dimension; "
                          f"got shape {tuple(hidden.shape)}")
-    two_b, t = head.lead_shape
+    two_b, t = logits.lead_shape
     pairs = two_b // 2
-    tgt = head.targets("labels", labels, ignore_index)
+    tgt = logits.targets("labels", labels, ignore_index)
     for name, ref in (("ref_chosen_logps", ref_chosen_logps), ("ref_rejected_logps", ref_rejected_logps)):
         v.require_tensor(name, ref, floating=True)
         v.require_shape(name, ref, (pairs,), "one value per pair")
     v.require_same_device(hidden=hidden, labels=labels, ref_chosen_logps=ref_chosen_logps,
                           ref_rejected_logps=ref_rejected_logps)
 
-    stats = head.statistics(targets=tgt)
-    seq_logps = head.unflatten(stats.logp).sum(-1)  # ignored tokens contribute 0
+    stats = logits.statistics(targets=tgt)
+    seq_logps = logits.unflatten(stats.logp).sum(-1)  # ignored tokens contribute 0
     acc = seq_logps.dtype
     chosen_logps, rejected_logps = seq_logps[:pairs], seq_logps[pairs:]
     u_chosen = chosen_logps - ref_chosen_logps.to(acc)
     u_rejected = rejected_logps - ref_rejected_logps.to(acc)
-    n = count_or_one(head.unflatten(tgt >= 0).sum(-1).to(acc))  # completion tokens, for ipo
-    fused = None if torch.compiler.is_compiling() else getattr(backends.get(head.backend), "dpo_pair_loss", None)
-    if fused is not None:  # GPU backends: pair_losses in one launch (tested against it)
-        losses = fused(chosen_logps, rejected_logps, ref_chosen_logps.to(acc), ref_rejected_logps.to(acc),
-                       n[:pairs], n[pairs:], loss_type=loss_type, beta=beta, label_smoothing=label_smoothing)
-    else:
-        losses = pair_losses(u_chosen, u_rejected, n[:pairs], n[pairs:], loss_type=loss_type, beta=beta,
-                             label_smoothing=label_smoothing)
+    n = count_or_one(logits.unflatten(tgt >= 0).sum(-1).to(acc))  # completion tokens, for ipo
+    losses = pair_losses(u_chosen, u_rejected, n[:pairs], n[pairs:], loss_type=loss_type, beta=beta,
+                         label_smoothing=label_smoothing)
     loss = losses.mean() if pairs else losses.sum()
     if not return_details:
         return loss
@@ -64,8 +58,7 @@ def dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, *, be
 
 
 def pair_losses(u_chosen, u_rejected, n_chosen, n_rejected, *, loss_type, beta, label_smoothing):
-    """Per-pair losses from the log-ratio gains u = logp - ref and the completion token counts n (>= 1).
-    The fused GPU launches are tested against this function."""
+    """Per-pair losses from the log-ratio gains u = logp - ref and the completion token counts n (>= 1)."""
     delta = u_chosen - u_rejected
     e = label_smoothing
     if loss_type == "sigmoid":

@@ -16,9 +16,8 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as v
-from ..core import backends
 from ..types import GRPODetails
-from ._head import count_or_one, items_divisor, lm_head
+from .implicit_logits import count_or_one, items_divisor, implicit_logits
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
 _NO_IGNORE_INDEX = -(2**63)  # completion ids have no ignore value: the mask says which tokens count
@@ -42,19 +41,19 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
                                               not isinstance(max_completion_length, int) or
                                               max_completion_length < 1):
         raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
-    head = lm_head(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+    logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
                    backend=backend)
-    if len(head.lead_shape) != 2:
+    if len(logits.lead_shape) != 2:
         raise ValueError(f"hidden must be [B, C, D] (row t predicts completion_ids[:, t]), got shape "
                          f"{tuple(hidden.shape)}")
-    b, c = head.lead_shape
+    b, c = logits.lead_shape
     v.require_tensor("completion_ids", completion_ids, floating=False)
     v.require_shape("completion_ids", completion_ids, (b, c), "the leading dimensions of hidden")
     mask = v.require_mask("completion_mask", completion_mask, (b, c))
     v.require_same_device(hidden=hidden, completion_ids=completion_ids, completion_mask=completion_mask)
     # Ids outside the mask (padding) are never read; every id inside it must be a real token.
     valid = mask != 0
-    ids = head.targets("completion_ids", torch.where(valid, completion_ids, torch.zeros_like(completion_ids)),
+    ids = logits.targets("completion_ids", torch.where(valid, completion_ids, torch.zeros_like(completion_ids)),
                        ignore_index=_NO_IGNORE_INDEX)
     v.require_tensor("advantages", advantages, floating=None)
     if tuple(advantages.shape) not in ((b,), (b, c)):
@@ -79,7 +78,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     # Every per-token term is masked (not only the sum), so garbage there (an old log-prob of -inf on a
     # padded position) cannot turn the loss into NaN.
     ids = torch.where(valid.reshape(-1), ids, torch.full_like(ids, -1))
-    acc = torch.float64 if head.hidden.dtype == torch.float64 else torch.float32
+    acc = torch.float64 if logits.hidden.dtype == torch.float64 else torch.float32
     m = mask.to(acc)  # TRL multiplies by the mask, so a fractional mask weights its tokens
     adv = advantages.to(acc)
     adv = (adv.unsqueeze(1) if adv.dim() == 1 else adv).expand(b, c)
@@ -109,33 +108,22 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         old_rows = logp.detach() if old is None else old.reshape(-1)[rows]
         return torch.where(valid.reshape(-1)[rows], logp - old_rows, torch.zeros_like(logp))
 
-    # Token level: every token's terms depend on that token alone. GPU backends evaluate them in one fused
-    # launch (tested against token_terms below, which stays the definition); under torch.compile the
-    # elementwise ops are left to the compiler, which fuses them itself.
-    fused = None
-    if importance_sampling_level == "token" and not torch.compiler.is_compiling():
-        fused = getattr(backends.get(head.backend), "grpo_token_loss", None)
-
+    # The per-token math is a few elementwise operations on [B, C] vectors: negligible beside the GEMM-sized
+    # products (docs/design.md, "Losses as per-token math"), so it is written once, here, for every backend.
     def flat_token_terms(logp, rows):
-        if fused is None:
-            return terms(logp, token_log_ratio(logp, rows), rows)
-        pick = picker(rows)
-        loss, kl, ratio = fused(logp, pick(old), pick(adv), pick(ref), pick(weights), pick(valid),
-                                loss_type=loss_type, epsilon_low=epsilon_low, epsilon_high=eps_high, delta=delta,
-                                beta=beta)
-        return loss, (kl if beta != 0 else None), ratio
+        return terms(logp, token_log_ratio(logp, rows), rows)
 
     if importance_sampling_level == "token" and not return_details:
         # A row-local loss: eligible for the eager 3-product path.
         def row_loss(stats, rows):
             return (token_weight.reshape(-1)[rows] * flat_token_terms(stats.logp, rows)[0]).sum()
 
-        return head.row_local_loss(row_loss, targets=ids)
+        return logits.row_local_loss(row_loss, targets=ids)
 
-    stats = head.statistics(targets=ids, want_entropy=bool(return_details))
-    logp = head.unflatten(stats.logp)
+    stats = logits.statistics(targets=ids, want_entropy=bool(return_details))
+    logp = logits.unflatten(stats.logp)
     if importance_sampling_level == "token":
-        per_token, kl, ratio = (None if t is None else head.unflatten(t)
+        per_token, kl, ratio = (None if t is None else logits.unflatten(t)
                                 for t in flat_token_terms(stats.logp, slice(None)))
     else:  # GSPO: one ratio per completion
         log_ratio = token_log_ratio(stats.logp, slice(None)).reshape(b, c)
@@ -164,7 +152,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     with torch.no_grad():
         details = GRPODetails(
             logprobs=logp,
-            entropy=head.unflatten(stats.entropy).detach(),
+            entropy=logits.unflatten(stats.entropy).detach(),
             kl=None if kl is None else masked_mean(kl.detach()),
             clip_ratio_low=clip_mean(low.to(acc)),
             clip_ratio_high=clip_mean(high.to(acc)),
@@ -178,7 +166,7 @@ def token_terms(logp, log_ratio, advantages, valid, *, ref_logprobs=None, weight
     """The per-token math of SPEC section 5 (shapes broadcast): returns the per-token loss (0 where not
     ``valid``), the KL penalty term (None when beta == 0) and the ratio the clip metrics read (capped by
     delta, as TRL's coef_1). ``log_ratio`` is log r (per token, or per sequence for GSPO), already 0
-    outside ``valid``. The fused GPU launches are tested against this function."""
+    outside ``valid``."""
     zero = torch.zeros_like(logp)
     ratio = torch.exp(log_ratio)
     if loss_type == "cispo":

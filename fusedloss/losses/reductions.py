@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from .. import _validation as v
-from ._head import LMHead, count_or_one, items_divisor
+from .implicit_logits import ImplicitLogits, count_or_one, items_divisor
 
 
-def reduced_token_loss(head: LMHead, per_token, valid: torch.Tensor, reduction: str, num_items_in_batch, *,
+def reduced_token_loss(logits: ImplicitLogits, per_token, valid: torch.Tensor, reduction: str, num_items_in_batch, *,
                        mean_name: str = "mean", row_local: bool = True, **wants) -> torch.Tensor:
     """Reduce ``per_token(stats, rows) -> [rows]`` (0 on invalid tokens) over the statistics asked by ``wants``.
 
@@ -19,7 +19,7 @@ def reduced_token_loss(head: LMHead, per_token, valid: torch.Tensor, reduction: 
     term that also depends on another statistics pass)."""
     v.require_choice("reduction", reduction, (mean_name, "sum", "none"))
     if reduction == "none":
-        return head.unflatten(per_token(head.statistics(**wants), slice(None)))
+        return logits.unflatten(per_token(logits.statistics(**wants), slice(None)))
     if num_items_in_batch is not None:
         scale = 1.0 / count_or_one(items_divisor(num_items_in_batch, valid.new_zeros((), dtype=torch.float64)))
     elif reduction == mean_name:
@@ -32,5 +32,5 @@ def reduced_token_loss(head: LMHead, per_token, valid: torch.Tensor, reduction: 
         return total if scale is None else total * scale.to(total.dtype)
 
     if row_local:
-        return head.row_local_loss(row_loss, **wants)
-    return row_loss(head.statistics(**wants), slice(None))
+        return logits.row_local_loss(row_loss, **wants)
+    return row_loss(logits.statistics(**wants), slice(None))

@@ -3,18 +3,18 @@
 
 from __future__ import annotations
 
-from ._head import lm_head
+from .implicit_logits import implicit_logits
 
 
 def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
                    ignore_index=-100, return_entropy=False, backend="auto"):
     """log p(targets) per token (``[...]``, fp32; float64 for float64 inputs), and the entropy
     ``-sum_v p log p`` when ``return_entropy``. Ignored positions give 0 and no gradient."""
-    head = lm_head(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+    logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
                    backend=backend)
-    tgt = head.targets("targets", targets, ignore_index)
-    stats = head.statistics(targets=tgt, want_entropy=bool(return_entropy))
-    logp = head.unflatten(stats.logp)
+    tgt = logits.targets("targets", targets, ignore_index)
+    stats = logits.statistics(targets=tgt, want_entropy=bool(return_entropy))
+    logp = logits.unflatten(stats.logp)
     if return_entropy:
-        return logp, head.unflatten(stats.entropy)
+        return logp, logits.unflatten(stats.entropy)
     return logp

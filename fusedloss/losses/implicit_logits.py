@@ -1,7 +1,10 @@
-"""The language-model head as every loss sees it: validated inputs, flattened rows, a chosen backend.
+"""The logits of a batch as every loss sees them: described, validated, never materialised.
 
-A loss module builds one ``LMHead`` from its arguments, asks it for per-token statistics, and does the
-rest with ordinary tensor operations on ``[tokens]`` vectors.
+``implicit_logits(hidden, weight, bias, ...)`` checks the inputs, flattens the rows, picks the backend and
+returns an ``ImplicitLogits``: the ``[N, V]`` logits ``softcap(logit_scale * (hidden @ weight.T + bias)) /
+temperature`` in the only form fusedloss ever holds them. A loss module builds one, asks it for per-token
+statistics (``statistics``, or ``row_local_loss`` for a loss known in the forward), and does the rest with
+ordinary tensor operations on ``[tokens]`` vectors (docs/design.md, "Losses as per-token math").
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from ..core.statistics import build_problem
 
 
 @dataclass
-class LMHead:
+class ImplicitLogits:
     hidden: torch.Tensor  # [N, D]
     weight: torch.Tensor  # [V, D]
     bias: Optional[torch.Tensor]
@@ -64,8 +67,8 @@ class LMHead:
         return per_row.reshape(self.lead_shape)
 
 
-def lm_head(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, softcap=None, backend="auto",
-            hidden_name="hidden", weight_name="weight", bias_name="bias", min_dims=1) -> LMHead:
+def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, softcap=None, backend="auto",
+            hidden_name="hidden", weight_name="weight", bias_name="bias", min_dims=1) -> ImplicitLogits:
     """Check ``hidden [..., D]``, ``weight [V, D]``, ``bias [V]`` and the logit transform; pick the backend."""
     v.require_tensor(hidden_name, hidden, floating=True)
     v.require_tensor(weight_name, weight, floating=True)
@@ -97,7 +100,7 @@ def lm_head(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, soft
         raise TypeError(f"backend must be a string, one of {backends.BACKEND_NAMES}, got {backend!r}")
     name = backends.resolve(backend, device)
     lead = tuple(hidden.shape[:-1])
-    return LMHead(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])), weight=_rows_contiguous(weight),
+    return ImplicitLogits(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])), weight=_rows_contiguous(weight),
                   bias=None if bias is None else bias.contiguous(),
                   transform=LogitTransform(float(temperature), float(logit_scale),
                                            None if softcap is None else float(softcap)),
