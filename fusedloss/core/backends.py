@@ -1,18 +1,59 @@
-"""Backend registry: which implementations of the statistics core exist, and which can run here.
+"""The backends: what one must provide (``Backend``), which exist, and which can run here.
 
-Each backend is a module with ``availability() -> str`` ("available" or the reason it cannot run),
-``forward_statistics(problem)`` and ``backward_gradients(problem, saved, coeffs, needs)`` (problem.py).
-Modules are imported lazily, so a missing Triton or an unbuilt CUDA extension never breaks
+A backend is a module that implements the per-token statistics problem of ``core/problem.py``. It is
+never asked about losses: the loss modules (``fusedloss/losses``) only turn its statistics into a loss and
+the loss's gradients into the per-row dz coefficients (docs/design.md, "Adding a statistic, a loss or a
+backend"). Modules are imported lazily, so a missing Triton or an unbuilt CUDA extension never breaks
 ``import fusedloss``.
 """
 
 from __future__ import annotations
 
 import importlib
-import os
 from functools import lru_cache
+from typing import Callable, Optional, Protocol, runtime_checkable
 
 import torch
+
+from .. import config
+from .problem import GradientNeeds, Statistics, StatsProblem
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The required part of a backend module."""
+
+    def availability(self) -> str:
+        """"available", or one sentence saying why this backend cannot run here (shown by backend_status)."""
+
+    def forward_statistics(self, problem: StatsProblem) -> Statistics:
+        """Every statistic the problem asks for, ``[N]`` each in ``problem.acc_dtype`` (zeros where not asked
+        and on ignored rows), without holding the ``[N, V]`` logits."""
+
+    def backward_gradients(self, problem: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
+                           needs: GradientNeeds) -> tuple:
+        """``(d hidden, d weight, d bias)`` for dz built from the ``[7, N]`` coefficients (None where
+        ``needs`` says so), recomputing the logits exactly as ``forward_statistics`` formed them."""
+
+
+class EagerBackend(Protocol):
+    """Optional: the 3-product path for losses known in the forward (``core/eager.py``)."""
+
+    def eager_gradients(self, problem: StatsProblem, chunk_fn: Callable, needs: GradientNeeds) -> tuple:
+        """``(loss, (d hidden, d weight, d bias))``: each row chunk's logits are formed once, folded into its
+        statistics, and ``chunk_fn(stats, rows) -> (chunk loss, coefficients)`` gives its dz right away."""
+
+    def eager_pays(self, problem: StatsProblem) -> bool:
+        """Whether the eager path is the faster one for this problem, by this backend's own plan."""
+
+
+def has_eager_path(name: str) -> bool:
+    return callable(getattr(get(name), "eager_gradients", None))
+
+
+def eager_policy(name: str) -> Optional[Callable[[StatsProblem], bool]]:
+    return getattr(get(name), "eager_pays", None)
+
 
 BACKEND_MODULES = {
     "torch": "fusedloss.core.torch_backend",
@@ -24,7 +65,10 @@ BACKEND_NAMES = ("auto",) + tuple(BACKEND_MODULES)
 
 @lru_cache(maxsize=None)
 def _module(name: str):
-    return importlib.import_module(BACKEND_MODULES[name])
+    module = importlib.import_module(BACKEND_MODULES[name])
+    if not isinstance(module, Backend):
+        raise TypeError(f"{module.__name__} does not implement the Backend protocol (core/backends.py)")
+    return module
 
 
 def get(name: str):
@@ -34,8 +78,6 @@ def get(name: str):
 @torch.compiler.assume_constant_result
 def availability(name: str) -> str:
     """Constant for a process: torch.compile takes the answer at trace time instead of tracing imports."""
-    if name == "torch":
-        return "available"
     try:
         module = _module(name)
     except ImportError as exc:  # pragma: no cover - depends on the install
@@ -73,4 +115,4 @@ def resolve(backend: str, device: torch.device) -> str:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return config.interpreting_triton()

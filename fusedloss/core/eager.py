@@ -18,11 +18,11 @@ composable op when the backend has no eager path, when no gradient is needed, or
 from __future__ import annotations
 
 import contextlib
-import os
 from typing import Callable
 
 import torch
 
+from .. import config
 from . import backends
 from .problem import GradientNeeds, Statistics, StatsProblem
 from .statistics import dz_coefficients
@@ -69,7 +69,7 @@ class _EagerLoss(torch.autograd.Function):
 
 
 def supports_eager(backend_name: str) -> bool:
-    return hasattr(backends.get(backend_name), "eager_gradients")
+    return backends.has_eager_path(backend_name)
 
 
 def eager_loss(problem: StatsProblem, backend_name: str, row_loss: RowLoss) -> torch.Tensor:
@@ -83,15 +83,15 @@ def eager_loss(problem: StatsProblem, backend_name: str, row_loss: RowLoss) -> t
 def pays(backend_name: str, problem: StatsProblem) -> bool:
     """The backend's own measured policy (``eager_pays(problem)``), if it has one; else yes.
     ``FUSEDLOSS_EAGER=1`` forces the eager path, ``0`` turns it off, unset follows the policy."""
-    if os.environ.get("FUSEDLOSS_EAGER") == "1":
+    if config.from_environment().eager:
         return True
-    policy = getattr(backends.get(backend_name), "eager_pays", None)
+    policy = backends.eager_policy(backend_name)
     return True if policy is None else bool(policy(problem))
 
 
 def want_eager(backend_name: str, hidden: torch.Tensor, weight: torch.Tensor, bias) -> bool:
     """The eager path can apply: a gradient will be asked for and the backend has one (``pays`` decides)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or os.environ.get("FUSEDLOSS_EAGER") == "0":
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or config.from_environment().eager is False:
         return False
     wants_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     return wants_grad and supports_eager(backend_name)

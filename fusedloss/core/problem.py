@@ -74,7 +74,8 @@ NUM_COEFFS = 7
 
 
 class LogitTransform(NamedTuple):
-    """``z = softcap(logit_scale * x) / temperature`` (SPEC section 2: scale, soft-cap, temperature).
+    """``z = softcap(logit_scale * x) / temperature``: scale, then soft-cap, then temperature, the order TRL's
+    fused path uses (docs/design.md, "The statistics problem").
     A NamedTuple (not a dataclass) so that torch.compile traces through its construction."""
 
     temperature: float = 1.0
@@ -84,7 +85,11 @@ class LogitTransform(NamedTuple):
 
 @dataclass(frozen=True)
 class StatsProblem:
-    """All inputs of one statistics pass. Tensors are 2-D (``[N, D]``, ``[V, D]``), contiguous in their
+    """All inputs of one statistics pass: the one table of the op's arguments. The custom op's schema, its
+    fake, its backward and the argument builders are generated from these fields (``core/statistics.py``),
+    so adding a field here is all the op needs.
+
+    Tensors are 2-D (``[N, D]``, ``[V, D]``), contiguous in their
     last dimension, on one device. ``targets`` is int64 ``[N]`` with -1 for ignored rows (the API maps
     ``ignore_index`` to -1 after validating), or None when no row has a target (then every row is valid
     and ``logp`` is not computed)."""
@@ -104,6 +109,10 @@ class StatsProblem:
     jsd_beta: Optional[float] = None  # strictly between 0 and 1 when set
     want_mean_logit: bool = False
     want_extras: bool = False  # log_sum_sq_probs and is_top1 (TRL's per-token metrics)
+    # How to run, not what to compute (fusedloss/config.py): the logits workspace of the GPU backends in MiB
+    # (None: sized from free device memory) and whether fp32 inputs may use TF32 products.
+    workspace_mb: Optional[float] = None
+    allow_tf32: bool = False
 
     @property
     def has_teacher(self) -> bool:
@@ -111,7 +120,12 @@ class StatsProblem:
 
     @property
     def acc_dtype(self) -> torch.dtype:
-        return torch.float64 if self.hidden.dtype == torch.float64 else torch.float32
+        return accumulation_dtype(self.hidden.dtype)
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Where sums over the vocabulary and per-token outputs live: float64 for float64 inputs, else fp32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class Statistics(NamedTuple):

@@ -10,12 +10,13 @@ are written once for all backends.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import NamedTuple, Optional
 
 import torch
 
 from . import backends
-from .problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
+from .problem import GradientNeeds, LogitTransform, Statistics, StatsProblem, accumulation_dtype
 
 _NUM_OUTPUTS = len(Statistics._fields)
 
@@ -26,75 +27,92 @@ def _on_device_of(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _problem(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature,
-             logit_scale, softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy,
-             want_kl_rev, want_kl_fwd, jsd_beta,
-             want_mean_logit, want_extras):
-    return StatsProblem(
-        hidden=hidden, weight=weight, bias=bias, targets=targets,
-        transform=LogitTransform(temperature, logit_scale, softcap),
-        teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_bias=teacher_bias,
-        teacher_transform=LogitTransform(teacher_temperature, teacher_logit_scale, teacher_softcap),
-        want_entropy=want_entropy, want_kl_rev=want_kl_rev, want_kl_fwd=want_kl_fwd, jsd_beta=jsd_beta,
-        want_mean_logit=want_mean_logit, want_extras=want_extras,
-    )
+# ------------------------------------------------------------------------------------------------
+# The op's arguments, generated from StatsProblem's fields (the one table): each field becomes one or
+# more schema arguments, and ``_flatten`` / ``_unflatten`` convert between a problem and the op's flat
+# argument list. A LogitTransform field becomes three (temperature, logit_scale, softcap).
+# ------------------------------------------------------------------------------------------------
+_SCHEMA_TYPES = {
+    "torch.Tensor": "Tensor", "Optional[torch.Tensor]": "Tensor?", "bool": "bool", "float": "float",
+    "Optional[float]": "float?", "int": "int", "Optional[int]": "int?", "str": "str", "Optional[str]": "str?",
+}
 
 
-@torch.library.custom_op("fusedloss::token_statistics", mutates_args=())
-def _statistics_op(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: Optional[torch.Tensor],
-    teacher_hidden: Optional[torch.Tensor], teacher_weight: Optional[torch.Tensor],
-    teacher_bias: Optional[torch.Tensor], temperature: float, logit_scale: float, softcap: Optional[float],
-    teacher_temperature: float, teacher_logit_scale: float, teacher_softcap: Optional[float],
-    want_entropy: bool, want_kl_rev: bool, want_kl_fwd: bool,
-    jsd_beta: Optional[float], want_mean_logit: bool, want_extras: bool, backend: str,
-) -> torch.Tensor:
-    problem = _problem(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature,
-                       logit_scale, softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy,
-                       want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit, want_extras)
-    with _on_device_of(hidden):
+def _argument_table() -> tuple:
+    """``(field name, [(argument name, schema type), ...])`` for every field of StatsProblem."""
+    table = []
+    for f in dataclasses.fields(StatsProblem):
+        if f.type == "LogitTransform":
+            table.append((f.name, [(f"{f.name}_{k}", "float?" if k == "softcap" else "float")
+                                   for k in LogitTransform._fields]))
+        else:
+            table.append((f.name, [(f.name, _SCHEMA_TYPES[f.type])]))
+    return tuple(table)
+
+
+_ARGUMENTS = _argument_table()
+_PROBLEM_SCHEMA = ", ".join(f"{kind} {name}" for _, args in _ARGUMENTS for name, kind in args)
+
+
+def _flatten(p: StatsProblem) -> tuple:
+    """The op's arguments (all but ``backend``) for a problem, as plain Python values and tensors."""
+    flat = []
+    for name, args in _ARGUMENTS:
+        value = getattr(p, name)
+        flat.extend(value if len(args) > 1 else (value,))
+    return tuple(flat)
+
+
+def _unflatten(flat) -> StatsProblem:
+    values, i = {}, 0
+    for name, args in _ARGUMENTS:
+        if len(args) > 1:
+            values[name] = LogitTransform(*flat[i:i + len(args)])
+        else:
+            values[name] = flat[i]
+        i += len(args)
+    return StatsProblem(**values)
+
+
+_NEEDS = ("need_hidden", "need_weight", "need_bias")
+
+
+@torch.library.custom_op("fusedloss::token_statistics", mutates_args=(),
+                         schema=f"({_PROBLEM_SCHEMA}, str backend) -> Tensor")
+def _statistics_op(*args) -> torch.Tensor:
+    *flat, backend = args
+    problem = _unflatten(flat)
+    with _on_device_of(problem.hidden):
         return torch.stack(tuple(backends.get(backend).forward_statistics(problem)))
 
 
 @_statistics_op.register_fake
-def _(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature, logit_scale,
-      softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy, want_kl_rev, want_kl_fwd,
-      jsd_beta, want_mean_logit,
-      want_extras, backend):
-    acc = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    return hidden.new_empty((_NUM_OUTPUTS, hidden.shape[0]), dtype=acc)
+def _(*args):
+    hidden = args[0]
+    return hidden.new_empty((_NUM_OUTPUTS, hidden.shape[0]), dtype=accumulation_dtype(hidden.dtype))
 
 
-@torch.library.custom_op("fusedloss::token_statistics_backward", mutates_args=())
-def _statistics_backward_op(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], targets: Optional[torch.Tensor],
-    teacher_hidden: Optional[torch.Tensor], teacher_weight: Optional[torch.Tensor],
-    teacher_bias: Optional[torch.Tensor], temperature: float, logit_scale: float, softcap: Optional[float],
-    teacher_temperature: float, teacher_logit_scale: float, teacher_softcap: Optional[float],
-    want_entropy: bool, want_kl_rev: bool, want_kl_fwd: bool,
-    jsd_beta: Optional[float], want_mean_logit: bool, want_extras: bool, backend: str, stats: torch.Tensor,
-    coeffs: torch.Tensor,
-    need_hidden: bool, need_weight: bool, need_bias: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    problem = _problem(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature,
-                       logit_scale, softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy,
-                       want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit, want_extras)
-    needs = GradientNeeds(need_hidden, need_weight, need_bias and bias is not None)
-    with _on_device_of(hidden):
+@torch.library.custom_op("fusedloss::token_statistics_backward", mutates_args=(),
+                         schema=f"({_PROBLEM_SCHEMA}, str backend, Tensor stats, Tensor coeffs, "
+                                f"{', '.join('bool ' + n for n in _NEEDS)}) -> (Tensor, Tensor, Tensor)")
+def _statistics_backward_op(*args) -> tuple:
+    *flat, backend, stats, coeffs, need_hidden, need_weight, need_bias = args
+    problem = _unflatten(flat)
+    needs = GradientNeeds(need_hidden, need_weight, need_bias and problem.bias is not None)
+    with _on_device_of(problem.hidden):
         grads = backends.get(backend).backward_gradients(problem, Statistics(*stats.unbind(0)), coeffs, needs)
     # custom ops cannot return None: an unneeded gradient travels as an empty tensor.
-    return tuple(g if g is not None else hidden.new_empty(0) for g in grads)
+    return tuple(g if g is not None else problem.hidden.new_empty(0) for g in grads)
 
 
 @_statistics_backward_op.register_fake
-def _(hidden, weight, bias, targets, teacher_hidden, teacher_weight, teacher_bias, temperature, logit_scale,
-      softcap, teacher_temperature, teacher_logit_scale, teacher_softcap, want_entropy, want_kl_rev, want_kl_fwd,
-      jsd_beta, want_mean_logit,
-      want_extras, backend, stats, coeffs, need_hidden, need_weight, need_bias):
+def _(*args):
+    *flat, _backend, _stats, _coeffs, need_hidden, need_weight, need_bias = args
+    p = _unflatten(flat)
     return (
-        torch.empty_like(hidden) if need_hidden else hidden.new_empty(0),
-        torch.empty_like(weight) if need_weight else hidden.new_empty(0),
-        torch.empty_like(bias) if need_bias and bias is not None else hidden.new_empty(0),
+        torch.empty_like(p.hidden) if need_hidden else p.hidden.new_empty(0),
+        torch.empty_like(p.weight) if need_weight else p.hidden.new_empty(0),
+        torch.empty_like(p.bias) if need_bias and p.bias is not None else p.hidden.new_empty(0),
     )
 
 
@@ -130,30 +148,25 @@ def dz_coefficients(grad: torch.Tensor, stats: torch.Tensor, jsd_beta: Optional[
     return coeffs
 
 
-_FORWARD_ARGS = ("hidden", "weight", "bias", "targets", "teacher_hidden", "teacher_weight", "teacher_bias",
-                 "temperature", "logit_scale", "softcap", "teacher_temperature", "teacher_logit_scale",
-                 "teacher_softcap", "want_entropy", "want_kl_rev",
-                 "want_kl_fwd", "jsd_beta", "want_mean_logit", "want_extras", "backend")
-
-
 def _setup_context(ctx, inputs, output):
-    ctx.args = dict(zip(_FORWARD_ARGS, inputs))
-    tensors = {k: v for k, v in ctx.args.items() if isinstance(v, torch.Tensor)}
-    ctx.tensor_names = tuple(tensors)
-    ctx.save_for_backward(*tensors.values(), output)
+    *flat, backend = inputs
+    # Tensors go through save_for_backward (autograd's checks on in-place changes); the rest is kept as is.
+    ctx.is_tensor = [isinstance(x, torch.Tensor) for x in flat]
+    ctx.constants = [None if t else x for x, t in zip(flat, ctx.is_tensor)]
+    ctx.backend = backend
+    ctx.save_for_backward(*(x for x, t in zip(flat, ctx.is_tensor) if t), output)
 
 
 def _backward(ctx, grad_stats):
     *tensors, stats = ctx.saved_tensors
-    args = dict(ctx.args, **dict(zip(ctx.tensor_names, tensors)))
-    coeffs = dz_coefficients(grad_stats, stats, args["jsd_beta"], args["targets"], args["weight"].shape[0])
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]
-    dh, dw, db = _statistics_backward_op(*(args[k] for k in _FORWARD_ARGS), stats, coeffs, need_h, need_w,
-                                         need_b and args["bias"] is not None)
-    grads = dict.fromkeys(_FORWARD_ARGS)
-    grads.update(hidden=dh if need_h else None, weight=dw if need_w else None,
-                 bias=db if need_b and args["bias"] is not None else None)
-    return tuple(grads.values())
+    saved = iter(tensors)
+    flat = [next(saved) if t else x for x, t in zip(ctx.constants, ctx.is_tensor)]
+    problem = _unflatten(flat)
+    coeffs = dz_coefficients(grad_stats, stats, problem.jsd_beta, problem.targets, problem.weight.shape[0])
+    need_h, need_w, need_b = ctx.needs_input_grad[:3]  # hidden, weight, bias lead the table
+    need_b = need_b and problem.bias is not None
+    dh, dw, db = _statistics_backward_op(*flat, ctx.backend, stats, coeffs, need_h, need_w, need_b)
+    return (dh if need_h else None, dw if need_w else None, db if need_b else None) + (None,) * (len(flat) - 2)
 
 
 _statistics_op.register_autograd(_backward, setup_context=_setup_context)
@@ -171,38 +184,33 @@ class TeacherHead(NamedTuple):
     softcap: Optional[float] = None
 
 
-def _op_arguments(hidden, weight, bias, targets, transform: LogitTransform, teacher: Optional[TeacherHead],
-                  want_entropy=False, want_kl_rev=False, want_kl_fwd=False, jsd_beta=None, want_mean_logit=False,
-                  want_extras=False) -> tuple:
-    """The op's flat arguments (all but ``backend``), with the teacher detached (SPEC: gradients flow to the
-    student only). Plain Python values: torch.compile traces this without meeting a user-defined class."""
-    t_hidden = t_weight = t_bias = None
-    t_temperature, t_scale, t_softcap = 1.0, 1.0, None
-    if teacher is not None:
-        t_hidden, t_weight = teacher.hidden.detach(), teacher.weight.detach()
-        t_bias = None if teacher.bias is None else teacher.bias.detach()
-        t_temperature, t_scale = float(teacher.temperature), float(teacher.logit_scale)
-        t_softcap = None if teacher.softcap is None else float(teacher.softcap)
-    return (hidden, weight, bias, targets, t_hidden, t_weight, t_bias, float(transform.temperature),
-            float(transform.logit_scale), None if transform.softcap is None else float(transform.softcap),
-            t_temperature, t_scale, t_softcap, bool(want_entropy), bool(want_kl_rev), bool(want_kl_fwd),
-            None if jsd_beta is None else float(jsd_beta), bool(want_mean_logit), bool(want_extras))
-
-
 def build_problem(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                   targets: Optional[torch.Tensor] = None, transform: LogitTransform = LogitTransform(),
                   teacher: Optional[TeacherHead] = None, **wants) -> StatsProblem:
-    """The StatsProblem of a call, as the op would see it (for the eager path, which runs outside the op)."""
-    return _problem(*_op_arguments(hidden, weight, bias, targets, transform, teacher, **wants))
+    """The StatsProblem of a call, with the teacher detached (gradients flow to the student only) and every
+    option a plain Python value, so that torch.compile traces it without meeting a user-defined class."""
+    teacher_fields = {}
+    if teacher is not None:
+        teacher_fields = dict(
+            teacher_hidden=teacher.hidden.detach(), teacher_weight=teacher.weight.detach(),
+            teacher_bias=None if teacher.bias is None else teacher.bias.detach(),
+            teacher_transform=_plain_transform(LogitTransform(teacher.temperature, teacher.logit_scale,
+                                                              teacher.softcap)))
+    flags = {k: (None if v is None else float(v)) if k in ("jsd_beta", "workspace_mb") else bool(v)
+             for k, v in wants.items()}
+    return StatsProblem(hidden=hidden, weight=weight, bias=bias, targets=targets,
+                        transform=_plain_transform(transform), **teacher_fields, **flags)
 
 
-def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
-                     targets: Optional[torch.Tensor] = None, transform: LogitTransform = LogitTransform(),
-                     teacher: Optional[TeacherHead] = None, want_entropy: bool = False, want_kl_rev: bool = False,
-                     want_kl_fwd: bool = False, jsd_beta: Optional[float] = None, want_mean_logit: bool = False,
-                     want_extras: bool = False, backend: str = "torch") -> Statistics:
+def _plain_transform(tf: LogitTransform) -> LogitTransform:
+    return LogitTransform(float(tf.temperature), float(tf.logit_scale),
+                          None if tf.softcap is None else float(tf.softcap))
+
+
+def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, backend: str = "torch",
+                     **problem) -> Statistics:
     """Differentiable per-row statistics for 2-D ``hidden`` ``[N, D]`` (validated by the caller; targets
-    already mapped to -1 on ignored rows). ``backend`` is a concrete backend name, never "auto"."""
-    stats = _statistics_op(*_op_arguments(hidden, weight, bias, targets, transform, teacher, want_entropy,
-                                          want_kl_rev, want_kl_fwd, jsd_beta, want_mean_logit, want_extras), backend)
+    already mapped to -1 on ignored rows). ``problem`` takes ``build_problem``'s keywords (bias, targets,
+    transform, teacher and the ``want_*`` flags). ``backend`` is a concrete backend name, never "auto"."""
+    stats = _statistics_op(*_flatten(build_problem(hidden, weight, **problem)), backend)
     return Statistics(*stats.unbind(0))

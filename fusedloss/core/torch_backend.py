@@ -2,29 +2,11 @@
 
 It walks ``[rows_chunk, vocab_tile]`` tiles of the logits with an online max, exactly as the Triton
 and CUDA kernels do, so its memory is bounded by one tile (plus the gradients themselves) whatever N
-and V are. Each tile is folded into *partial statistics* relative to the tile's own maxima and merged
-into the running ones (``_merge``): the same associative merge lets the GPU kernels split the
-vocabulary across programs.
-
-Partial statistics of a set of vocabulary columns, for one row (m = max z, m_t = max z_t)::
-
-    s   = sum e^(z - m)                      s_t = sum e^(z_t - m_t)
-    t   = s - 1: the same sum without the maximum column's own e^0 = 1 (log s = log1p(t))
-    e   = sum e^(z - m) (z - m)              entropy:  H = log s - e / s
-    a   = sum e^(z - m) ((z - m) - (z_t - m_t))          KL(q||p) = a / s - log s + log s_t
-    b   = sum e^(z_t - m_t) ((z_t - m_t) - (z - m))      KL(p||q) = b / s_t - log s_t + log s
-    s2  = sum e^(2 (z - m))                               log sum q^2 = log s2 - 2 log s
-    sz  = sum z  (no max needed)                          mean logit = sz / V
-
-Keeping every sum relative to the running maxima avoids forming ``lse - sum p z`` from two large
-numbers (peaked rows with logits near 1e4 would lose all digits of the entropy in fp32).
-
-``t`` is kept beside ``s`` for confident rows: with 1 - q_y = 1e-3, s = 1 + 1e-3 rounded to fp32 holds
-t to 1e-4 relative only, and log s = log(s) passes that on to logp. t never cancels: a tile's t leaves
-out one (the first) maximum column and adds every other, ties included (each contributes exactly 1), and
-the merge adds the side with the smaller maximum whole, ``t = t_max_side + f (1 + t_other)``. On the
-target column the gradient a + q_y inner is formed as (a + inner) + inner expm1(log q_y) (see
-``logits_gradient_tile``), the same two changes as the CUDA kernels (csrc/fusedloss/math.h).
+and V are. Each tile is summarised by the partial statistics of ``core/partials.py`` and merged into the running
+ones there; the same merge serves the Triton backend's vocabulary splits and the ranks of a
+vocabulary-parallel head. On the target column the gradient a + q_y inner is formed as
+(a + inner) + inner expm1(log q_y) where q_y > 1/2 (see ``logits_gradient_tile``), the same rule as the
+Triton and CUDA kernels (docs/design.md, "Numerical doctrine").
 """
 
 from __future__ import annotations
@@ -35,6 +17,7 @@ from typing import Optional
 
 import torch
 
+from . import partials
 from .problem import (
     COEF_CONST,
     COEF_LOGM,
@@ -48,6 +31,11 @@ from .problem import (
     Statistics,
     StatsProblem,
 )
+
+def availability() -> str:
+    """Plain PyTorch ops: this backend runs wherever torch does."""
+    return "available"
+
 
 # Tile sizes. The largest transient tensor is a few [ROW_CHUNK, VOCAB_TILE] fp32 tiles:
 # 1024 x 4096 x 4 B = 16 MiB each, independent of N and V.
@@ -93,13 +81,18 @@ def _xlogy_terms(prob, log_ratio):
     return torch.where(prob == 0, torch.zeros_like(prob), prob * log_ratio)
 
 
-def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem):
+def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem, tgt, v0: int, v1: int) -> dict:
+    """The partial statistics (core/partials.py) of one tile of student (and teacher) logits."""
+    rows = z.shape[0]
+    zero = torch.zeros(rows, device=z.device, dtype=z.dtype)
+    neg_inf = torch.full_like(zero, -math.inf)
     m = z.amax(dim=1)
     zc = z - _finite_or_zero(m)[:, None]
     ez = torch.exp(zc)
     # t: every column but the first maximum (whose e^0 = 1 is implicit); tied maxima still count 1 each.
     first_max = z.argmax(dim=1, keepdim=True)
-    part = {"m": m, "s": ez.sum(1), "t": ez.scatter(1, first_max, 0.0).sum(1)}
+    part = dict(m=m, s=ez.sum(1), t=ez.scatter(1, first_max, 0.0).sum(1), e=zero, s2=zero, sz=zero,
+                mt=neg_inf, st=zero, a=zero, b=zero, zy=zero, mb=neg_inf)
     if p.want_entropy:
         part["e"] = _xlogy_terms(ez, zc).sum(1)
     if p.want_extras:
@@ -112,60 +105,11 @@ def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem)
         ezt = torch.exp(ztc)
         diff = zc - ztc
         part.update(mt=mt, st=ezt.sum(1), a=_xlogy_terms(ez, diff).sum(1), b=_xlogy_terms(ezt, -diff).sum(1))
+    if tgt is not None:
+        part["zy"] = _gather_target(z, tgt, v0, v1)
+        if p.want_extras:
+            part["mb"] = _max_before_target(z, tgt, v0, v1)
     return part
-
-
-def _rescale(old_max, new_max):
-    """exp(old - new), with exp(-inf - -inf) taken as 0 rather than NaN (an empty running state)."""
-    f = torch.exp(old_max - new_max)
-    return torch.where(torch.isneginf(old_max), torch.zeros_like(f), f)
-
-
-def _merge(run: dict, part: dict) -> dict:
-    m = torch.maximum(run["m"], part["m"])
-    f_run, f_part = _rescale(run["m"], m), _rescale(part["m"], m)
-    dm_run = torch.nan_to_num(run["m"] - m, neginf=0.0)
-    dm_part = torch.nan_to_num(part["m"] - m, neginf=0.0)
-    out = {"m": m, "s": f_run * run["s"] + f_part * part["s"]}
-    # The side holding the maximum keeps its t; the other side adds all its columns, 1 + t, rescaled
-    # (all terms positive: no cancellation). On a tie the part's maximum column counts 1.
-    out["t"] = torch.where(run["m"] >= part["m"], run["t"] + f_part * (1.0 + part["t"]),
-                           part["t"] + f_run * (1.0 + run["t"]))
-    if "e" in part:
-        out["e"] = f_run * (run["e"] + run["s"] * dm_run) + f_part * (part["e"] + part["s"] * dm_part)
-    if "s2" in part:
-        out["s2"] = f_run * f_run * run["s2"] + f_part * f_part * part["s2"]
-    if "sz" in part:
-        out["sz"] = run["sz"] + part["sz"]
-    if "st" in part:
-        mt = torch.maximum(run["mt"], part["mt"])
-        g_run, g_part = _rescale(run["mt"], mt), _rescale(part["mt"], mt)
-        dmt_run = torch.nan_to_num(run["mt"] - mt, neginf=0.0)
-        dmt_part = torch.nan_to_num(part["mt"] - mt, neginf=0.0)
-        out["mt"] = mt
-        out["st"] = g_run * run["st"] + g_part * part["st"]
-        out["a"] = f_run * (run["a"] + run["s"] * (dm_run - dmt_run)) + f_part * (
-            part["a"] + part["s"] * (dm_part - dmt_part)
-        )
-        out["b"] = g_run * (run["b"] + run["st"] * (dmt_run - dm_run)) + g_part * (
-            part["b"] + part["st"] * (dmt_part - dm_part)
-        )
-    return out
-
-
-def _empty_state(rows, p: StatsProblem, device, acc):
-    neg_inf = torch.full((rows,), -math.inf, device=device, dtype=acc)
-    zero = torch.zeros(rows, device=device, dtype=acc)
-    st = {"m": neg_inf, "s": zero, "t": zero}
-    if p.want_entropy:
-        st["e"] = zero
-    if p.want_extras:
-        st["s2"] = zero
-    if p.want_mean_logit:
-        st["sz"] = zero
-    if p.has_teacher:
-        st.update(mt=neg_inf, st=zero, a=zero, b=zero)
-    return st
 
 
 def _gather_target(z, targets_rows, v0, v1):
@@ -187,47 +131,6 @@ def _max_before_target(z, targets_rows, v0, v1):
     cols = torch.arange(v0, v1, device=z.device)
     before = cols[None, :] < targets_rows[:, None]
     return torch.where(before, z, torch.full_like(z, -math.inf)).amax(1)
-
-
-def _rounding_residual(lse, m, log_s):
-    """(m - lse) + log s: m - lse is exact (Sterbenz), so this is what rounding m + log s dropped.
-    0 on rows whose lse is not finite (NaN input, or no columns)."""
-    lo = (m - lse) + log_s
-    return torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))
-
-
-def _log_s(state: dict) -> torch.Tensor:
-    """log s = log1p(t) (s = 1 + t keeps the digits of a confident row); log s itself for an empty row
-    (m = -inf) or a non-finite s (NaN or inf inputs), as the CUDA kernels do."""
-    s, m = state["s"], state["m"]
-    direct = torch.isneginf(m) | ~torch.isfinite(s)
-    return torch.where(direct, torch.log(s), torch.log1p(state["t"]))
-
-
-def _finalize(state: dict, zy, tgt, p: StatsProblem, vocab: int, max_before=None) -> dict:
-    """Per-row statistics (problem.py) from the merged partial sums of all vocabulary columns."""
-    log_s = _log_s(state)
-    lse = state["m"] + log_s
-    out = {"lse": lse, "lse_lo": _rounding_residual(lse, state["m"], log_s)}
-    if tgt is not None:
-        out["logp"] = (zy - state["m"]) - log_s  # not zy - lse: see problem.py on the _lo terms
-    if p.want_entropy:
-        out["entropy"] = log_s - state["e"] / state["s"]
-    if p.want_extras:
-        out["log_sum_sq_probs"] = torch.log(state["s2"]) - 2.0 * log_s
-        if tgt is not None:
-            out["is_top1"] = ((zy >= state["m"]) & (zy > max_before)).to(lse.dtype)
-    if p.want_mean_logit:
-        out["mean_logit"] = state["sz"] / vocab
-    if p.has_teacher:
-        log_st = torch.log(state["st"])
-        out["lse_t"] = state["mt"] + log_st
-        out["lse_t_lo"] = _rounding_residual(out["lse_t"], state["mt"], log_st)
-        if p.want_kl_rev:
-            out["kl_rev"] = state["a"] / state["s"] - log_s + log_st
-        if p.want_kl_fwd:
-            out["kl_fwd"] = state["b"] / state["st"] - log_st + log_s
-    return out
 
 
 def _log_probs(z, lse, lse_lo):
@@ -288,18 +191,12 @@ def _forward_rows(p: StatsProblem) -> Statistics:
     for r0 in range(0, n, ROW_CHUNK):
         rows = slice(r0, min(n, r0 + ROW_CHUNK))
         tgt = p.targets[rows] if p.targets is not None else None
-        state = _empty_state(rows.stop - r0, p, dev, acc)
-        zy = torch.zeros(rows.stop - r0, device=dev, dtype=acc)
-        max_before = torch.full_like(zy, -math.inf)
+        state = partials.empty(rows.stop - r0, dev, acc)
         for v0 in range(0, v, VOCAB_TILE):
             v1 = min(v, v0 + VOCAB_TILE)
             z, _ = _student_tile(p, rows, v0, v1)
-            state = _merge(state, _tile_partials(z, _teacher_tile(p, rows, v0, v1), p))
-            if tgt is not None:
-                zy = zy + _gather_target(z, tgt, v0, v1)
-                if p.want_extras:
-                    max_before = torch.maximum(max_before, _max_before_target(z, tgt, v0, v1))
-        for name, value in _finalize(state, zy, tgt, p, v, max_before).items():
+            state = partials.merge_pair(state, _tile_partials(z, _teacher_tile(p, rows, v0, v1), p, tgt, v0, v1))
+        for name, value in partials.finalize(state, p, v).items():
             out[name][rows] = value
     if p.jsd_beta is not None:
         # The mixture m needs both normalisers, so the generalized JSD takes a second sweep.
@@ -482,11 +379,9 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         tgt = p.targets[rows] if p.targets is not None else None
         z, c = _student_tile(p, rows, 0, v)
         zt = _teacher_tile(p, rows, 0, v)
-        state = _merge(_empty_state(r1 - r0, p, z.device, acc), _tile_partials(z, zt, p))
-        zy = _gather_target(z, tgt, 0, v) if tgt is not None else None
-        max_before = _max_before_target(z, tgt, 0, v) if tgt is not None and p.want_extras else None
+        state = partials.merge_pair(partials.empty(r1 - r0, z.device, acc), _tile_partials(z, zt, p, tgt, 0, v))
         out = {name: torch.zeros(r1 - r0, device=z.device, dtype=acc) for name in Statistics._fields}
-        out.update(_finalize(state, zy, tgt, p, v, max_before))
+        out.update(partials.finalize(state, p, v))
         if p.jsd_beta is not None:
             out["kl_qm"], kl_pm = _jsd_sums(z, zt, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
                                             p.jsd_beta)

@@ -61,11 +61,11 @@ GRPO/DPO math kernels have float64 instantiations.
 from __future__ import annotations
 
 import math
-import os
 from typing import NamedTuple, Optional
 
 import torch
 
+from .. import config
 from ..core import torch_backend
 from ..core.problem import COEF_TEACHER_PROB, COEF_UNIFORM, NUM_COEFFS, GradientNeeds, Statistics, StatsProblem
 
@@ -201,7 +201,8 @@ def _mm32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) 
 
 
 def _budget_bytes() -> int:
-    return max(1, int(float(os.environ.get("FUSEDLOSS_CUDA_WORKSPACE_MB", "256")) * 2**20))
+    mb = config.from_environment().workspace_mb
+    return max(1, int((256.0 if mb is None else mb) * 2**20))
 
 
 def _tile_shape(n: int, v: int, bytes_per_element: int) -> tuple[int, int]:

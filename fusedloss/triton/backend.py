@@ -5,7 +5,7 @@ Forward (``statistics_forward``; ``jsd_forward`` for the JSD mixture)
     ``[BLOCK_M, BLOCK_V] = h_blk @ W_blk.T`` with ``tl.dot`` in registers (fp32 accumulation, K-loop
     over D), applies bias, logit_scale, soft-cap and temperature, folds the tile into online
     statistics relative to the running maxima and drops it. Partial statistics of each split go to
-    a small ``[12, splits, N]`` buffer that is merged exactly here, with torch ops (``_merge_splits``).
+    a small ``[12, splits, N]`` buffer that is merged exactly by ``core/partials.py`` (the merge every backend shares).
     The number of splits is chosen so that a few tokens still fill the GPU. One GEMM-sized product
     (plus one for the JSD's second pass; a teacher adds its own products of size N x V x D_t).
 
@@ -50,13 +50,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 from functools import lru_cache
 from types import SimpleNamespace
 from typing import Optional
 
 import torch
 
+from .. import config
+from ..core import partials
 from ..core.problem import GradientNeeds, Statistics, StatsProblem
 
 _INTERPRET_HINT = ("no CUDA device visible; set TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
@@ -64,7 +65,7 @@ _INTERPRET_HINT = ("no CUDA device visible; set TRITON_INTERPRET=1 to run the Tr
 
 
 def _interpret_requested() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return config.interpreting_triton()
 
 
 def availability() -> str:
@@ -169,7 +170,7 @@ def _config(dtype: torch.dtype, device: torch.device) -> TileConfig:
 
 
 def _fp32_precision() -> str:
-    choice = os.environ.get("FUSEDLOSS_TRITON_FP32_PRECISION")
+    choice = config.from_environment().triton_fp32_precision
     if choice:
         if choice not in ("ieee", "tf32", "tf32x3"):
             raise ValueError(f"FUSEDLOSS_TRITON_FP32_PRECISION must be ieee, tf32 or tf32x3, got {choice!r}")
@@ -179,7 +180,7 @@ def _fp32_precision() -> str:
 
 def deterministic() -> bool:
     """Whether the backward runs the atomic-free, bit-reproducible kernels."""
-    return torch.are_deterministic_algorithms_enabled() or os.environ.get("FUSEDLOSS_DETERMINISTIC") == "1"
+    return torch.are_deterministic_algorithms_enabled() or bool(config.from_environment().deterministic)
 
 
 def _alloc(shape, dtype: torch.dtype, device: torch.device, zero: bool = True) -> torch.Tensor:
@@ -278,34 +279,6 @@ def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _merge_splits(part: torch.Tensor, slots) -> dict:
-    """Merge the per-split partial statistics (``statistics_forward.SLOTS``) exactly: rebase every
-    split to the global maxima, then sum (torch_backend._merge, over all splits at once).
-    exp(-inf - -inf) is taken as 0 (an empty split)."""
-    k = dict(zip(slots, part.unbind(0)))
-
-    def rebase(mk):
-        mx = mk.amax(0)
-        empty = torch.isneginf(mk)
-        f = torch.where(empty, torch.zeros_like(mk), torch.exp(mk - mx))
-        dm = torch.where(empty, torch.zeros_like(mk), mk - mx)
-        return mx, f, dm
-
-    m, f, dm = rebase(k["m"])
-    mt, g, dmt = rebase(k["mt"])
-    # t = s - 1 without cancellation: the (first) split holding the maximum keeps its t, every other
-    # split adds all of its columns, f (1 + t) (a split tied at the maximum adds 1 + t; empty ones 0).
-    holder = k["m"].argmax(0, keepdim=True)
-    split_ids = torch.arange(k["m"].shape[0], device=m.device)[:, None]
-    t = torch.where(split_ids == holder, k["t"], f * (1.0 + k["t"])).sum(0)
-    return dict(
-        m=m, s=(f * k["s"]).sum(0), t=t, e=(f * (k["e"] + k["s"] * dm)).sum(0), s2=(f * f * k["s2"]).sum(0),
-        sz=k["sz"].sum(0), mt=mt, st=(g * k["st"]).sum(0),
-        a=(f * (k["a"] + k["s"] * (dm - dmt))).sum(0), b=(g * (k["b"] + k["st"] * (dmt - dm))).sum(0),
-        zy=k["zy"].sum(0), mb=k["mb"].amax(0),
-    )
-
-
 def forward_statistics(p: StatsProblem) -> Statistics:
     _check_inputs(p)
     acc = p.acc_dtype
@@ -327,56 +300,22 @@ def forward_statistics(p: StatsProblem) -> Statistics:
         WANT_S2=p.want_extras, WANT_SZ=p.want_mean_logit, WANT_TOP1=p.want_extras and p.targets is not None,
         **flags, **opts,
     )
-    st = _merge_splits(part, k.slots)
+    stats = partials.finalize(partials.merge(dict(zip(k.slots, part.unbind(0)))), p, v)
     o = Statistics(*out.unbind(0))
-    # log s = log1p(t), s = 1 + t: a confident row keeps the digits of t (torch_backend._log_s); log s
-    # itself for an empty row (m = -inf) or a non-finite s.
-    direct = torch.isneginf(st["m"]) | ~torch.isfinite(st["s"])
-    log_s = torch.where(direct, torch.log(st["s"]), torch.log1p(st["t"]))
-    o.lse.copy_(st["m"] + log_s)
-    norm = _normaliser(o.lse, st["m"], log_s)
-    if p.targets is not None:
-        # (z_y - m) - log s, not z_y - lse: for a confident row z_y ~ m ~ lse ~ 30 and logp ~ -0.01, and
-        # subtracting the rounded lse would cost the digits that z_y - m (exact near the max) keeps.
-        o.logp.copy_((st["zy"] - st["m"]) - log_s)
-    if p.want_entropy:
-        o.entropy.copy_(log_s - st["e"] / st["s"])
-    if p.want_extras:
-        o.log_sum_sq_probs.copy_(torch.log(st["s2"]) - 2.0 * log_s)
-        if p.targets is not None:
-            # argmax's rule on exact ties (TRL): the target must be the *first* maximum.
-            o.is_top1.copy_((st["zy"] >= st["m"]) & (st["zy"] > st["mb"]))
-    if p.want_mean_logit:
-        o.mean_logit.copy_(st["sz"] / v)
-    if p.has_teacher:
-        log_st = torch.log(st["st"])
-        o.lse_t.copy_(st["mt"] + log_st)
-        norm_t = _normaliser(o.lse_t, st["mt"], log_st)
-        if p.want_kl_rev:
-            o.kl_rev.copy_(st["a"] / st["s"] - log_s + log_st)
-        if p.want_kl_fwd:
-            o.kl_fwd.copy_(st["b"] / st["st"] - log_st + log_s)
-        if p.jsd_beta is not None:
-            part2 = _alloc((2, splits, n), acc, dev, zero=False)
-            k.jsd[(row_blocks, splits)](*pointers, params, norm, norm_t, part2, *ints, per_split, splits,
-                                        **flags, **opts)
-            qm, pm = part2.sum(1).unbind(0)
-            o.kl_qm.copy_(qm)
-            o.jsd.copy_(p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm)
-        o.lse_t_lo.copy_(norm_t[1])
-    o.lse_lo.copy_(norm[1])
+    for name, value in stats.items():
+        getattr(o, name).copy_(value)
+    if p.jsd_beta is not None:
+        norm = torch.stack((o.lse, o.lse_lo))
+        norm_t = torch.stack((o.lse_t, o.lse_t_lo))
+        part2 = _alloc((2, splits, n), acc, dev, zero=False)
+        k.jsd[(row_blocks, splits)](*pointers, params, norm, norm_t, part2, *ints, per_split, splits,
+                                    **flags, **opts)
+        qm, pm = part2.sum(1).unbind(0)
+        o.kl_qm.copy_(qm)
+        o.jsd.copy_(p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm)
     if p.targets is not None:
         out = torch.where((p.targets >= 0)[None, :], out, torch.zeros((), dtype=acc, device=dev))
     return Statistics(*out.unbind(0))
-
-
-def _normaliser(hi: torch.Tensor, m: torch.Tensor, log_s: torch.Tensor) -> torch.Tensor:
-    """``[2, N]`` (hi, lo) with hi + lo = m + log s to twice the working precision: hi is the rounded lse,
-    and m - hi is exact (Sterbenz: hi is within a factor 2 of m, or both are tiny), so
-    lo = (m - hi) + log s recovers what the rounding of hi dropped (tile_math.load_normaliser).
-    Rows with an infinite or NaN lse get lo = 0."""
-    lo = (m - hi) + log_s
-    return torch.stack((hi, torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo))))
 
 
 def _saved_normaliser(saved: Statistics, name: str) -> torch.Tensor:

@@ -13,7 +13,7 @@ argmax, argmax's rule on exact ties, iff z_y >= max_v z_v and z_y > mb.
 
 Beside s it keeps ``t`` = s - 1, the sum without the running maximum column's own e^0 = 1 (slot "t"), so
 that log s = log1p(t) keeps the digits of a confident row; the backend merges it across splits without
-cancellation (``backend._merge_splits``).
+cancellation (``core/partials.merge``).
 
 Row blocks whose targets are all ignored skip the whole sweep and write the empty state
 (m = -inf, sums 0). N, V and D are runtime values: a new sequence length never recompiles.

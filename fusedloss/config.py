@@ -1,0 +1,87 @@
+"""Every switch that changes how fusedloss runs, in one place (docs/design.md, "Configuration").
+
+The public functions take the switches as keyword arguments; each has a default here and an environment
+variable that overrides the default (never an explicit argument), read by ``from_environment`` and
+nowhere else in the package:
+
+=================================  ===========  ========================================================
+variable                           default      effect
+=================================  ===========  ========================================================
+``FUSEDLOSS_EAGER``                unset        ``1``: always take the 3-product path for losses known in
+                                                the forward; ``0``: never; unset: each backend's plan
+                                                decides (``eager=`` argument)
+``FUSEDLOSS_WORKSPACE_MB``         unset        logits workspace of the CUDA and Triton backends in MiB;
+                                                unset: sized from the memory free on the device
+                                                (``workspace_mb=`` argument). ``FUSEDLOSS_CUDA_WORKSPACE_MB``
+                                                is read as an older spelling.
+``FUSEDLOSS_ALLOW_TF32``           ``0``        ``1``: fp32 inputs may use TF32 products (faster, ~1e-4
+                                                relative error) whatever PyTorch's global TF32 flags say
+                                                (``allow_tf32=`` argument); by default fp32 stays fp32
+``FUSEDLOSS_TRITON_FP32_PRECISION``  unset      Triton's ``tl.dot`` precision for fp32 inputs (``ieee``,
+                                                ``tf32x3``, ``tf32``); a tuning override for experiments
+``FUSEDLOSS_DETERMINISTIC``        ``0``        ``1``: the same as ``torch.use_deterministic_algorithms``
+                                                for fusedloss's kernels
+=================================  ===========  ========================================================
+
+``TRITON_INTERPRET=1`` is Triton's own switch (run the kernels on CPU tensors in its interpreter); fusedloss
+reads it to report availability. Build-time variables (``FUSEDLOSS_CUDA``, ``FUSEDLOSS_CUDA_ARCHS``,
+``FUSEDLOSS_NVCC_THREADS``) are read by ``setup.py`` only.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+
+def _flag(name: str) -> Optional[bool]:
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {name} must be 0 or 1, got {value!r}")
+    return value == "1"
+
+
+def _megabytes(name: str) -> Optional[float]:
+    value = os.environ.get(name, "").strip()
+    if value == "":
+        return None
+    try:
+        mb = float(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be a number of MiB, got {value!r}") from None
+    if not mb > 0:
+        raise ValueError(f"environment variable {name} must be > 0, got {value!r}")
+    return mb
+
+
+@dataclass(frozen=True)
+class Environment:
+    """The overrides set in the environment (None: not set)."""
+
+    eager: Optional[bool]
+    workspace_mb: Optional[float]
+    allow_tf32: Optional[bool]
+    triton_fp32_precision: Optional[str]
+    deterministic: Optional[bool]
+
+
+def from_environment() -> Environment:
+    """Read the environment now (cheap: a few dictionary lookups), so that a variable set after import, as
+    tests and notebooks do, still counts."""
+    precision = os.environ.get("FUSEDLOSS_TRITON_FP32_PRECISION", "").strip() or None
+    if precision is not None and precision not in ("ieee", "tf32", "tf32x3"):
+        raise ValueError("environment variable FUSEDLOSS_TRITON_FP32_PRECISION must be ieee, tf32 or tf32x3, "
+                         f"got {precision!r}")
+    workspace = _megabytes("FUSEDLOSS_WORKSPACE_MB")
+    if workspace is None:
+        workspace = _megabytes("FUSEDLOSS_CUDA_WORKSPACE_MB")
+    return Environment(eager=_flag("FUSEDLOSS_EAGER"), workspace_mb=workspace, allow_tf32=_flag("FUSEDLOSS_ALLOW_TF32"),
+                       triton_fp32_precision=precision, deterministic=_flag("FUSEDLOSS_DETERMINISTIC"))
+
+
+def interpreting_triton() -> bool:
+    """Whether Triton runs its interpreter (kernels on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
