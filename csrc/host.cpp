@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fusedloss/args.h"
+#include "fusedloss/check.h"
 #include "fusedloss/math.h"
 #include "fusedloss/tile.h"
 
@@ -69,16 +70,10 @@ void host_dx_t(const TileArgs& a) {
   }
 }
 
-void validate(const TileArgs& a) {
-  if (a.rows < 0 || a.cols < 0) throw std::invalid_argument("fusedloss: negative tile shape");
-  if (a.x == 0 || a.out == 0) throw std::invalid_argument("fusedloss: null tile or output pointer");
-}
-
 }  // namespace
 
 void host_fold_tile(const TileArgs& a) {
-  validate(a);
-  if ((!a.first || !a.last) && a.state == 0) throw std::invalid_argument("fusedloss: fold over several tiles needs state");
+  validate(a, Kernel::kFold);
   switch (a.dtype) {
     case kBFloat16: host_fold_t<bf16>(a); break;
     case kFloat16: host_fold_t<fp16>(a); break;
@@ -87,9 +82,7 @@ void host_fold_tile(const TileArgs& a) {
 }
 
 void host_jsd_tile(const TileArgs& a) {
-  validate(a);
-  if (a.xt == 0 || ((!a.first || !a.last) && a.jsd_acc == 0))
-    throw std::invalid_argument("fusedloss: jsd_tile needs a teacher tile and accumulators");
+  validate(a, Kernel::kJsd);
   switch (a.dtype) {
     case kBFloat16: host_jsd_t<bf16>(a); break;
     case kFloat16: host_jsd_t<fp16>(a); break;
@@ -98,32 +91,11 @@ void host_jsd_tile(const TileArgs& a) {
 }
 
 void host_dx_tile(const TileArgs& a) {
-  validate(a);
-  if (a.dx == 0 || a.coeffs == 0) throw std::invalid_argument("fusedloss: dx_tile needs dx and coefficients");
+  validate(a, Kernel::kDx);
   switch (a.dtype) {
     case kBFloat16: host_dx_t<bf16>(a); break;
     case kFloat16: host_dx_t<fp16>(a); break;
     default: host_dx_t<float>(a); break;
-  }
-}
-
-void host_grpo_tokens(const GrpoArgs& a) {
-  if (a.n <= 0) return;
-  if (a.out == 0 || a.logp == 0) throw std::invalid_argument("fusedloss: grpo_tokens needs logp and out");
-  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: grpo_tokens dtype");
-  for (int64_t i = 0; i < a.n; ++i) {
-    if (a.dtype == kFloat64) grpo_element<double>(a, i);
-    else grpo_element<float>(a, i);
-  }
-}
-
-void host_dpo_pairs(const DpoArgs& a) {
-  if (a.n <= 0) return;
-  if (a.out == 0) throw std::invalid_argument("fusedloss: dpo_pairs needs out");
-  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: dpo_pairs dtype");
-  for (int64_t i = 0; i < a.n; ++i) {
-    if (a.dtype == kFloat64) dpo_element<double>(a, i);
-    else dpo_element<float>(a, i);
   }
 }
 
