@@ -171,7 +171,7 @@ def availability() -> str:
 # The plan (docs/design.md, "Plans and the cost model")
 # ------------------------------------------------------------------------------------------------
 WORKSPACE_MIN_BYTES = 256 * 2**20
-WORKSPACE_MAX_BYTES = 4 * 2**30
+WORKSPACE_MAX_BYTES = 8 * 2**30
 WORKSPACE_FRACTION = 8  # of the memory free for torch when the backend first runs on a device
 ALIGN = 64  # elements: leading dimensions and vocabulary tile widths (256 B of fp32, 128 B of bf16)
 MIN_TILE_COLS = 4096  # below this many columns per row, square tiles instead of all rows
@@ -335,17 +335,20 @@ def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulat
     if teacher:
         passes.append(logits("teacher recompute", dt))
     passes.append(_sweep("dx", nv, (8 if teacher else 4) + dx_bytes, _DX_FLOPS, tiles))
-    add = 0 if accumulate else 2  # a separate add reads the block and the accumulator once more
     if w.hidden_grad:
         # d hidden [rows, D] over the vocabulary tiles: one product when one tile covers V, else fp32
-        # accumulation (beta = 1: read and write per tile after the first)
-        acc = n * d * 4 * (1 + (2 + add) * (s.vocab_tiles - 1)) if s.vocab_tiles > 1 else n * d * b
+        # accumulation (beta = 1: the accumulator read and written by each later tile's product)
+        acc = n * d * 4 * (1 + 2 * (s.vocab_tiles - 1)) if s.vocab_tiles > 1 else n * d * b
         passes.append(_gemm("d hidden", s.rows, d, s.cols, tiles, w, gpu, nv * dx_bytes + v * d * b * s.row_chunks + acc,
                             tiles))
+        if s.vocab_tiles > 1 and not accumulate:  # a product block, then a separate add kernel
+            passes.append(_sweep("d hidden add", n * d * (s.vocab_tiles - 1), 12, 1, tiles))
     if w.weight_grad:
-        acc = v * d * 4 * (1 + (2 + add) * (s.row_chunks - 1)) if s.row_chunks > 1 else v * d * b
+        acc = v * d * 4 * (1 + 2 * (s.row_chunks - 1)) if s.row_chunks > 1 else v * d * b
         passes.append(_gemm("d weight", s.cols, d, s.rows, tiles, w, gpu, nv * dx_bytes + n * d * b * s.vocab_tiles + acc,
                             tiles))
+        if s.row_chunks > 1 and not accumulate:
+            passes.append(_sweep("d weight add", v * d * (s.row_chunks - 1), 12, 1, tiles))
         # rows outside the loss must not bring NaN padding into d weight: a masked copy of hidden
         passes.append(_sweep("hidden mask", n * d, 2 * b, 1, 1))
     rounding = (v * d * (4 + b) if w.weight_grad and s.row_chunks > 1 else 0) + (
@@ -383,9 +386,10 @@ def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bo
     if w.hidden_grad:
         passes.append(_gemm("d hidden", s.rows, d, v, c, w, gpu, nv * dx_bytes + v * d * b * c + n * d * 4, c))
     if w.weight_grad:
-        add = 0 if accumulate else 2
-        acc = v * d * 4 * (1 + (2 + add) * (c - 1)) if c > 1 or fp16 else v * d * b
+        acc = v * d * 4 * (1 + 2 * (c - 1)) if c > 1 or fp16 else v * d * b
         passes.append(_gemm("d weight", v, d, s.rows, c, w, gpu, nv * dx_bytes + n * d * b + acc, c))
+        if c > 1 and not accumulate:  # a product block, then a separate add kernel
+            passes.append(_sweep("d weight add", v * d * (c - 1), 12, 1, c - 1))
         passes.append(_sweep("hidden mask", n * d, 2 * b, 1, c))
         if fp16 and c > 1:  # the accumulator follows each chunk's power-of-two scale
             passes.append(_sweep("d weight rescale", v * d * (c - 1), 8, 1, c - 1))
@@ -1011,8 +1015,8 @@ def _scaled_half_dx(x: torch.Tensor, dx16: torch.Tensor) -> torch.Tensor:
     of a GradScaler is applied only after the eager path). Returns 2^-k (a device scalar), by which the fp32
     products are divided again, exactly. On the device: no host synchronisation."""
     amax = torch.linalg.vector_norm(x, float("inf"))
-    k = torch.floor(torch.log2(2.0**15 / amax)).clamp(-64.0, 64.0)
-    k = torch.where(torch.isfinite(k), k, torch.zeros_like(k))  # all-zero dx: no scale; NaN stays NaN below
+    k = torch.floor(torch.log2(2.0**15 / amax))
+    k = torch.where(torch.isfinite(k), k, torch.zeros_like(k)).clamp(-64.0, 64.0)  # all-zero dx: no scale
     torch.mul(x, torch.exp2(k), out=dx16)
     return torch.exp2(-k)
 
