@@ -26,10 +26,8 @@
 // Unrolling hints for the device pass only (the host compiler would warn about an unknown pragma).
 #ifdef __CUDA_ARCH__
 #define FL_UNROLL _Pragma("unroll")
-#define FL_UNROLL2 _Pragma("unroll 2")
 #else
 #define FL_UNROLL
-#define FL_UNROLL2
 #endif
 
 namespace fl {

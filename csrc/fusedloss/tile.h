@@ -59,8 +59,6 @@ FL_HD void for_lane_groups(const T* xr, const T* xtr, int64_t cols, int64_t lane
     if (xtr != nullptr) vt[0] = to_float(xtr[c]);
     f(c, Count<1>{}, v, vt);
   }
-  // Two groups per trip: a second 16-byte load in flight per thread while the first group's math runs.
-  FL_UNROLL2
   for (int64_t g = lane; g < groups; g += nlanes) {
     const int64_t c = prefix + g * kN;
     load_group(xr + c, v);
@@ -86,7 +84,9 @@ FL_HD uint32_t pack_word(const float* v) {
 
 // kCount floats -> p (dtype TO): 16-byte stores when the group fills whole 16-byte vectors and p is
 // aligned, else 8-byte stores (4 bf16 from a 4-float group), else one value at a time. The words are
-// built in registers and stored through a vector type, so the compiler keeps the stores wide.
+// built in registers and stored with the vector store intrinsics (streaming: the tile is read next by a
+// product, from memory, not from the cache): a plain store of a uint4 is split by the compiler into
+// 4-byte stores once it merges the aligned and unaligned branches.
 template <typename TO, int kCount>
 FL_HD void store_group(TO* p, const float* vals) {
   constexpr int kBytes = kCount * int(sizeof(TO));
@@ -100,7 +100,7 @@ FL_HD void store_group(TO* p, const float* vals) {
       FL_UNROLL
       for (int k = 0; k < kWords; k += 4) {
 #ifdef __CUDA_ARCH__
-        reinterpret_cast<uint4*>(p)[k / 4] = make_uint4(w[k], w[k + 1], w[k + 2], w[k + 3]);
+        __stcs(reinterpret_cast<uint4*>(p) + k / 4, make_uint4(w[k], w[k + 1], w[k + 2], w[k + 3]));
 #else
         std::memcpy(reinterpret_cast<char*>(p) + 4 * k, w + k, 16);
 #endif
@@ -111,7 +111,7 @@ FL_HD void store_group(TO* p, const float* vals) {
       FL_UNROLL
       for (int k = 0; k < kWords; k += 2) {
 #ifdef __CUDA_ARCH__
-        reinterpret_cast<uint2*>(p)[k / 2] = make_uint2(w[k], w[k + 1]);
+        __stcs(reinterpret_cast<uint2*>(p) + k / 2, make_uint2(w[k], w[k + 1]));
 #else
         std::memcpy(reinterpret_cast<char*>(p) + 4 * k, w + k, 8);
 #endif
