@@ -54,19 +54,10 @@ void host_jsd_t(const TileArgs& a) {
 }
 
 template <typename T, typename TO>
-void host_dx_out(const TileArgs& a) {
+void host_dx_t(const TileArgs& a) {
   for (int64_t row = 0; row < a.rows; ++row) {
     if (a.xt != 0) dx_lane<T, TO, true>(a, row, 0, 1);
     else dx_lane<T, TO, false>(a, row, 0, 1);
-  }
-}
-
-template <typename T>
-void host_dx_t(const TileArgs& a) {
-  switch (a.dx_dtype) {
-    case kBFloat16: host_dx_out<T, bf16>(a); break;
-    case kFloat16: host_dx_out<T, fp16>(a); break;
-    default: host_dx_out<T, float>(a); break;
   }
 }
 
@@ -74,29 +65,17 @@ void host_dx_t(const TileArgs& a) {
 
 void host_fold_tile(const TileArgs& a) {
   validate(a, Kernel::kFold);
-  switch (a.dtype) {
-    case kBFloat16: host_fold_t<bf16>(a); break;
-    case kFloat16: host_fold_t<fp16>(a); break;
-    default: host_fold_t<float>(a); break;
-  }
+  with_dtype(a.dtype, [&](auto t) { host_fold_t<decltype(t)>(a); });
 }
 
 void host_jsd_tile(const TileArgs& a) {
   validate(a, Kernel::kJsd);
-  switch (a.dtype) {
-    case kBFloat16: host_jsd_t<bf16>(a); break;
-    case kFloat16: host_jsd_t<fp16>(a); break;
-    default: host_jsd_t<float>(a); break;
-  }
+  with_dtype(a.dtype, [&](auto t) { host_jsd_t<decltype(t)>(a); });
 }
 
 void host_dx_tile(const TileArgs& a) {
   validate(a, Kernel::kDx);
-  switch (a.dtype) {
-    case kBFloat16: host_dx_t<bf16>(a); break;
-    case kFloat16: host_dx_t<fp16>(a); break;
-    default: host_dx_t<float>(a); break;
-  }
+  with_dtype(a.dtype, [&](auto t) { with_dtype(a.dx_dtype, [&](auto o) { host_dx_t<decltype(t), decltype(o)>(a); }); });
 }
 
 }  // namespace fl

@@ -119,7 +119,7 @@ void launch_fold(const TileArgs& a, cudaStream_t s) {
 }
 
 template <typename T, typename TO>
-void launch_dx_out(const TileArgs& a, cudaStream_t s) {
+void launch_dx(const TileArgs& a, cudaStream_t s) {
   // Enough column blocks to fill the machine when there are few rows, each lane covering >= 4 groups.
   const int64_t per_block = int64_t(kDxThreads) * Vec<T>::kSize * 4;
   int64_t yblocks = (a.cols + per_block - 1) / per_block;
@@ -128,15 +128,6 @@ void launch_dx_out(const TileArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned(a.rows), unsigned(yblocks));
   if (a.xt != 0) dx_kernel<T, TO, true><<<grid, kDxThreads, 0, s>>>(a);
   else dx_kernel<T, TO, false><<<grid, kDxThreads, 0, s>>>(a);
-}
-
-template <typename T>
-void launch_dx(const TileArgs& a, cudaStream_t s) {
-  switch (a.dx_dtype) {
-    case kBFloat16: launch_dx_out<T, bf16>(a, s); break;
-    case kFloat16: launch_dx_out<T, fp16>(a, s); break;
-    default: launch_dx_out<T, float>(a, s); break;
-  }
 }
 
 template <typename T>
@@ -159,31 +150,21 @@ void launch(const TileArgs& a, Kernel k, uint64_t stream, const char* name, Laun
 
 void fold_tile(const TileArgs& a, uint64_t stream) {
   launch(a, Kernel::kFold, stream, "fold_tile launch", [&](cudaStream_t s) {
-    switch (a.dtype) {
-      case kBFloat16: launch_fold<bf16>(a, s); break;
-      case kFloat16: launch_fold<fp16>(a, s); break;
-      default: launch_fold<float>(a, s); break;
-    }
+    with_dtype(a.dtype, [&](auto t) { launch_fold<decltype(t)>(a, s); });
   });
 }
 
 void jsd_tile(const TileArgs& a, uint64_t stream) {
   launch(a, Kernel::kJsd, stream, "jsd_tile launch", [&](cudaStream_t s) {
-    switch (a.dtype) {
-      case kBFloat16: launch_jsd<bf16>(a, s); break;
-      case kFloat16: launch_jsd<fp16>(a, s); break;
-      default: launch_jsd<float>(a, s); break;
-    }
+    with_dtype(a.dtype, [&](auto t) { launch_jsd<decltype(t)>(a, s); });
   });
 }
 
 void dx_tile(const TileArgs& a, uint64_t stream) {
   launch(a, Kernel::kDx, stream, "dx_tile launch", [&](cudaStream_t s) {
-    switch (a.dtype) {
-      case kBFloat16: launch_dx<bf16>(a, s); break;
-      case kFloat16: launch_dx<fp16>(a, s); break;
-      default: launch_dx<float>(a, s); break;
-    }
+    with_dtype(a.dtype, [&](auto t) {
+      with_dtype(a.dx_dtype, [&](auto o) { launch_dx<decltype(t), decltype(o)>(a, s); });
+    });
   });
 }
 

@@ -13,6 +13,16 @@
 
 namespace fl {
 
+// f(T{}) with T the storage type of a dtype code (validated by check.h): one switch for every launcher.
+template <typename F>
+void with_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case kBFloat16: f(bf16{}); break;
+    case kFloat16: f(fp16{}); break;
+    default: f(float{}); break;
+  }
+}
+
 template <typename T>
 struct Vec {
   static constexpr int kSize = 16 / sizeof(T);
