@@ -826,7 +826,8 @@ def _gate_coeffs(p: StatsProblem, coeffs: torch.Tensor) -> torch.Tensor:
     unformed = sorted(set(range(NUM_COEFFS)) - set(_formed_terms(p)))
     if unformed:
         coeffs = coeffs.clone()
-        coeffs[unformed] = 0.0
+        for k in unformed:  # one fill each (an index list would be a host-to-device copy: not capturable)
+            coeffs[k].zero_()
     return coeffs.contiguous()
 
 
