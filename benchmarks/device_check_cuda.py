@@ -1,56 +1,139 @@
-"""GPU correctness check of the CUDA backend (run on the device machine; builds nothing itself).
+"""GPU check of the CUDA backend: every path once against float64, then timings beside the cost model.
 
-For V in {128256, 151936} plus a prime V (131071), peaked rows (a few logits ~30 above the rest), one
-token and an odd token count, and each dtype in {fp32, bf16, fp16}, compares against float64 ground
-truth on materialised logits:
+    python benchmarks/device_check_cuda.py --out results/cuda_check.json [--quick] [--budget-s 150]
+    python benchmarks/device_check_cuda.py --out /tmp/cuda_check.json --cpu-smoke     # the dry run, no GPU
 
-* forward statistics (lse, logp, entropy, mean_logit, log_sum_sq_probs; with a teacher kl_rev, kl_fwd,
-  jsd) from ``forward_statistics``;
-* gradients (d hidden, d weight, d bias) of ``sum(logp) + 0.5 sum(entropy) [+ 0.3 sum(kl_rev)]`` through
-  ``backward_gradients`` (recompute, 3 products) and ``eager_gradients`` (3 products, no recompute);
-* ``lse_lo`` (hi + lo against the float64 lse) and ``is_top1`` (the FIRST argmax, with exact ties from
-  duplicate weight rows);
-* fp32 confident rows (lse ~ 30, 1 - q_y down to ~1e-4, one token and five): logp and the gradients of
-  sum(logp) within 1e-5 of float64 (backward and eager);
-* the GRPO / DPO per-token kernels (``grpo_token_math``, and the autograd functions ``grpo_token_loss`` /
-  ``dpo_pair_loss`` used by the losses: values and gradients, fp32 and float64) against their host twins.
+Sections, each recorded in the JSON with its checks (``ok`` false on any failure, never a skipped check
+silently passing):
 
-Criteria (SPEC section 6): fp32 within 1e-5 norm-wise relative (TF32 disabled); bf16/fp16 error no larger
-than the naive same-dtype materialised computation's error plus 1e-3 relative.
+* ``environment``: versions, the extension's runtime and driver, the device, the out_dtype / GEMM
+  accumulation probe, the plan of issue 11's H200 shape;
+* ``cases``: statistics and gradients (recompute backward and eager path) for V in {128256, 151936} and
+  a prime V (131071), peaked rows, one token and odd token counts, fp32 / bf16 / fp16, with and without a
+  teacher (KL, JSD), ``lse_lo`` and ``is_top1``'s first-argmax rule: fp32 within 1e-5 of float64 (TF32 off),
+  bf16/fp16 no worse than the naive materialised same-dtype computation plus 1e-3;
+* ``paths``: the multi-chunk eager path (N=2500, V=151936 bf16, a 256 MiB workspace: 9 chunks) beside the
+  default workspace (one chunk); the composable path with row offsets > 0 (several row chunks); fp32 with
+  torch's TF32 switched on (the backend must ignore it); fp16 with a GradScaler-sized loss scale (2^16) on
+  both paths; the caller's current device unchanged after every call;
+* ``confident``: fp32 rows with lse ~ 30 and 1 - q_y down to ~1e-4 within 1e-5 (backward and eager);
+* ``timings``: cross_entropy, token_logprobs (+entropy) and reverse-KL distillation at N=16384, D=4096,
+  V=151936 bf16, forward and backward timed separately (CUDA events, median of 3 after a warm-up), for
+  workspaces of 256 MiB, 1 GiB, 4 GiB and the default, each with the cost model's figure beside it;
+* ``racecheck``: ``compute-sanitizer --tool racecheck`` over ``sanitize_smoke.py --tiles`` (the fold and
+  JSD kernels' shared-memory block reductions), when compute-sanitizer is on the PATH.
 
-    python benchmarks/device_check_cuda.py --out results/cuda_check.json [--quick]
+``--cpu-smoke`` runs every section on tiny shapes on CPU tensors through the kernels' host twins (the
+timings are then CPU times of tiny shapes, labelled so; the sanitizer is skipped): it checks the script,
+not the GPU. The JSON is rewritten after every section, so a run cut short by its time box keeps what it
+measured.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
+import shutil
+import subprocess
 import sys
 import time
 import traceback
 import zlib
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
 
 def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.double(), b.double().to(a.device)
     nb = float(b.norm())
     return float((a - b).norm()) / max(nb, 1e-30) if nb > 0 else float((a - b).norm())
 
 
+class Context:
+    """Shapes and device of the run: the GPU's, or tiny ones on the CPU (--cpu-smoke)."""
+
+    def __init__(self, smoke: bool, quick: bool, budget_s: float):
+        import torch
+
+        self.smoke, self.quick = smoke, quick
+        self.device = torch.device("cpu" if smoke else "cuda")
+        self.start, self.budget = time.monotonic(), budget_s
+        big = not smoke
+        self.V = (128256, 151936) if big else (1031, 2053)
+        self.V_prime = 131071 if big else 1021
+        self.D = 1024 if big else 64
+        self.N_case = 257 if big else 17
+        self.N_path = 2500 if big else 250
+        self.fp16_shape = (4096, 32003, 256) if big else (512, 1031, 32)
+        self.timing_shape = (16384, 4096, 151936) if big else (64, 64, 1031)
+        self.workspaces = (256, 1024, 4096, None) if big else (1, 4, None)
+
+    def left(self) -> float:
+        return self.budget - (time.monotonic() - self.start)
+
+    def sync(self):
+        import torch
+
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _host_public_api(ctx: Context):
+    """On CPU tensors the public API refuses backend='cuda': route it to the host twins (smoke only)."""
+    if not ctx.smoke:
+        yield
+        return
+    from fusedloss.core import backends
+
+    original = backends.resolve
+    backends.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
+    try:
+        yield
+    finally:
+        backends.resolve = original
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+def _check(checks, what, err, limit, finite=True):
+    ok = bool(finite) and math.isfinite(err) and err <= limit
+    checks.append({"what": what, "err": err, "limit": limit, "ok": ok})
+    return ok
+
+
+# ------------------------------------------------------------------------------------------------
+# Statistics and gradients against float64
+# ------------------------------------------------------------------------------------------------
 def _coeffs(stats, g_logp, g_ent, g_klrev, targets):
     """Per-row dz coefficients (a, c0..c5) of sum(g_logp logp + g_ent entropy + g_klrev kl_rev)
     (problem.py: d logp = [j=y] - q, d H = -q (log q + H), d KL(q||p) = q (log q - log p - KL))."""
     import torch
 
-    n = stats.lse.shape[0]
-    one = torch.ones(n, device=stats.lse.device, dtype=torch.float32)
-    a = g_logp * one
-    c0 = -g_logp * one - g_ent * stats.entropy - g_klrev * stats.kl_rev
-    c1 = (g_klrev - g_ent) * one
-    c2 = -g_klrev * one
+    one = torch.ones_like(stats.lse)
     zero = torch.zeros_like(one)
-    c = torch.stack((a, c0, c1, c2, zero, zero, zero))
+    c = torch.stack((g_logp * one, -g_logp * one - g_ent * stats.entropy - g_klrev * stats.kl_rev,
+                     (g_klrev - g_ent) * one, -g_klrev * one, zero, zero, zero))
     return torch.where(targets >= 0, c, torch.zeros_like(c))
 
 
@@ -86,14 +169,12 @@ def _reference(h, w, b, y, ht, wt, temperature, g_logp, g_ent, g_klrev, dtype):
     return {k: v.detach() for k, v in out.items()}, (dh, dw, db)
 
 
-def run_case(name, n, v, d, dtype_name, peaked, teacher, quick, results):
+def _make(ctx, name, n, v, d, dtype, peaked, teacher):
     import torch
 
-    from fusedloss.core.problem import GradientNeeds, LogitTransform, StatsProblem
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.core.problem import LogitTransform, StatsProblem
 
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
-    dev = torch.device("cuda")
+    dev = ctx.device
     g = torch.Generator(device=dev).manual_seed(zlib.crc32(name.encode()))
     h = torch.randn(n, d, device=dev, generator=g)
     w = torch.randn(v, d, device=dev, generator=g) / math.sqrt(d)
@@ -101,7 +182,7 @@ def run_case(name, n, v, d, dtype_name, peaked, teacher, quick, results):
     if peaked:
         hot = torch.randint(0, v, (4,), device=dev, generator=g)
         w[hot] += 30.0 * h.mean(0) / h.mean(0).norm() ** 2
-        w[(hot[0] + 7) % v] = w[hot[0]]  # an exact duplicate of a hot row: tied maxima (is_top1's first-argmax rule)
+        w[(hot[0] + 7) % v] = w[hot[0]]  # an exact duplicate of a hot row: tied maxima (first-argmax rule)
     y = torch.randint(0, v, (n,), device=dev, generator=g)
     if n > 2:
         y[1] = -1  # an ignored row
@@ -109,97 +190,194 @@ def run_case(name, n, v, d, dtype_name, peaked, teacher, quick, results):
     if teacher:
         ht = torch.randn(n, d, device=dev, generator=g)
         wt = torch.randn(v, d, device=dev, generator=g) / math.sqrt(d)
-    temperature = 0.9
-    # Round the inputs to the test dtype once: every path then sees the same values.
-    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)
+    h, w, b = h.to(dtype), w.to(dtype), b.to(dtype)  # every path sees the same rounded values
     if teacher:
         ht, wt = ht.to(dtype), wt.to(dtype)
-    g_logp, g_ent, g_klrev = 1.0, 0.5, 0.3 if teacher else 0.0
-
-    truth, grads64 = _reference(h, w, b, y, ht, wt, temperature, g_logp, g_ent, g_klrev, torch.float64)
-    if dtype != torch.float32:
-        naive, grads_naive = _reference(h, w, b, y, ht, wt, temperature, g_logp, g_ent, g_klrev, dtype)
-    else:
-        naive, grads_naive = None, None
-
+    temperature = 0.9
     p = StatsProblem(hidden=h, weight=w, bias=b, targets=y, transform=LogitTransform(temperature),
                      teacher_hidden=ht, teacher_weight=wt, teacher_transform=LogitTransform(temperature),
                      want_entropy=True, want_kl_rev=teacher, want_kl_fwd=teacher, jsd_beta=0.5 if teacher else None,
                      want_mean_logit=True, want_extras=True)
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
+    return p, (h, w, b, y, ht, wt, temperature)
+
+
+def _judge_gradients(checks, label, grads, truth, naive):
+    for gname, gv, gw, gn in zip(("d_hidden", "d_weight", "d_bias"), grads, truth, naive or (None, None, None)):
+        limit = 1e-5 if gn is None else _rel(gn, gw) + 1e-3
+        _check(checks, f"{label}.{gname}", _rel(gv.float(), gw), limit, bool(gv.isfinite().all()))
+
+
+def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
+    import torch
+
+    from fusedloss.core.problem import GradientNeeds
+    from fusedloss.cuda import backend as cuda
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
+    p, raw = _make(ctx, name, n, v, d, dtype, peaked, teacher)
+    y = raw[3]
+    g_logp, g_ent, g_klrev = 1.0, 0.5, 0.3 if teacher else 0.0
+    truth, grads64 = _reference(*raw, g_logp, g_ent, g_klrev, torch.float64)
+    naive, grads_naive = (None, None) if dtype == torch.float32 else _reference(*raw, g_logp, g_ent, g_klrev, dtype)
     stats = cuda.forward_statistics(p)
-    torch.cuda.synchronize()
-    t_fwd = time.perf_counter() - t0
     coeffs = _coeffs(stats, g_logp, g_ent, g_klrev, y)
     needs = GradientNeeds(True, True, True)
-    t0 = time.perf_counter()
     grads = cuda.backward_gradients(p, stats, coeffs, needs)
-    torch.cuda.synchronize()
-    t_bwd = time.perf_counter() - t0
 
-    def chunk_fn(st, r0, r1):
-        c = _coeffs(st, g_logp, g_ent, g_klrev, y[r0:r1])
+    def chunk_fn(st, rows):
+        c = _coeffs(st, g_logp, g_ent, g_klrev, y[rows])
         return (g_logp * st.logp + g_ent * st.entropy + g_klrev * st.kl_rev).sum(), c
 
-    t0 = time.perf_counter()
     _, eager = cuda.eager_gradients(p, chunk_fn, needs)
-    torch.cuda.synchronize()
-    t_eager = time.perf_counter() - t0
-
-    tol_fp32 = 1e-5
+    ctx.sync()
     checks = []
-
-    def judge(label, got, want, naive_val):
-        err = _rel(got, want)
-        if naive_val is None:
-            limit = tol_fp32
-        else:
-            limit = _rel(naive_val, want) + 1e-3
-        ok = bool(torch.isfinite(got).all()) and err <= limit
-        checks.append({"what": label, "err": err, "limit": limit, "ok": ok})
-
     for key, ref in truth.items():
-        if key == "is_top1":  # exact: count mismatching rows (near-ties may flip under fp32 rounding: allow 1)
+        if key == "is_top1":  # exact: near-ties may flip under fp32 rounding, allow one row
             bad = int((stats.is_top1.double() != ref).sum())
             checks.append({"what": "stat.is_top1", "err": bad, "limit": 1, "ok": bad <= 1})
             continue
-        judge(f"stat.{key}", getattr(stats, key), ref, None if naive is None else naive[key])
-    # lse + lse_lo is the unrounded normaliser: at least as close to float64 as lse alone
-    hilo = stats.lse.double() + stats.lse_lo.double()
-    err_hilo, err_hi = _rel(hilo, truth["lse"]), _rel(stats.lse, truth["lse"])
-    limit_hilo = 2.0 * max(err_hi, 1e-7)  # garbage in lse_lo would be far larger
-    checks.append({"what": "stat.lse+lse_lo", "err": err_hilo, "limit": limit_hilo,
-                   "ok": bool(torch.isfinite(stats.lse_lo).all()) and err_hilo <= limit_hilo})
-    if teacher:
-        ok_t = bool(torch.isfinite(stats.lse_t_lo).all()) and float(stats.lse_t_lo.abs().max()) <= 1e-5 * max(
-            1.0, float(stats.lse_t.abs().max()))
-        checks.append({"what": "stat.lse_t_lo", "err": float(stats.lse_t_lo.abs().max()), "limit": 1e-5, "ok": ok_t})
-    for label, gs in (("backward", grads), ("eager", eager)):
-        for gname, gv, gw, gn in zip(("d_hidden", "d_weight", "d_bias"), gs, grads64,
-                                     grads_naive or (None, None, None)):
-            judge(f"{label}.{gname}", gv.float(), gw, gn)
-    case = {"name": name, "n": n, "v": v, "d": d, "dtype": dtype_name, "peaked": peaked, "teacher": teacher,
-            "seconds": {"forward": t_fwd, "backward": t_bwd, "eager": t_eager}, "checks": checks,
-            "ok": all(c["ok"] for c in checks)}
-    results.append(case)
-    print(f"[{'ok' if case['ok'] else 'FAIL'}] {name}: " + ", ".join(
-        f"{c['what']}={c['err']:.2e}" + ("" if c["ok"] else f"(>{c['limit']:.2e})") for c in checks), flush=True)
+        limit = 1e-5 if naive is None else _rel(naive[key], ref) + 1e-3
+        got = getattr(stats, key)
+        _check(checks, f"stat.{key}", _rel(got, ref), limit, bool(got.isfinite().all()))
+    hilo = stats.lse.double() + stats.lse_lo.double()  # the unrounded normaliser: no worse than lse alone
+    err_hi = _rel(stats.lse, truth["lse"])
+    _check(checks, "stat.lse+lse_lo", _rel(hilo, truth["lse"]), 2.0 * max(err_hi, 1e-7),
+           bool(stats.lse_lo.isfinite().all()))
+    _judge_gradients(checks, "backward", grads, grads64, grads_naive)
+    _judge_gradients(checks, "eager", eager, grads64, grads_naive)
+    results.append({"name": name, "checks": checks, "ok": all(c["ok"] for c in checks)})
 
 
-def confident_checks(results):
+# ------------------------------------------------------------------------------------------------
+# Paths the small cases do not reach
+# ------------------------------------------------------------------------------------------------
+def path_checks(ctx, results):
+    import torch
+
+    from fusedloss.core.problem import GradientNeeds
+    from fusedloss.cuda import backend as cuda
+
+    checks, info = [], {}
+    n, v, d = ctx.N_path, ctx.V[1], ctx.D
+    p, raw = _make(ctx, "paths", n, v, d, torch.bfloat16, True, False)
+    y = raw[3]
+    truth, grads64 = _reference(*raw, 1.0, 0.5, 0.0, torch.float64)
+    _, grads_naive = _reference(*raw, 1.0, 0.5, 0.0, torch.bfloat16)
+    needs = GradientNeeds(True, True, True)
+
+    def chunk_fn(st, rows):
+        return (st.logp + 0.5 * st.entropy).sum(), _coeffs(st, 1.0, 0.5, 0.0, y[rows])
+
+    # the eager path at two workspaces: many chunks (the fp32 [V, D] accumulated inside the GEMM) and one
+    small = {"workspace_mb": 256} if not ctx.smoke else {"eager_rows": n // 9 + 1}
+    for label, override in (("eager.small_workspace", small), ("eager.default_workspace", {})):
+        with cuda.override_plan(**override):
+            chunks = math.ceil(n / cuda.eager_rows(p))
+            t0 = time.perf_counter()
+            _, eager = cuda.eager_gradients(p, chunk_fn, needs)
+            ctx.sync()
+            info[label] = {"chunks": chunks, "seconds": time.perf_counter() - t0}
+        _judge_gradients(checks, f"{label}[{chunks} chunks]", eager, grads64, grads_naive)
+    # the composable path over several row chunks: tiles start at row offsets > 0
+    rows = 1000 if not ctx.smoke else 100
+    with cuda.override_plan(tile_rows=rows):
+        stats = cuda.forward_statistics(p)
+        grads = cuda.backward_gradients(p, stats, _coeffs(stats, 1.0, 0.5, 0.0, y), needs)
+    ctx.sync()
+    _check(checks, f"composable.row_chunks[{math.ceil(n / rows)}].logp", _rel(stats.logp, truth["logp"]),
+           _rel(_reference(*raw, 1.0, 0.5, 0.0, torch.bfloat16)[0]["logp"], truth["logp"]) + 1e-3)
+    _judge_gradients(checks, "composable.row_chunks", grads, grads64, grads_naive)
+    # fp32 with torch's TF32 switched on: the backend's products stay full fp32
+    matmul = torch.backends.cuda.matmul
+    pf, rawf = _make(ctx, "tf32", ctx.N_case, v, d, torch.float32, False, False)
+    previous = matmul.allow_tf32
+    matmul.allow_tf32 = True
+    try:
+        statsf = cuda.forward_statistics(pf)
+        gradsf = cuda.backward_gradients(pf, statsf, _coeffs(statsf, 1.0, 0.5, 0.0, rawf[3]), needs)
+        ctx.sync()
+        info["tf32_flag_after_call"] = matmul.allow_tf32
+    finally:
+        matmul.allow_tf32 = previous
+    truthf, gradsf64 = _reference(*rawf, 1.0, 0.5, 0.0, torch.float64)
+    _check(checks, "fp32_with_tf32_on.logp", _rel(statsf.logp, truthf["logp"]), 1e-5)
+    _judge_gradients(checks, "fp32_with_tf32_on", gradsf, gradsf64, None)
+    checks.append({"what": "fp32_with_tf32_on.flag_restored", "err": 0, "limit": 0,
+                   "ok": info["tf32_flag_after_call"] is True})
+    fp16_checks(ctx, checks)
+    device_restore_checks(ctx, checks)
+    results.append({"name": "paths", "checks": checks, "info": info, "ok": all(c["ok"] for c in checks)})
+
+
+def fp16_checks(ctx, checks):
+    """cross_entropy (mean) in fp16 with a GradScaler-sized scale (2^16), eager and composable: the
+    gradients no worse than the naive fp16 AMP computation (materialised fp16 logits, fp32 loss)."""
+    import torch
+
+    import fusedloss
+    from fusedloss import reference
+
+    n, v, d = ctx.fp16_shape
+    g = torch.Generator(device=ctx.device).manual_seed(16)
+    h = torch.randn(n, d, device=ctx.device, generator=g)
+    w = torch.randn(v, d, device=ctx.device, generator=g) * 0.3
+    hot = torch.randint(0, v, (4,), device=ctx.device, generator=g)
+    w[hot] += 3.0 * h.mean(0) / h.mean(0).norm()
+    y = torch.randint(0, v, (n,), device=ctx.device, generator=g)
+    h16, w16 = h.half(), w.half()
+    scale = 2.0**16
+
+    def grads(fn, dtype):
+        hh, ww = h16.detach().to(dtype, copy=True).requires_grad_(), w16.detach().to(dtype, copy=True).requires_grad_()
+        fn(hh, ww).backward()
+        return hh.grad.double() / scale, ww.grad.double() / scale
+
+    truth = grads(lambda a, b: reference.cross_entropy(a, b, y) * scale, torch.float64)
+    naive = grads(lambda a, b: torch.nn.functional.cross_entropy((a @ b.T).float(), y) * scale, torch.float16)
+    with _host_public_api(ctx):
+        for path in ("eager", "composable"):
+            with _env("FUSEDLOSS_EAGER", "1" if path == "eager" else "0"):
+                got = grads(lambda a, b: fusedloss.cross_entropy(a, b, y, backend="cuda") * scale, torch.float16)
+            for name, gv, gt, gn in zip(("d_hidden", "d_weight"), got, truth, naive):
+                _check(checks, f"fp16_loss_scale_2^16.{path}.{name}", _rel(gv, gt), _rel(gn, gt) + 1e-4,
+                       bool(gv.isfinite().all()))
+
+
+def device_restore_checks(ctx, checks):
+    """The caller's current device is unchanged by a launch (and, with two GPUs, a call on cuda:1 from
+    cuda:0 leaves cuda:0 current)."""
+    import torch
+
+    import fusedloss
+
+    if ctx.smoke:
+        return
+    before = torch.cuda.current_device()
+    targets = [0] + ([1] if torch.cuda.device_count() > 1 else [])
+    for index in targets:
+        dev = torch.device("cuda", index)
+        h = torch.randn(5, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(1031, 64, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        fusedloss.cross_entropy(h, w, torch.randint(0, 1031, (5,), device=dev), backend="cuda").backward()
+        torch.cuda.synchronize(dev)
+        after = torch.cuda.current_device()
+        checks.append({"what": f"current_device_after_call_on_cuda:{index}", "err": after, "limit": before,
+                       "ok": after == before})
+
+
+def confident_checks(ctx, results):
     """fp32 rows with lse ~ 30 and 1 - q_y from ~0.1 to ~1e-4: logp and d sum(logp) within 1e-5 of float64."""
     import torch
 
     from fusedloss.core.problem import GradientNeeds, LogitTransform, StatsProblem
     from fusedloss.cuda import backend as cuda
 
-    dev = torch.device("cuda")
+    dev = ctx.device
     checks = []
     for n in (1, 5):
         for gap in (6.0, 10.0, 13.0):
             g = torch.Generator(device=dev).manual_seed(int(gap) * 10 + n)
-            v, d = 151936, 1024
+            v, d = ctx.V[1], ctx.D
             h = torch.randn(n, d, device=dev, generator=g)
             w = torch.randn(v, d, device=dev, generator=g) / math.sqrt(d) * 0.5
             y = torch.randint(0, v, (n,), device=dev, generator=g)
@@ -214,162 +392,222 @@ def confident_checks(results):
             coeffs[0], coeffs[1] = 1.0, -1.0
             needs = GradientNeeds(True, True, True)
             back = cuda.backward_gradients(p, stats, coeffs, needs)
-            _, eager = cuda.eager_gradients(p, lambda st, r0, r1: (st.logp.sum(), coeffs[:, r0:r1]), needs)
+            _, eager = cuda.eager_gradients(p, lambda st, rows: (st.logp.sum(), coeffs[:, rows]), needs)
             tag = f"N{n}-gap{gap:g}"
             items = [("logp", stats.logp, logp64.detach())]
             for label, gs in (("backward", back), ("eager", eager)):
                 items += [(f"{label}.{k}", gv, gw) for k, gv, gw in zip(("d_hidden", "d_weight", "d_bias"), gs, grads64)]
             for what, got, want in items:
-                err = _rel(got, want)
-                checks.append({"what": f"{tag}.{what}", "err": err, "limit": 1e-5,
-                               "ok": bool(torch.isfinite(got).all()) and err <= 1e-5})
-            del h64, w64, b64, grads64
-            torch.cuda.empty_cache()
+                _check(checks, f"{tag}.{what}", _rel(got, want), 1e-5, bool(got.isfinite().all()))
     results.append({"name": "fp32_confident_rows", "checks": checks, "ok": all(c["ok"] for c in checks)})
-    print(f"[{'ok' if results[-1]['ok'] else 'FAIL'}] fp32_confident_rows: "
-          + ", ".join(f"{c['what']}={c['err']:.1e}" for c in checks if not c["ok"] or "logp" in c["what"]),
-          flush=True)
 
 
-def fused_loss_checks(results):
-    """grpo_token_loss / dpo_pair_loss (the autograd functions the losses call): GPU launch against the host
-    twin, values and gradients, fp32 (1e-6: device and host expf differ by an ulp) and float64 (1e-12)."""
+# ------------------------------------------------------------------------------------------------
+# Timings beside the cost model
+# ------------------------------------------------------------------------------------------------
+TIMED_OPS = (("cross_entropy", "cross_entropy"), ("token_logprobs", "token_logprobs_entropy"),
+             ("distillation_loss", "distill_reverse_kl"))
+
+
+def _time_call(ctx, fn, reps=3):
+    """(forward ms, backward ms) medians, with CUDA events (host clock on the CPU)."""
     import torch
 
-    from fusedloss.cuda import backend as cuda
-
-    checks = []
-    for dtype, limit in ((torch.float32, 1e-6), (torch.float64, 1e-12)):
-        g = torch.Generator().manual_seed(1)
-        t = 8191
-        logp = (-torch.rand(t, generator=g, dtype=torch.float64) * 3).to(dtype)
-        old = logp + (torch.randn(t, generator=g, dtype=torch.float64) * 0.4).to(dtype)
-        old[:4] = logp[:4] - torch.tensor([30.0, -30.0, 30.0, -30.0], dtype=dtype)  # extreme log-ratios
-        ref = logp + (torch.randn(t, generator=g, dtype=torch.float64) * 0.4).to(dtype)
-        adv = torch.randn(t, generator=g, dtype=torch.float64).to(dtype)
-        iw = (torch.rand(t, generator=g, dtype=torch.float64) + 0.5).to(dtype)
-        valid = torch.rand(t, generator=g) > 0.2
-        valid[:4] = True
-        old[~valid] = -math.inf  # garbage where masked
-        up = (torch.rand(t, generator=g, dtype=torch.float64) + 0.5).to(dtype)
-        for loss_type in cuda.GRPO_LOSS_TYPES:
-            for with_old in (False, True):
-                outs = []
-                for device in ("cpu", "cuda"):
-                    x = logp.to(device).requires_grad_(True)
-                    mv = lambda z: None if z is None else z.to(device)  # noqa: E731
-                    res = cuda.grpo_token_loss(x, mv(old) if with_old else None, mv(adv), mv(ref), mv(iw), mv(valid),
-                                               loss_type=loss_type, epsilon_low=0.2,
-                                               epsilon_high=0.28 if loss_type != "cispo" else 5.0, delta=1.8,
-                                               beta=0.04)
-                    (gx,) = torch.autograd.grad(res[0], x, up.to(device))
-                    outs.append([r.detach().cpu() for r in res] + [gx.cpu()])
-                err = max(_rel(a, b) for a, b in zip(outs[1], outs[0]))
-                ok = err <= limit and all(bool(torch.isfinite(o).all()) for o in outs[1])
-                checks.append({"what": f"grpo_token_loss.{loss_type}.{'off' if with_old else 'on'}.{str(dtype)[6:]}",
-                               "err": err, "limit": limit, "ok": ok})
-        b = 1031
-        c, r = (-torch.rand(b, generator=g, dtype=torch.float64) * 40).to(dtype), (
-            -torch.rand(b, generator=g, dtype=torch.float64) * 40).to(dtype)
-        rc, rr = c + torch.randn(b, generator=g, dtype=torch.float64).to(dtype), r + torch.randn(
-            b, generator=g, dtype=torch.float64).to(dtype)
-        nc, nr = torch.randint(0, 40, (b,), generator=g), torch.randint(0, 40, (b,), generator=g)
-        for loss_type in cuda.DPO_LOSS_TYPES:
-            outs = []
-            for device in ("cpu", "cuda"):
-                x, z = c.to(device).requires_grad_(True), r.to(device).requires_grad_(True)
-                loss = cuda.dpo_pair_loss(x, z, rc.to(device), rr.to(device), nc.to(device), nr.to(device),
-                                          loss_type=loss_type, beta=0.1,
-                                          label_smoothing=0.1 if loss_type != "hinge" else 0.0)
-                gx, gz = torch.autograd.grad(loss, (x, z), up[:b].to(device))
-                outs.append([loss.detach().cpu(), gx.cpu(), gz.cpu()])
-            err = max(_rel(a, b_) for a, b_ in zip(outs[1], outs[0]))
-            checks.append({"what": f"dpo_pair_loss.{loss_type}.{str(dtype)[6:]}", "err": err, "limit": limit,
-                           "ok": err <= limit})
-    results.append({"name": "fused_loss_math", "checks": checks, "ok": all(c["ok"] for c in checks)})
-    print(f"[{'ok' if results[-1]['ok'] else 'FAIL'}] fused_loss_math: "
-          + ", ".join(f"{c['what']}={c['err']:.1e}" for c in checks), flush=True)
+    fwd, bwd = [], []
+    for i in range(reps + 1):
+        if ctx.device.type == "cuda":
+            e = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            e[0].record()
+            loss = fn()
+            e[1].record()
+            loss.backward()
+            e[2].record()
+            torch.cuda.synchronize()
+            f, b = e[0].elapsed_time(e[1]), e[1].elapsed_time(e[2])
+        else:
+            t0 = time.perf_counter()
+            loss = fn()
+            t1 = time.perf_counter()
+            loss.backward()
+            f, b = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
+        if i:  # the first call warms up (probe, allocator, cuBLAS heuristics)
+            fwd.append(f)
+            bwd.append(b)
+    return sorted(fwd)[len(fwd) // 2], sorted(bwd)[len(bwd) // 2]
 
 
-def per_token_checks(results):
+def timing_checks(ctx, results):
     import torch
 
+    import fusedloss
+    from benchmarks import cases, cost_model
     from fusedloss.cuda import backend as cuda
 
-    g = torch.Generator().manual_seed(0)
-    n = 4099
-    logp = -torch.rand(n, generator=g) * 3
-    old = logp + torch.randn(n, generator=g) * 0.3
-    ref = logp + torch.randn(n, generator=g) * 0.3
-    adv = torch.randn(n, generator=g)
-    mask = (torch.rand(n, generator=g) > 0.1).float()
-    checks = []
-    for loss_type in cuda.GRPO_LOSS_TYPES:
-        kw = dict(old_logprobs=old, ref_logprobs=ref, loss_type=loss_type, epsilon_low=0.2, epsilon_high=0.28,
-                  delta=1.5, beta=0.04)
-        host = cuda.grpo_token_math(logp, adv, mask, **kw)
-        dev = cuda.grpo_token_math(logp.cuda(), adv.cuda(), mask.cuda(),
-                                   **{k: (t.cuda() if isinstance(t, torch.Tensor) else t) for k, t in kw.items()})
-        err = max(_rel(dv.cpu(), hv) for dv, hv in zip(dev, host))
-        checks.append({"what": f"grpo.{loss_type}", "err": err, "limit": 1e-6, "ok": err <= 1e-6})
-    c, r = -torch.rand(513, generator=g) * 40, -torch.rand(513, generator=g) * 40
-    rc, rr = c + torch.randn(513, generator=g), r + torch.randn(513, generator=g)
-    for loss_type in cuda.DPO_LOSS_TYPES:
-        host = cuda.dpo_pair_math(c, r, rc, rr, loss_type=loss_type, label_smoothing=0.1)
-        dev = cuda.dpo_pair_math(c.cuda(), r.cuda(), rc.cuda(), rr.cuda(), loss_type=loss_type, label_smoothing=0.1)
-        err = max(_rel(dv.cpu(), hv) for dv, hv in zip(dev, host))
-        checks.append({"what": f"dpo.{loss_type}", "err": err, "limit": 1e-6, "ok": err <= 1e-6})
-    results.append({"name": "per_token_math", "checks": checks, "ok": all(c["ok"] for c in checks)})
-    print(f"[{'ok' if results[-1]['ok'] else 'FAIL'}] per_token_math: "
-          + ", ".join(f"{c['what']}={c['err']:.1e}" for c in checks), flush=True)
+    n, d, v = ctx.timing_shape
+    rows = []
+    gpu = "h200"
+    if ctx.device.type == "cuda":
+        name = torch.cuda.get_device_name().upper()
+        gpu = next((k for k in ("h200", "h100", "a100", "b200") if k.upper() in name), "h200")
+    with _host_public_api(ctx):
+        for op, model_op in TIMED_OPS:
+            if ctx.quick and op == "distillation_loss":
+                continue
+            prob = cases.make_problem(op, n, v, d, torch.bfloat16 if not ctx.smoke else torch.float32, ctx.device,
+                                      seed=1)
+            for ws in ctx.workspaces:
+                if ctx.left() < 30:
+                    rows.append({"op": op, "workspace_mb": ws, "skipped": f"budget: {ctx.left():.0f} s left"})
+                    continue
+                override = {} if ws is None else {"workspace_mb": ws}
+                with cuda.override_plan(**override):
+                    budget = cuda.workspace_bytes(cuda._free_bytes(ctx.device))
+
+                    def call():
+                        h, w = prob.leaves()
+                        return cases.call_op(getattr(fusedloss, op), prob, h, w, backend="cuda")[0]
+
+                    fwd, bwd = _time_call(ctx, call)
+                model = cost_model.estimate(model_op, "cuda", n, d, v, dtype="bfloat16", gpu=gpu,
+                                            workspace_mb=budget / 2**20)
+                rows.append({"op": op, "workspace_mb": ws or round(budget / 2**20), "default": ws is None,
+                             "path": model["path"], "forward_ms": fwd, "backward_ms": bwd, "measured_ms": fwd + bwd,
+                             "model_ms": model["model_ms"], "bound_ms": model["bound_ms"],
+                             "measured_over_model": (fwd + bwd) / model["model_ms"],
+                             "plan": model["plan"], "model_passes_ms": model["passes"]})
+                if ctx.device.type == "cuda":
+                    torch.cuda.empty_cache()
+    results.append({"name": "timings", "shape": {"N": n, "D": d, "V": v},
+                    "device": "cpu host twins (tiny shape)" if ctx.smoke else "cuda", "rows": rows, "ok": True,
+                    "checks": []})
+
+
+# ------------------------------------------------------------------------------------------------
+# racecheck over the shared-memory reductions
+# ------------------------------------------------------------------------------------------------
+def racecheck(ctx, results):
+    sanitizer = shutil.which("compute-sanitizer") or next(
+        (p for p in ("/usr/local/cuda/bin/compute-sanitizer",) if os.path.exists(p)), None)
+    entry = {"name": "racecheck", "checks": []}
+    if ctx.smoke:  # the dry run checks the script; there is no device to sanitise
+        entry.update(ok=True, skipped="cpu smoke run")
+        results.append(entry)
+        return
+    if sanitizer is None:
+        entry.update(ok=False, error="compute-sanitizer not found (PATH, /usr/local/cuda/bin): racecheck not run")
+        results.append(entry)
+        return
+    cmd = [sanitizer, "--tool", "racecheck", "--racecheck-report", "all", "--error-exitcode", "86",
+           sys.executable, str(ROOT / "benchmarks" / "sanitize_smoke.py"), "--tiles", "--device", "cuda"]
+    timeout = max(30, min(120, int(ctx.left()) - 5))
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+        tail = (proc.stdout + proc.stderr)[-3000:]
+        summary = [ln for ln in tail.splitlines() if "SUMMARY" in ln or "hazard" in ln.lower()]
+        entry.update(rc=proc.returncode, summary=summary[-5:], tail=tail[-1500:])
+        entry["checks"].append({"what": "racecheck exit status (86: hazards)", "err": proc.returncode, "limit": 0,
+                                "ok": proc.returncode == 0})
+    except subprocess.TimeoutExpired:
+        entry["checks"].append({"what": f"racecheck finished within {timeout} s", "err": timeout, "limit": timeout,
+                                "ok": False})
+    entry["ok"] = all(c["ok"] for c in entry["checks"])
+    results.append(entry)
+
+
+# ------------------------------------------------------------------------------------------------
+def environment(ctx):
+    import torch
+
+    import fusedloss
+    from benchmarks import cost_model
+    from fusedloss.cuda import backend as cuda
+
+    env = {"status": fusedloss.backend_status(), "torch": torch.__version__, "runtime": cuda.runtime_info(),
+           "smoke": ctx.smoke}
+    if not ctx.smoke:
+        env["device"] = torch.cuda.get_device_name()
+        env["capabilities"] = cuda._capabilities(ctx.device)._asdict()
+        env["free_bytes_at_first_call"] = cuda._free_bytes(ctx.device)
+    env["model_h200_cross_entropy"] = cost_model.estimate("cross_entropy", "cuda", 16384, 4096, 151936)
+    return env
+
+
+SECTIONS = ("cases", "paths", "confident", "timings", "racecheck")
+
+
+def _write(path, report):
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1, default=str)
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--quick", action="store_true", help="fewer cases (fp32 + bf16 at V=151936 only)")
+    parser.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on the CPU host twins (dry run)")
+    parser.add_argument("--budget-s", type=float, default=140.0,
+                        help="start no section after this many seconds (the whole check: ~90 s on an H200)")
+    parser.add_argument("--only", nargs="+", choices=SECTIONS, default=SECTIONS)
     args = parser.parse_args(argv)
 
     import torch
 
-    import fusedloss
     from fusedloss.cuda import backend as cuda
 
-    torch.backends.cuda.matmul.allow_tf32 = False
-    torch.backends.cudnn.allow_tf32 = False
-    report = {"status": fusedloss.backend_status(), "torch": torch.__version__, "cases": []}
-    if cuda.availability() != "available":
-        report["ok"] = False
-        report["error"] = f"cuda backend not available: {cuda.availability()}"
+    ctx = Context(args.cpu_smoke, args.quick, args.budget_s)
+    report = {"sections": list(args.only), "cases": []}
+    ready = cuda.extension_built() if ctx.smoke else cuda.availability() == "available"
+    if not ready:
+        report.update(ok=False, error=f"cuda backend not available: {cuda.availability()}")
     else:
-        report["device"] = torch.cuda.get_device_name()
+        torch.backends.cuda.matmul.allow_tf32 = False
+        report["environment"] = environment(ctx)
         cases = []
-        for dt in ("fp32", "bf16", "fp16"):
-            for v in (128256, 151936):
-                cases.append((f"{dt}-V{v}-N257", 257, v, 1024, dt, False, False))
-            cases.append((f"{dt}-V151936-peaked-N64", 64, 151936, 1024, dt, True, False))
-            cases.append((f"{dt}-V131071prime-N1", 1, 131071, 1024, dt, True, False))
-            cases.append((f"{dt}-V131071prime-teacher-N33", 33, 131071, 512, dt, False, True))
-        if args.quick:
-            cases = [c for c in cases if c[4] in ("fp32", "bf16") and c[2] == 151936]
-        for case in cases:
+        if "cases" in args.only:
+            for dt in ("fp32", "bf16", "fp16"):
+                for v in ctx.V:
+                    cases.append((f"{dt}-V{v}-N{ctx.N_case}", ctx.N_case, v, ctx.D, dt, False, False))
+                cases.append((f"{dt}-V{ctx.V[1]}-peaked-N64", 64, ctx.V[1], ctx.D, dt, True, False))
+                cases.append((f"{dt}-V{ctx.V_prime}prime-N1", 1, ctx.V_prime, ctx.D, dt, True, False))
+                cases.append((f"{dt}-V{ctx.V_prime}prime-teacher-N33", 33, ctx.V_prime, ctx.D // 2, dt, False, True))
+            if args.quick:
+                cases = [c for c in cases if c[4] in ("fp32", "bf16") and c[2] == ctx.V[1]]
+        steps = [(c[0], lambda c=c: run_case(ctx, report["cases"], *c)) for c in cases]
+        for section, fn in (("paths", path_checks), ("confident", confident_checks), ("timings", timing_checks),
+                            ("racecheck", racecheck)):
+            if section in args.only:
+                steps.append((section, lambda fn=fn: fn(ctx, report["cases"])))
+        for name, step in steps:
+            if ctx.left() <= 0:
+                report["cases"].append({"name": name, "ok": False, "error": f"not run: the {args.budget_s:.0f} s budget"})
+                continue
+            t0 = time.monotonic()
             try:
-                run_case(*case, args.quick, report["cases"])
+                step()
             except Exception as exc:  # keep going: one failure should not hide the others
-                report["cases"].append({"name": case[0], "ok": False, "error": repr(exc),
+                report["cases"].append({"name": name, "ok": False, "error": repr(exc),
                                         "traceback": traceback.format_exc()})
-                print(f"[ERROR] {case[0]}: {exc!r}", flush=True)
-            torch.cuda.empty_cache()
-        for fn in (per_token_checks, fused_loss_checks, confident_checks):
-            try:
-                fn(report["cases"])
-            except Exception as exc:
-                report["cases"].append({"name": fn.__name__, "ok": False, "error": repr(exc),
-                                        "traceback": traceback.format_exc()})
-                print(f"[ERROR] {fn.__name__}: {exc!r}", flush=True)
+            last = report["cases"][-1]
+            last.setdefault("seconds", time.monotonic() - t0)
+            bad = [c for c in last.get("checks", []) if not c["ok"]]
+            print(f"[{'ok' if last.get('ok') else 'FAIL'}] {name} ({last['seconds']:.1f} s)"
+                  + (f": {last['error']}" if "error" in last else "")
+                  + "".join(f"\n    {c['what']} = {c['err']:.3g} > {c['limit']:.3g}" for c in bad[:8]), flush=True)
+            if ctx.device.type == "cuda":
+                torch.cuda.empty_cache()
+            _write(args.out, dict(report, ok=False, partial=f"written after {name}"))  # survives a kill
         report["ok"] = all(c.get("ok") for c in report["cases"])
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
+        timing = next((c for c in report["cases"] if c["name"] == "timings"), None)
+        if timing:
+            print(f"{'op':<18} {'workspace':>10} {'path':<10} {'fwd ms':>8} {'bwd ms':>8} {'model ms':>9} {'x model':>8}")
+            for r in timing["rows"]:
+                if "skipped" in r:
+                    print(f"{r['op']:<18} {str(r['workspace_mb']):>10} skipped: {r['skipped']}")
+                    continue
+                print(f"{r['op']:<18} {r['workspace_mb']:>8}{'*' if r['default'] else ' '} MB {r['path']:<10} "
+                      f"{r['forward_ms']:8.2f} {r['backward_ms']:8.2f} {r['model_ms']:9.2f} {r['measured_over_model']:8.2f}")
+    _write(args.out, report)
     print(f"wrote {args.out}: ok={report['ok']}")
     return 0 if report["ok"] else 1
 

@@ -3,14 +3,67 @@
 // against torch: one wheel works with any torch version. fusedloss/cuda/backend.py fills the argument
 // structs from tensors and calls these entry points.
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <stdexcept>
+#include <string>
+#include <vector>
 
 #include "fusedloss/args.h"
+#include "fusedloss/device_guard.h"
 
 namespace py = pybind11;
 using namespace fl;
 
+namespace {
+
+// A stand-in for the CUDA runtime's current device, so that the CPU tests check DeviceGuard's restore
+// logic (the very template the launchers instantiate with cudaGetDevice / cudaSetDevice).
+struct FakeDeviceOps {
+  static int current;
+  static std::vector<int>* trace;
+  static int get(int* device) {
+    *device = current;
+    return 0;
+  }
+  static int set(int device) {
+    current = device;
+    trace->push_back(device);
+    return 0;
+  }
+  static void fail(int, const char* what) { throw std::runtime_error(what); }
+};
+int FakeDeviceOps::current = 0;
+std::vector<int>* FakeDeviceOps::trace = nullptr;
+
+// [device inside the guard, device after it, every device set in between], starting from `current`,
+// guarding `target`; `throw_inside` raises inside the guarded scope (the restore must still happen).
+std::vector<int> device_guard_trace(int current, int target, bool throw_inside) {
+  std::vector<int> sets;
+  FakeDeviceOps::current = current;
+  FakeDeviceOps::trace = &sets;
+  int inside = -1;
+  try {
+    DeviceGuard<FakeDeviceOps> guard(target);
+    inside = FakeDeviceOps::current;
+    if (throw_inside) throw std::runtime_error("launch failed");
+  } catch (const std::runtime_error&) {
+  }
+  std::vector<int> out{inside, FakeDeviceOps::current};
+  out.insert(out.end(), sets.begin(), sets.end());
+  FakeDeviceOps::trace = nullptr;
+  return out;
+}
+
+#define FL_OUTPUT_NAME(id, name) name,
+const std::vector<std::string> kOutputNames{FL_OUTPUTS(FL_OUTPUT_NAME)};
+
+}  // namespace
+
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "fusedloss CUDA kernels (statistics tiles, logits gradient, GRPO/DPO per-token math) and their host twins";
+  // std::invalid_argument (a bad TileArgs, check.h) arrives in Python as ValueError, std::runtime_error
+  // (a CUDA error) as RuntimeError: pybind11's standard translations.
+  m.doc() = "fusedloss CUDA kernels (statistics tiles, logits gradient) and their host twins";
 
   py::class_<Transform>(m, "Transform")
       .def(py::init([](float logit_scale, float softcap, float temperature, float chain) {
@@ -27,106 +80,37 @@ PYBIND11_MODULE(_C, m) {
            py::arg("beta"), py::arg("log_1m_beta"), py::arg("log_beta"))
       .def_readwrite("beta", &JsdConsts::beta);
 
-  py::class_<TileArgs>(m, "TileArgs")
-      .def(py::init<>())
-      .def_readwrite("x", &TileArgs::x)
-      .def_readwrite("xt", &TileArgs::xt)
-      .def_readwrite("dtype", &TileArgs::dtype)
-      .def_readwrite("ld", &TileArgs::ld)
-      .def_readwrite("rows", &TileArgs::rows)
-      .def_readwrite("cols", &TileArgs::cols)
-      .def_readwrite("v0", &TileArgs::v0)
-      .def_readwrite("bias", &TileArgs::bias)
-      .def_readwrite("teacher_bias", &TileArgs::teacher_bias)
-      .def_readwrite("bias_dtype", &TileArgs::bias_dtype)
-      .def_readwrite("teacher_bias_dtype", &TileArgs::teacher_bias_dtype)
-      .def_readwrite("tf", &TileArgs::tf)
-      .def_readwrite("teacher_tf", &TileArgs::teacher_tf)
-      .def_readwrite("targets", &TileArgs::targets)
-      .def_readwrite("want_entropy", &TileArgs::want_entropy)
-      .def_readwrite("want_kl_rev", &TileArgs::want_kl_rev)
-      .def_readwrite("want_kl_fwd", &TileArgs::want_kl_fwd)
-      .def_readwrite("want_mean_logit", &TileArgs::want_mean_logit)
-      .def_readwrite("want_extras", &TileArgs::want_extras)
-      .def_readwrite("vocab", &TileArgs::vocab)
-      .def_readwrite("first", &TileArgs::first)
-      .def_readwrite("last", &TileArgs::last)
-      .def_readwrite("state", &TileArgs::state)
-      .def_readwrite("state_stride", &TileArgs::state_stride)
-      .def_readwrite("out", &TileArgs::out)
-      .def_readwrite("out_stride", &TileArgs::out_stride)
-      .def_readwrite("jsd", &TileArgs::jsd)
-      .def_readwrite("has_jsd", &TileArgs::has_jsd)
-      .def_readwrite("jsd_acc", &TileArgs::jsd_acc)
-      .def_readwrite("jsd_acc_stride", &TileArgs::jsd_acc_stride)
-      .def_readwrite("coeffs", &TileArgs::coeffs)
-      .def_readwrite("coeff_stride", &TileArgs::coeff_stride)
-      .def_readwrite("dx", &TileArgs::dx)
-      .def_readwrite("dx_dtype", &TileArgs::dx_dtype)
-      .def_readwrite("dx_ld", &TileArgs::dx_ld)
-      .def_readwrite("device", &TileArgs::device);
+  auto tile_args = py::class_<TileArgs>(m, "TileArgs").def(py::init<>());
+#define FL_BIND_FIELD(type, name, init) tile_args.def_readwrite(#name, &TileArgs::name);
+  FL_TILE_ARGS(FL_BIND_FIELD)
+#undef FL_BIND_FIELD
 
-  // Constants the loss modules form from Python floats are formed here in double, as Python does.
-  py::class_<GrpoParams>(m, "GrpoParams")
-      .def(py::init([](int kind, double eps_low, double eps_high, bool has_delta, double delta, double beta) {
-             return GrpoParams{kind, eps_low, eps_high, has_delta ? 1 : 0, delta, beta, 1.0 - eps_low, 1.0 + eps_high};
-           }),
-           py::arg("kind"), py::arg("eps_low"), py::arg("eps_high"), py::arg("has_delta"), py::arg("delta"), py::arg("beta"));
-
-  py::class_<GrpoArgs>(m, "GrpoArgs")
-      .def(py::init<>())
-      .def_readwrite("n", &GrpoArgs::n)
-      .def_readwrite("dtype", &GrpoArgs::dtype)
-      .def_readwrite("logp", &GrpoArgs::logp)
-      .def_readwrite("old_logp", &GrpoArgs::old_logp)
-      .def_readwrite("logratio", &GrpoArgs::logratio)
-      .def_readwrite("adv", &GrpoArgs::adv)
-      .def_readwrite("mask", &GrpoArgs::mask)
-      .def_readwrite("iw", &GrpoArgs::iw)
-      .def_readwrite("ref", &GrpoArgs::ref)
-      .def_readwrite("weight", &GrpoArgs::weight)
-      .def_readwrite("params", &GrpoArgs::params)
-      .def_readwrite("out", &GrpoArgs::out)
-      .def_readwrite("device", &GrpoArgs::device);
-
-  py::class_<DpoParams>(m, "DpoParams")
-      .def(py::init([](int kind, double beta, double label_smoothing) {
-             return DpoParams{kind, beta, label_smoothing, 1.0 - label_smoothing, 1.0 / (2.0 * beta),
-                              1.0 - 2.0 * label_smoothing};
-           }),
-           py::arg("kind"), py::arg("beta"), py::arg("label_smoothing"));
-
-  py::class_<DpoArgs>(m, "DpoArgs")
-      .def(py::init<>())
-      .def_readwrite("n", &DpoArgs::n)
-      .def_readwrite("dtype", &DpoArgs::dtype)
-      .def_readwrite("logp_c", &DpoArgs::logp_c)
-      .def_readwrite("logp_r", &DpoArgs::logp_r)
-      .def_readwrite("ref_c", &DpoArgs::ref_c)
-      .def_readwrite("ref_r", &DpoArgs::ref_r)
-      .def_readwrite("n_c", &DpoArgs::n_c)
-      .def_readwrite("n_r", &DpoArgs::n_r)
-      .def_readwrite("params", &DpoArgs::params)
-      .def_readwrite("out", &DpoArgs::out)
-      .def_readwrite("device", &DpoArgs::device);
-
+  // The protocol's constants, checked by fusedloss/cuda/backend.py against fusedloss/core/problem.py.
   m.attr("STATE_FIELDS") = int(kStateFields);
   m.attr("NUM_OUTPUTS") = int(kNumOutputs);
+  m.attr("OUTPUT_NAMES") = kOutputNames;
+  m.attr("NUM_COEFFS") = int(kNumCoeffs);
+  m.attr("COEF_INDEX") = std::vector<int>{kCoefOnehot, kCoefConst, kCoefLogq, kCoefLogp, kCoefTeacherProb,
+                                          kCoefLogm, kCoefUniform};
   m.attr("FOLD_THREADS") = kFoldThreads;
-  m.attr("GRPO_OUTPUTS") = kGrpoOutputs;
 
   // Device entry points: `stream` is torch.cuda.current_stream().cuda_stream.
   m.def("fold_tile", &fold_tile, py::arg("args"), py::arg("stream"));
   m.def("jsd_tile", &jsd_tile, py::arg("args"), py::arg("stream"));
   m.def("dx_tile", &dx_tile, py::arg("args"), py::arg("stream"));
-  m.def("grpo_tokens", &grpo_tokens, py::arg("args"), py::arg("stream"));
-  m.def("dpo_pairs", &dpo_pairs, py::arg("args"), py::arg("stream"));
+
+  // What the extension's own CUDA runtime sees (availability() in backend.py).
   m.def("device_count", &cuda_device_count);
+  m.def("device_error", []() { return std::string(cuda_device_error()); });
+  m.def("runtime_version", &cuda_runtime_version);
+  m.def("driver_version", &cuda_driver_version);
 
   // Host twins over CPU pointers.
   m.def("host_fold_tile", &host_fold_tile, py::arg("args"));
   m.def("host_jsd_tile", &host_jsd_tile, py::arg("args"));
   m.def("host_dx_tile", &host_dx_tile, py::arg("args"));
-  m.def("host_grpo_tokens", &host_grpo_tokens, py::arg("args"));
-  m.def("host_dpo_pairs", &host_dpo_pairs, py::arg("args"));
+
+  // Test hook: DeviceGuard's restore logic on a fake device state (see device_guard_trace above).
+  m.def("_device_guard_trace", &device_guard_trace, py::arg("current"), py::arg("target"),
+        py::arg("throw_inside") = false);
 }

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "fusedloss/args.h"
+#include "fusedloss/check.h"
 #include "fusedloss/math.h"
 #include "fusedloss/tile.h"
 
@@ -53,78 +54,28 @@ void host_jsd_t(const TileArgs& a) {
 }
 
 template <typename T, typename TO>
-void host_dx_out(const TileArgs& a) {
+void host_dx_t(const TileArgs& a) {
   for (int64_t row = 0; row < a.rows; ++row) {
     if (a.xt != 0) dx_lane<T, TO, true>(a, row, 0, 1);
     else dx_lane<T, TO, false>(a, row, 0, 1);
   }
 }
 
-template <typename T>
-void host_dx_t(const TileArgs& a) {
-  switch (a.dx_dtype) {
-    case kBFloat16: host_dx_out<T, bf16>(a); break;
-    case kFloat16: host_dx_out<T, fp16>(a); break;
-    default: host_dx_out<T, float>(a); break;
-  }
-}
-
-void validate(const TileArgs& a) {
-  if (a.rows < 0 || a.cols < 0) throw std::invalid_argument("fusedloss: negative tile shape");
-  if (a.x == 0 || a.out == 0) throw std::invalid_argument("fusedloss: null tile or output pointer");
-}
-
 }  // namespace
 
 void host_fold_tile(const TileArgs& a) {
-  validate(a);
-  if ((!a.first || !a.last) && a.state == 0) throw std::invalid_argument("fusedloss: fold over several tiles needs state");
-  switch (a.dtype) {
-    case kBFloat16: host_fold_t<bf16>(a); break;
-    case kFloat16: host_fold_t<fp16>(a); break;
-    default: host_fold_t<float>(a); break;
-  }
+  validate(a, Kernel::kFold);
+  with_dtype(a.dtype, [&](auto t) { host_fold_t<decltype(t)>(a); });
 }
 
 void host_jsd_tile(const TileArgs& a) {
-  validate(a);
-  if (a.xt == 0 || ((!a.first || !a.last) && a.jsd_acc == 0))
-    throw std::invalid_argument("fusedloss: jsd_tile needs a teacher tile and accumulators");
-  switch (a.dtype) {
-    case kBFloat16: host_jsd_t<bf16>(a); break;
-    case kFloat16: host_jsd_t<fp16>(a); break;
-    default: host_jsd_t<float>(a); break;
-  }
+  validate(a, Kernel::kJsd);
+  with_dtype(a.dtype, [&](auto t) { host_jsd_t<decltype(t)>(a); });
 }
 
 void host_dx_tile(const TileArgs& a) {
-  validate(a);
-  if (a.dx == 0 || a.coeffs == 0) throw std::invalid_argument("fusedloss: dx_tile needs dx and coefficients");
-  switch (a.dtype) {
-    case kBFloat16: host_dx_t<bf16>(a); break;
-    case kFloat16: host_dx_t<fp16>(a); break;
-    default: host_dx_t<float>(a); break;
-  }
-}
-
-void host_grpo_tokens(const GrpoArgs& a) {
-  if (a.n <= 0) return;
-  if (a.out == 0 || a.logp == 0) throw std::invalid_argument("fusedloss: grpo_tokens needs logp and out");
-  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: grpo_tokens dtype");
-  for (int64_t i = 0; i < a.n; ++i) {
-    if (a.dtype == kFloat64) grpo_element<double>(a, i);
-    else grpo_element<float>(a, i);
-  }
-}
-
-void host_dpo_pairs(const DpoArgs& a) {
-  if (a.n <= 0) return;
-  if (a.out == 0) throw std::invalid_argument("fusedloss: dpo_pairs needs out");
-  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: dpo_pairs dtype");
-  for (int64_t i = 0; i < a.n; ++i) {
-    if (a.dtype == kFloat64) dpo_element<double>(a, i);
-    else dpo_element<float>(a, i);
-  }
+  validate(a, Kernel::kDx);
+  with_dtype(a.dtype, [&](auto t) { with_dtype(a.dx_dtype, [&](auto o) { host_dx_t<decltype(t), decltype(o)>(a); }); });
 }
 
 }  // namespace fl

@@ -7,16 +7,19 @@
 //   jsd_tile    same shape: the second sweep of the generalized JSD (needs both normalisers).
 //   dx_tile     rows x column blocks: the raw-product tile -> d loss / d x, in place or into a
 //               half-precision copy that feeds the cuBLAS products.
-//   grpo_tokens, dpo_pairs: the per-token / per-pair loss math of SPEC section 5, one launch each.
 //
 // Tiles come from cuBLAS in fp32 (torch.mm with out_dtype=float32 for bf16/fp16 inputs), so logits are
 // never rounded to half precision before the softmax; bf16/fp16 tiles are accepted as well.
+// Every launcher validates its arguments (check.h), runs under the tensors' device and gives the caller
+// its current device back (device_guard.h).
 #include <cuda_runtime.h>
 
 #include <stdexcept>
 #include <string>
 
 #include "fusedloss/args.h"
+#include "fusedloss/check.h"
+#include "fusedloss/device_guard.h"
 #include "fusedloss/math.h"
 #include "fusedloss/tile.h"
 
@@ -27,7 +30,12 @@ void check(cudaError_t err, const char* what) {
   if (err != cudaSuccess) throw std::runtime_error(std::string("fusedloss CUDA ") + what + ": " + cudaGetErrorString(err));
 }
 
-void set_device(int device) { check(cudaSetDevice(device), "cudaSetDevice"); }
+struct CudaDeviceOps {
+  static int get(int* device) { return int(cudaGetDevice(device)); }
+  static int set(int device) { return int(cudaSetDevice(device)); }
+  static void fail(int code, const char* what) { check(cudaError_t(code), what); }
+};
+using CudaDeviceGuard = DeviceGuard<CudaDeviceOps>;
 
 __device__ __forceinline__ float shfl(float v, int mask) { return __shfl_xor_sync(0xffffffffu, v, mask); }
 
@@ -35,18 +43,10 @@ template <bool kEntropy, bool kTeacher>
 __device__ RowState warp_merge(RowState r) {
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) {
-    RowState o;
-    o.m = shfl(r.m, mask);
-    o.s = shfl(r.s, mask);
-    o.e = kEntropy ? shfl(r.e, mask) : 0.0f;
-    o.mt = kTeacher ? shfl(r.mt, mask) : r.mt;
-    o.st = kTeacher ? shfl(r.st, mask) : 0.0f;
-    o.a = kTeacher ? shfl(r.a, mask) : 0.0f;
-    o.b = kTeacher ? shfl(r.b, mask) : 0.0f;
-    o.s2 = shfl(r.s2, mask);
-    o.sz = shfl(r.sz, mask);
-    o.mb = shfl(r.mb, mask);
-    o.t = shfl(r.t, mask);
+    RowState o = r;
+#pragma unroll
+    for (int k = 0; k < kRowFields; ++k)
+      if (field_used<kEntropy, kTeacher>(k)) o[k] = shfl(r[k], mask);
     r = state_merge<kEntropy, kTeacher>(r, o);
   }
   return r;
@@ -77,7 +77,7 @@ __device__ float block_sum(float v, float* shared) {
 #pragma unroll
   for (int mask = 16; mask > 0; mask >>= 1) v += shfl(v, mask);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();
+  __syncthreads();  // the previous call's readers are done with `shared`
   if (lane == 0) shared[warp] = v;
   __syncthreads();
   v = lane < int(blockDim.x / 32) ? shared[lane] : 0.0f;
@@ -108,18 +108,6 @@ __global__ void __launch_bounds__(kDxThreads) dx_kernel(const TileArgs a) {
   dx_lane<T, TO, kTeacher>(a, row, lane, nlanes);
 }
 
-template <typename S>
-__global__ void grpo_kernel(const GrpoArgs a) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < a.n) grpo_element<S>(a, i);
-}
-
-template <typename S>
-__global__ void dpo_kernel(const DpoArgs a) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i < a.n) dpo_element<S>(a, i);
-}
-
 template <typename T>
 void launch_fold(const TileArgs& a, cudaStream_t s) {
   const dim3 grid(unsigned(a.rows));
@@ -131,7 +119,7 @@ void launch_fold(const TileArgs& a, cudaStream_t s) {
 }
 
 template <typename T, typename TO>
-void launch_dx_out(const TileArgs& a, cudaStream_t s) {
+void launch_dx(const TileArgs& a, cudaStream_t s) {
   // Enough column blocks to fill the machine when there are few rows, each lane covering >= 4 groups.
   const int64_t per_block = int64_t(kDxThreads) * Vec<T>::kSize * 4;
   int64_t yblocks = (a.cols + per_block - 1) / per_block;
@@ -143,98 +131,72 @@ void launch_dx_out(const TileArgs& a, cudaStream_t s) {
 }
 
 template <typename T>
-void launch_dx(const TileArgs& a, cudaStream_t s) {
-  switch (a.dx_dtype) {
-    case kBFloat16: launch_dx_out<T, bf16>(a, s); break;
-    case kFloat16: launch_dx_out<T, fp16>(a, s); break;
-    default: launch_dx_out<T, float>(a, s); break;
-  }
+void launch_jsd(const TileArgs& a, cudaStream_t s) {
+  jsd_kernel<T><<<unsigned(a.rows), kFoldThreads, 0, s>>>(a);
 }
 
-void validate(const TileArgs& a) {
-  if (a.rows < 0 || a.cols < 0) throw std::invalid_argument("fusedloss: negative tile shape");
-  if (a.rows > 2147483647LL) throw std::invalid_argument("fusedloss: too many rows in one tile");
-  if (a.x == 0 || a.out == 0) throw std::invalid_argument("fusedloss: null tile or output pointer");
+// Validates, makes the tensors' device current for the launch, restores the caller's, and reports a
+// launch error with the launcher's name.
+template <typename Launch>
+void launch(const TileArgs& a, Kernel k, uint64_t stream, const char* name, Launch&& body) {
+  validate(a, k);
+  if (a.rows == 0 || (k == Kernel::kDx && a.cols == 0)) return;  // a fold of no columns still finalises
+  CudaDeviceGuard guard(a.device);
+  body(reinterpret_cast<cudaStream_t>(stream));
+  check(cudaGetLastError(), name);
 }
 
 }  // namespace
 
 void fold_tile(const TileArgs& a, uint64_t stream) {
-  validate(a);
-  if (a.rows == 0) return;
-  if ((!a.first || !a.last) && a.state == 0) throw std::invalid_argument("fusedloss: fold over several tiles needs state");
-  set_device(a.device);
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  switch (a.dtype) {
-    case kBFloat16: launch_fold<bf16>(a, s); break;
-    case kFloat16: launch_fold<fp16>(a, s); break;
-    default: launch_fold<float>(a, s); break;
-  }
-  check(cudaGetLastError(), "fold_tile launch");
+  launch(a, Kernel::kFold, stream, "fold_tile launch", [&](cudaStream_t s) {
+    with_dtype(a.dtype, [&](auto t) { launch_fold<decltype(t)>(a, s); });
+  });
 }
 
 void jsd_tile(const TileArgs& a, uint64_t stream) {
-  validate(a);
-  if (a.rows == 0) return;
-  if (a.xt == 0 || (!a.last && a.jsd_acc == 0) || (!a.first && a.jsd_acc == 0))
-    throw std::invalid_argument("fusedloss: jsd_tile needs a teacher tile and accumulators");
-  set_device(a.device);
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  switch (a.dtype) {
-    case kBFloat16: jsd_kernel<bf16><<<unsigned(a.rows), kFoldThreads, 0, s>>>(a); break;
-    case kFloat16: jsd_kernel<fp16><<<unsigned(a.rows), kFoldThreads, 0, s>>>(a); break;
-    default: jsd_kernel<float><<<unsigned(a.rows), kFoldThreads, 0, s>>>(a); break;
-  }
-  check(cudaGetLastError(), "jsd_tile launch");
+  launch(a, Kernel::kJsd, stream, "jsd_tile launch", [&](cudaStream_t s) {
+    with_dtype(a.dtype, [&](auto t) { launch_jsd<decltype(t)>(a, s); });
+  });
 }
 
 void dx_tile(const TileArgs& a, uint64_t stream) {
-  validate(a);
-  if (a.rows == 0 || a.cols == 0) return;
-  if (a.dx == 0 || a.coeffs == 0) throw std::invalid_argument("fusedloss: dx_tile needs dx and coefficients");
-  set_device(a.device);
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  switch (a.dtype) {
-    case kBFloat16: launch_dx<bf16>(a, s); break;
-    case kFloat16: launch_dx<fp16>(a, s); break;
-    default: launch_dx<float>(a, s); break;
-  }
-  check(cudaGetLastError(), "dx_tile launch");
+  launch(a, Kernel::kDx, stream, "dx_tile launch", [&](cudaStream_t s) {
+    with_dtype(a.dtype, [&](auto t) {
+      with_dtype(a.dx_dtype, [&](auto o) { launch_dx<decltype(t), decltype(o)>(a, s); });
+    });
+  });
 }
 
-void grpo_tokens(const GrpoArgs& a, uint64_t stream) {
-  if (a.n <= 0) return;
-  if (a.out == 0 || a.logp == 0) throw std::invalid_argument("fusedloss: grpo_tokens needs logp and out");
-  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: grpo_tokens dtype");
-  set_device(a.device);
-  const int threads = 256;
-  const int64_t blocks = (a.n + threads - 1) / threads;
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (a.dtype == kFloat64) grpo_kernel<double><<<unsigned(blocks), threads, 0, s>>>(a);
-  else grpo_kernel<float><<<unsigned(blocks), threads, 0, s>>>(a);
-  check(cudaGetLastError(), "grpo_tokens launch");
-}
-
-void dpo_pairs(const DpoArgs& a, uint64_t stream) {
-  if (a.n <= 0) return;
-  if (a.out == 0) throw std::invalid_argument("fusedloss: dpo_pairs needs out");
-  if (a.dtype != kFloat32 && a.dtype != kFloat64) throw std::invalid_argument("fusedloss: dpo_pairs dtype");
-  set_device(a.device);
-  const int threads = 128;
-  const int64_t blocks = (a.n + threads - 1) / threads;
-  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (a.dtype == kFloat64) dpo_kernel<double><<<unsigned(blocks), threads, 0, s>>>(a);
-  else dpo_kernel<float><<<unsigned(blocks), threads, 0, s>>>(a);
-  check(cudaGetLastError(), "dpo_pairs launch");
-}
+namespace {
+// cudaGetDeviceCount's error, kept for availability()'s sentence (the call clears the sticky error).
+std::string g_device_error;
+}  // namespace
 
 int cuda_device_count() {
   int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    g_device_error = cudaGetErrorString(err);
     cudaGetLastError();  // clear the sticky "no device" error
     return 0;
   }
+  g_device_error.clear();
   return n;
+}
+
+const char* cuda_device_error() { return g_device_error.c_str(); }
+
+int cuda_runtime_version() {
+  int v = 0;
+  if (cudaRuntimeGetVersion(&v) != cudaSuccess) return 0;
+  return v;
+}
+
+int cuda_driver_version() {
+  int v = 0;
+  if (cudaDriverGetVersion(&v) != cudaSuccess) return 0;
+  return v;
 }
 
 }  // namespace fl

@@ -173,18 +173,17 @@ def tiles(request, monkeypatch):
         from fusedloss.core import torch_backend
 
         monkeypatch.setattr(torch_backend, "VOCAB_TILE", 16)
-        try:
-            from fusedloss.cuda import backend as cuda_backend
+        from fusedloss.cuda import backend as cuda_backend
 
-            monkeypatch.setattr(cuda_backend, "MAX_TILE_COLS", 16)
-        except ImportError:  # pragma: no cover - depends on the install
-            pass
-        if fusedloss.backend_status()["triton"] == "available":
-            from fusedloss.triton import backend as triton_backend
+        with cuda_backend.override_plan(tile_cols=16):
+            if fusedloss.backend_status()["triton"] == "available":
+                from fusedloss.triton import backend as triton_backend
 
-            with triton_backend.override_config(block_v=16, target_programs=8):
-                yield request.param
-            return
+                with triton_backend.override_config(block_v=16, target_programs=8):
+                    yield request.param
+                return
+            yield request.param
+        return
     yield request.param
 
 

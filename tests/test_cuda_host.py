@@ -5,9 +5,8 @@ functions (csrc/fusedloss/math.h, tile.h) over CPU pointers, and ``fusedloss.cud
 when handed CPU tensors. These tests compare them with float64 brute force on materialised logits and
 with the torch backend: every statistic, ignored rows, bias, scale, soft-cap, temperature, peaked rows,
 prime vocabularies, one token, a teacher (with its own logit_scale and soft-cap), the JSD, multi-tile
-merging, bf16/fp16 tiles, the lse_lo residuals, is_top1's first-argmax rule on exact ties, fp32 confident rows
-(lse ~ 30) within 1e-5 of float64, and the GRPO/DPO per-token math for every loss type (the autograd
-functions the losses call are tested in tests/test_fused_token_math.py). Skipped (with the reason) only when the extension is not built.
+merging, bf16/fp16 tiles, the lse_lo residuals, is_top1's first-argmax rule on exact ties, and fp32 confident
+rows (lse ~ 30) within 1e-5 of float64. Skipped (with the reason) only when the extension is not built.
 """
 
 from __future__ import annotations
@@ -33,10 +32,10 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.fixture
-def small_tiles(monkeypatch):
+def small_tiles():
     """Tiles of 3 rows x 40 columns: every row's vocabulary spans several tiles (merge exercised)."""
-    monkeypatch.setattr(cuda, "MAX_TILE_ROWS", 3)
-    monkeypatch.setattr(cuda, "MAX_TILE_COLS", 40)
+    with cuda.override_plan(tile_rows=3, tile_cols=40):
+        yield
 
 
 def make_problem(n, v, d=19, *, seed=0, peaked=False, teacher=False, bias=False, ignored=(), tf=LogitTransform(),
@@ -392,14 +391,14 @@ def _chunk_fn_for(p: StatsProblem, coeffs64: torch.Tensor):
 
 @pytest.mark.parametrize("rows_per_chunk", [None, 3])
 @pytest.mark.parametrize("teacher", [False, True])
-def test_eager(rows_per_chunk, teacher, monkeypatch):
-    monkeypatch.setattr(cuda, "MAX_TILE_ROWS", rows_per_chunk)
+def test_eager(rows_per_chunk, teacher):
     p = make_problem(7, 257, seed=9, teacher=teacher, bias=True, tf=LogitTransform(1.2, 1.0, 10.0), ignored=(6,),
                      jsd_beta=0.6 if teacher else None, want_kl_rev=teacher, want_entropy=True, want_mean_logit=True)
     coeffs = random_coeffs(p, seed=1)
     needs = GradientNeeds(True, True, True)
     fn, calls = _chunk_fn_for(p, coeffs)
-    loss, got = cuda.eager_gradients(p, fn, needs)
+    with cuda.override_plan(**({"eager_rows": rows_per_chunk} if rows_per_chunk else {})):
+        loss, got = cuda.eager_gradients(p, fn, needs)
     fn64, _ = _chunk_fn_for(p, coeffs)
     loss64, want = torch_backend.eager_gradients(as64(p), fn64, needs)
     assert len(calls) == (3 if rows_per_chunk else 1)
@@ -425,7 +424,7 @@ def test_half_tiles(dtype):
     for x in (x16, x32):
         out = torch.zeros(len(Statistics._fields), rows)
         a = _C.TileArgs()
-        a.x, a.dtype, a.ld, a.rows, a.cols, a.v0 = x.data_ptr(), cuda._code(x), cols, rows, cols, 0
+        a.x, a.dtype, a.ld, a.rows, a.cols, a.v0, a.vocab = x.data_ptr(), cuda._code(x), cols, rows, cols, 0, cols
         a.tf = _C.Transform()
         a.targets = y.data_ptr()
         a.want_entropy = True
@@ -454,8 +453,9 @@ def test_dx_half_output_rounding(dtype):
         out = torch.zeros(1, 8, dtype=dtype)
         a = _C.TileArgs()
         xx = torch.zeros(1, 8)
-        a.x, a.dtype, a.ld, a.rows, a.cols = xx.data_ptr(), 0, 8, 1, 8
+        a.x, a.dtype, a.ld, a.rows, a.cols, a.vocab = xx.data_ptr(), 0, 8, 1, 8, 8
         a.tf = _C.Transform()
+        a.want_mean_logit = True  # the uniform term is formed only when the mean logit is asked for
         a.out, a.out_stride = lse.data_ptr(), 1
         a.coeffs, a.coeff_stride = coeffs.data_ptr(), 1
         a.dx, a.dx_dtype, a.dx_ld = out.data_ptr(), cuda._code(out), 8
@@ -468,127 +468,6 @@ def test_dx_half_output_rounding(dtype):
             continue  # an all-zero coefficient row is inactive (written as exact zeros)
         else:
             assert got.view(torch.int16).item() == want.view(torch.int16).item(), (v, got, want)
-
-
-# ------------------------------------------------------------------------------------------------
-# GRPO and DPO per-token math (SPEC section 5), against straightforward torch formulas
-# ------------------------------------------------------------------------------------------------
-def grpo_torch(logp, adv, mask, old, ref, iw, weight, loss_type, eps_low, eps_high, delta, beta, seq_logratio):
-    logp = logp.double().requires_grad_(True)
-    if seq_logratio is not None:
-        lr = seq_logratio.double().requires_grad_(True)
-        r = torch.exp(lr)
-    else:
-        r = torch.exp(logp - (old.double() if old is not None else logp.detach()))
-    if loss_type == "cispo":
-        l = -torch.clamp(r, max=eps_high).detach() * adv * logp
-        metric_ratio = r
-    else:
-        c1 = torch.clamp(r, max=delta) if delta is not None else r
-        c2 = torch.clamp(r, 1 - eps_low, 1 + eps_high)
-        l = -torch.min(c1 * adv, c2 * adv)
-        metric_ratio = c1  # TRL measures clipping on the delta-capped ratio
-    if iw is not None:
-        l = l * iw
-    kl = None
-    if beta != 0.0:
-        d = ref.double() - logp
-        kl = torch.exp(d) - d - 1
-        l = l + beta * kl
-    total = (weight * mask * l).sum()
-    grads = torch.autograd.grad(total, [logp] + ([lr] if seq_logratio is not None else []), allow_unused=True,
-                                materialize_grads=True)
-    r = metric_ratio.detach()
-    if loss_type == "cispo":  # TRL tracks only the upper clip of CISPO, against eps_high itself
-        low = torch.zeros_like(r)
-        high = ((r > eps_high) & (adv > 0)).double() * mask
-    else:
-        low = ((r < 1 - eps_low) & (adv < 0)).double() * mask
-        high = ((r > 1 + eps_high) & (adv > 0)).double() * mask
-    return dict(loss=(l * mask).detach(), dlogp=grads[0], dlogratio=grads[1] if seq_logratio is not None else None,
-                kl=None if kl is None else (kl * mask).detach(), is_low=low, is_high=high,
-                is_region=((low + high) > 0).double() * mask)
-
-
-@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo", "cispo"])
-@pytest.mark.parametrize("variant", ["on_policy", "off_policy", "delta_kl_iw", "sequence"])
-def test_grpo_token_math(loss_type, variant):
-    g = torch.Generator().manual_seed(hash((loss_type, variant)) % 2**31)
-    n = 29
-    logp = -torch.rand(n, generator=g, dtype=F64) * 3
-    adv = torch.randn(n, generator=g, dtype=F64)
-    mask = (torch.rand(n, generator=g) > 0.2).double()
-    weight = torch.rand(n, generator=g, dtype=F64)
-    old = ref = iw = seq = None
-    delta, beta = None, 0.0
-    eps_low, eps_high = 0.2, (0.28 if loss_type != "cispo" else 4.0)
-    if variant != "on_policy":
-        old = logp + torch.randn(n, generator=g, dtype=F64) * 0.4
-    if variant == "delta_kl_iw":
-        delta, beta = 1.3, 0.04
-        ref = logp + torch.randn(n, generator=g, dtype=F64) * 0.3
-        iw = torch.rand(n, generator=g, dtype=F64) + 0.5
-    if variant == "sequence":
-        seq = torch.randn(n, generator=g, dtype=F64) * 0.3
-    got = cuda.grpo_token_math(logp.float(), adv.float(), mask.float(), old_logprobs=None if old is None else old.float(),
-                               logratio=None if seq is None else seq.float(), ref_logprobs=None if ref is None else ref.float(),
-                               importance_weights=None if iw is None else iw.float(), weight=weight.float(),
-                               loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, delta=delta, beta=beta)
-    want = grpo_torch(logp.float().double(), adv.float().double(), mask, None if old is None else old.float().double(),
-                      None if ref is None else ref.float().double(), None if iw is None else iw.float().double(),
-                      weight.float().double(), loss_type, eps_low, eps_high, delta, beta,
-                      None if seq is None else seq.float().double())
-    for name in ("loss", "dlogp", "is_low", "is_high", "is_region"):
-        assert torch.allclose(getattr(got, name).double(), want[name], rtol=1e-5, atol=1e-6), name
-    if want["kl"] is not None:
-        assert torch.allclose(got.kl.double(), want["kl"], rtol=1e-5, atol=1e-6)
-    if seq is not None:
-        assert torch.allclose(got.dlogratio.double(), want["dlogratio"], rtol=1e-5, atol=1e-6)
-    else:
-        assert bool((got.dlogratio == 0).all())
-
-
-def dpo_torch(c, r, rc, rr, nc, nr, beta, loss_type, e):
-    c, r = c.double().requires_grad_(True), r.double().requires_grad_(True)
-    u_c, u_r = c - rc, r - rr
-    x = beta * (u_c - u_r)
-    ls = torch.nn.functional.logsigmoid
-    if loss_type == "sigmoid":
-        loss = -(1 - e) * ls(x) - e * ls(-x)
-    elif loss_type == "ipo":
-        loss = (u_c / nc - u_r / nr - 1 / (2 * beta)) ** 2
-    elif loss_type == "hinge":
-        loss = torch.relu(1 - x)
-    else:
-        loss = (-(1 - e) * ls(x) + e * ls(-x)) / (1 - 2 * e)
-    dc, dr = torch.autograd.grad(loss.sum(), [c, r])
-    return loss.detach(), dc, dr
-
-
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge", "robust"])
-@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
-def test_dpo_pair_math(loss_type, label_smoothing):
-    g = torch.Generator().manual_seed(3)
-    b = 17
-    c, r = -torch.rand(b, generator=g, dtype=F64) * 40, -torch.rand(b, generator=g, dtype=F64) * 40
-    rc, rr = c + torch.randn(b, generator=g, dtype=F64) * 3, r + torch.randn(b, generator=g, dtype=F64) * 3
-    nc, nr = torch.randint(1, 30, (b,), generator=g).double(), torch.randint(1, 30, (b,), generator=g).double()
-    c[0], rc[0] = 1000.0, 0.0  # saturated sigmoid: the log-sigmoid must stay finite
-    args = [t.float() for t in (c, r, rc, rr)]
-    got = cuda.dpo_pair_math(*args, beta=0.1, loss_type=loss_type, label_smoothing=label_smoothing,
-                             chosen_counts=nc.float(), rejected_counts=nr.float())
-    want = dpo_torch(*(t.double() for t in args), nc, nr, 0.1, loss_type, label_smoothing)
-    for name, gv, wv in zip(("loss", "d_chosen", "d_rejected"), got, want):
-        assert torch.isfinite(gv).all(), name
-        assert torch.allclose(gv.double(), wv, rtol=2e-5, atol=1e-5), (name, gv, wv)
-
-
-def test_unknown_loss_type():
-    x = torch.zeros(3)
-    with pytest.raises(ValueError, match="loss_type"):
-        cuda.grpo_token_math(x, x, x, loss_type="ppo")
-    with pytest.raises(ValueError, match="loss_type"):
-        cuda.dpo_pair_math(x, x, x, x, loss_type="kto")
 
 
 @pytest.mark.parametrize("eager", ["0", "1"])

@@ -1,14 +1,15 @@
-// Per-element and per-row math of the statistics core (SPEC section 4, fusedloss/core/problem.py).
+// Per-element and per-row math of the statistics core (docs/design.md, "The statistics problem" and
+// "The dz formula"; fusedloss/core/problem.py).
 //
 // Everything here is `FL_HD`: compiled for the device kernels (kernels.cu) AND for the host loops
 // (host.cpp), so the CPU test suite checks the very functions the GPU runs. Names mirror the Python:
-// the outputs lse, logp, entropy, kl_rev, kl_fwd, jsd, lse_t, kl_qm, the coefficients a, c0..c4, and the
-// partial statistics (m, s, e, mt, st, a, b) of fusedloss/core/torch_backend.py.
+// the outputs lse, logp, entropy, kl_rev, kl_fwd, jsd, lse_t, kl_qm, the coefficients a, c0..c5, and the
+// partial statistics (m, s, e, mt, st, a, b, ...) of fusedloss/core/torch_backend.py.
 //
-// The statistics math is fp32 (the GRPO/DPO per-token math at the end is templated: fp32 or double). Sums
-// are kept relative to the running maxima (m for the student, mt for the teacher) so that peaked rows with
-// logits near 1e4 keep the digits of their entropy and KL; log s is formed as log1p(s - 1) and the
-// normaliser carries its rounding residual (lse_lo), so confident rows keep the digits of 1 - q_y.
+// The math is fp32. Sums are kept relative to the running maxima (m for the student, mt for the teacher)
+// so that peaked rows with logits near 1e4 keep the digits of their entropy and KL; log s is formed as
+// log1p(s - 1) and the normaliser carries its rounding residual (lse_lo), so confident rows keep the
+// digits of 1 - q_y.
 #pragma once
 
 #include <cmath>
@@ -19,9 +20,13 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #define FL_HD __host__ __device__ __forceinline__
-#define FL_UNROLL _Pragma("unroll")
 #else
 #define FL_HD inline
+#endif
+// Unrolling hints for the device pass only (the host compiler would warn about an unknown pragma).
+#ifdef __CUDA_ARCH__
+#define FL_UNROLL _Pragma("unroll")
+#else
 #define FL_UNROLL
 #endif
 
@@ -31,7 +36,7 @@ namespace fl {
 // Storage types. bf16/fp16 are carried as raw 16-bit words so that the same code compiles without the
 // CUDA headers; the conversions round to nearest even exactly like __float2bfloat16_rn/__float2half_rn.
 // ---------------------------------------------------------------------------------------------------
-enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kFloat64 = 3 };  // kFloat64: GRPO/DPO math only
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2, kNumDTypes };
 
 struct bf16 { uint16_t bits; };
 struct fp16 { uint16_t bits; };
@@ -112,7 +117,7 @@ FL_HD float load_as_float(const void* p, int dtype, int64_t i) {
 FL_HD float fl_inf() { return bits_to_float(0x7f800000u); }
 
 // ---------------------------------------------------------------------------------------------------
-// Logits: z = softcap(logit_scale * (x + b)) / temperature (SPEC section 2), in the same operation order
+// Logits: z = softcap(logit_scale * (x + b)) / temperature, in the same operation order
 // as fusedloss/core/torch_backend.py::_transform.
 // ---------------------------------------------------------------------------------------------------
 struct Transform {
@@ -146,67 +151,89 @@ FL_HD float chain_factor(float c, const Transform& t) {
 // Partial statistics of a set of vocabulary columns for one row (torch_backend.py docstring):
 //   s = sum e^(z-m)   e = sum e^(z-m)(z-m)   st = sum e^(zt-mt)
 //   a = sum e^(z-m)((z-m)-(zt-mt))           b = sum e^(zt-mt)((zt-mt)-(z-m))
+//   s2 = sum e^(2(z-m))  (log sum q^2 = log s2 - 2 log s, TRL's log_sum_sq_probs)
+//   sz = sum z           (mean_logit = sz / V; needs no maximum)
+//   mb = max of z over the columns before the target (is_top1's first-argmax rule); -inf if none
+//   t  = s - 1: the sum without the maximum column's own e^0 = 1, so that log s = log1p(t) keeps the
+//        digits of a confident row (s = 1 + 1e-3 in fp32 would hold t to 1e-4 relative only)
+// An array indexed by named fields, so that the block reduction, the state buffer's loads and stores and
+// the host twins walk the fields in one loop each instead of naming every field again.
 // ---------------------------------------------------------------------------------------------------
+enum RowField : int { kM = 0, kS, kE, kMt, kSt, kA, kB, kS2, kSz, kMb, kT, kRowFields };
+
 struct RowState {
-  float m, s, e, mt, st, a, b;
-  float s2;  // sum e^(2(z-m)): log sum q^2 = log s2 - 2 log s (TRL's log_sum_sq_probs)
-  float sz;  // sum z (mean_logit = sz / V); needs no maximum
-  float mb;  // max of z over the columns before the target (is_top1's first-argmax rule); -inf if none
-  float t;   // s - 1: the sum without the maximum column's own e^0 = 1, so that log s = log1p(t) keeps
-             // the digits of a confident row (s = 1 + 1e-3 in fp32 would hold t to 1e-4 relative only)
+  float v[kRowFields];
+  FL_HD float& operator[](int k) { return v[k]; }
+  FL_HD float operator[](int k) const { return v[k]; }
 };
 
+// Whether a field carries information for a fold with (kEntropy, kTeacher): the others are neither
+// reduced nor merged.
+template <bool kEntropy, bool kTeacher>
+FL_HD constexpr bool field_used(int k) {
+  return k == kE ? kEntropy : (k == kMt || k == kSt || k == kA || k == kB) ? kTeacher : true;
+}
+
+FL_HD bool is_max_field(int k) { return k == kM || k == kMt || k == kMb; }
+
 FL_HD RowState empty_state() {
-  const float ninf = -fl_inf();
-  return RowState{ninf, 0.0f, 0.0f, ninf, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, ninf, 0.0f};
+  RowState r;
+  FL_UNROLL
+  for (int k = 0; k < kRowFields; ++k) r[k] = is_max_field(k) ? -fl_inf() : 0.0f;
+  return r;
 }
 
 // x * y, taken as 0 when x == 0 (a probability that underflowed, times a log-ratio that may be -inf).
 FL_HD float xmul(float x, float y) { return x != 0.0f ? x * y : 0.0f; }
 
+// z - m for a column of a row whose running maximum is m: -inf for a masked column (z = -inf) even when
+// no finite column came yet (m = -inf too), so that a masked student column against a teacher's mass
+// gives KL(p || q) = +inf, never -inf - -inf = NaN (and likewise for the teacher side).
+FL_HD float shifted(float z, float m) { return z == -fl_inf() ? z : z - m; }
+
 // Fold one column (z, zt) into the running state. The rescale branch runs only when a maximum grows,
-// so a column costs one exp per side. -inf logits contribute nothing; NaN and +inf propagate.
+// so a column costs one exp per side. -inf logits contribute nothing to the sums; NaN and +inf propagate.
 template <bool kEntropy, bool kTeacher>
 FL_HD void state_add(RowState& r, float z, float zt) {
-  const bool new_max = z > r.m;
+  const bool new_max = z > r[kM];
   if (new_max) {
-    if (r.m != -fl_inf()) {
-      const float dm = r.m - z;
+    if (r[kM] != -fl_inf()) {
+      const float dm = r[kM] - z;
       const float f = expf(dm);
-      if (kEntropy) r.e = f * (r.e + r.s * dm);
+      if (kEntropy) r[kE] = f * (r[kE] + r[kS] * dm);
       if (kTeacher) {
-        r.a = f * (r.a + r.s * dm);
-        r.b = r.b - r.st * dm;
+        r[kA] = f * (r[kA] + r[kS] * dm);
+        r[kB] = r[kB] - r[kSt] * dm;
       }
-      r.s *= f;
-      r.s2 *= f * f;
-      r.t = (r.t + 1.0f) * f;  // the old maximum column now contributes f
+      r[kS] *= f;
+      r[kS2] *= f * f;
+      r[kT] = (r[kT] + 1.0f) * f;  // the old maximum column now contributes f
     }
-    r.m = z;
+    r[kM] = z;
   }
-  if (kTeacher && zt > r.mt) {
-    if (r.mt != -fl_inf()) {
-      const float dmt = r.mt - zt;
+  if (kTeacher && zt > r[kMt]) {
+    if (r[kMt] != -fl_inf()) {
+      const float dmt = r[kMt] - zt;
       const float g = expf(dmt);
-      r.a = r.a - r.s * dmt;
-      r.b = g * (r.b + r.st * dmt);
-      r.st *= g;
+      r[kA] = r[kA] - r[kS] * dmt;
+      r[kB] = g * (r[kB] + r[kSt] * dmt);
+      r[kSt] *= g;
     }
-    r.mt = zt;
+    r[kMt] = zt;
   }
-  const float d = z - r.m;
+  const float d = shifted(z, r[kM]);
   const float ez = z == -fl_inf() ? 0.0f : expf(d);
-  r.s += ez;
-  if (!new_max) r.t += ez;  // the new maximum contributes the implicit 1
-  r.s2 += ez * ez;
-  r.sz += z;
-  if (kEntropy) r.e += xmul(ez, d);
+  r[kS] += ez;
+  if (!new_max) r[kT] += ez;  // the new maximum contributes the implicit 1
+  r[kS2] += ez * ez;
+  r[kSz] += z;
+  if (kEntropy) r[kE] += xmul(ez, d);
   if (kTeacher) {
-    const float dt = zt - r.mt;
+    const float dt = shifted(zt, r[kMt]);
     const float ezt = zt == -fl_inf() ? 0.0f : expf(dt);
-    r.st += ezt;
-    r.a += xmul(ez, d - dt);
-    r.b += xmul(ezt, dt - d);
+    r[kSt] += ezt;
+    r[kA] += xmul(ez, d - dt);
+    r[kB] += xmul(ezt, dt - d);
   }
 }
 
@@ -222,43 +249,41 @@ FL_HD void rescale_factor(float old_max, float new_max, float& f, float& d) {
 }
 
 // The associative merge (torch_backend.py::_merge): used by the block reductions and by the fold of
-// a tile's partials into the running state of the previous tiles.
+// a tile's partials into the running state of the previous tiles. Unused fields keep r's value.
 template <bool kEntropy, bool kTeacher>
 FL_HD RowState state_merge(const RowState& r, const RowState& p) {
-  RowState o;
-  o.m = fmaxf(r.m, p.m);
+  RowState o = r;
+  o[kM] = fmaxf(r[kM], p[kM]);
   float fr, dr, fp, dp;
-  rescale_factor(r.m, o.m, fr, dr);
-  rescale_factor(p.m, o.m, fp, dp);
-  o.s = fr * r.s + fp * p.s;
-  o.s2 = fr * fr * r.s2 + fp * fp * p.s2;
+  rescale_factor(r[kM], o[kM], fr, dr);
+  rescale_factor(p[kM], o[kM], fp, dp);
+  o[kS] = fr * r[kS] + fp * p[kS];
+  o[kS2] = fr * fr * r[kS2] + fp * fp * p[kS2];
   // t: the side holding the maximum keeps its t; the other adds all of its columns (1 + t), rescaled.
-  o.t = r.m >= p.m ? r.t + fp * (1.0f + p.t) : p.t + fr * (1.0f + r.t);
-  o.sz = r.sz + p.sz;
-  o.mb = fmaxf(r.mb, p.mb);
-  o.e = kEntropy ? fr * (r.e + r.s * dr) + fp * (p.e + p.s * dp) : 0.0f;
+  o[kT] = r[kM] >= p[kM] ? r[kT] + fp * (1.0f + p[kT]) : p[kT] + fr * (1.0f + r[kT]);
+  o[kSz] = r[kSz] + p[kSz];
+  o[kMb] = fmaxf(r[kMb], p[kMb]);
+  if (kEntropy) o[kE] = fr * (r[kE] + r[kS] * dr) + fp * (p[kE] + p[kS] * dp);
   if (kTeacher) {
-    o.mt = fmaxf(r.mt, p.mt);
+    o[kMt] = fmaxf(r[kMt], p[kMt]);
     float gr, drt, gp, dpt;
-    rescale_factor(r.mt, o.mt, gr, drt);
-    rescale_factor(p.mt, o.mt, gp, dpt);
-    o.st = gr * r.st + gp * p.st;
-    o.a = fr * (r.a + r.s * (dr - drt)) + fp * (p.a + p.s * (dp - dpt));
-    o.b = gr * (r.b + r.st * (drt - dr)) + gp * (p.b + p.st * (dpt - dp));
-  } else {
-    o.mt = r.mt;
-    o.st = 0.0f;
-    o.a = 0.0f;
-    o.b = 0.0f;
+    rescale_factor(r[kMt], o[kMt], gr, drt);
+    rescale_factor(p[kMt], o[kMt], gp, dpt);
+    o[kSt] = gr * r[kSt] + gp * p[kSt];
+    o[kA] = fr * (r[kA] + r[kS] * (dr - drt)) + fp * (p[kA] + p[kS] * (dp - dpt));
+    o[kB] = gr * (r[kB] + r[kSt] * (drt - dr)) + gp * (p[kB] + p[kSt] * (dpt - dp));
   }
   return o;
 }
 
-// Per-row outputs, in the order of the fields of problem.Statistics.
-enum Output : int {
-  kLse = 0, kLogp, kEntropy, kKlRev, kKlFwd, kJsd, kLseT, kKlQm, kMeanLogit, kLogSumSqProbs, kIsTop1, kLseLo, kLseTLo,
-  kNumOutputs
-};
+// Per-row outputs, in the order of the fields of problem.Statistics (the bindings export the names, and
+// fusedloss/cuda/backend.py refuses an extension whose list differs).
+#define FL_OUTPUTS(X)                                                                                     \
+  X(kLse, "lse") X(kLogp, "logp") X(kEntropy, "entropy") X(kKlRev, "kl_rev") X(kKlFwd, "kl_fwd")          \
+  X(kJsd, "jsd") X(kLseT, "lse_t") X(kKlQm, "kl_qm") X(kMeanLogit, "mean_logit")                          \
+  X(kLogSumSqProbs, "log_sum_sq_probs") X(kIsTop1, "is_top1") X(kLseLo, "lse_lo") X(kLseTLo, "lse_t_lo")
+#define FL_ENUM_ENTRY(id, name) id,
+enum Output : int { FL_OUTPUTS(FL_ENUM_ENTRY) kNumOutputs };
 
 // (m - lse) + log s: what rounding lse = m + log s dropped (m - lse is exact); 0 where not finite.
 // The dz and JSD passes form log q = (z - lse) - lse_lo, exact near the maximum (problem.py).
@@ -276,25 +301,25 @@ struct Wants {
 FL_HD void finalize_row(const RowState& r, float zy, const Wants& w, float out[kNumOutputs]) {
   for (int k = 0; k < kNumOutputs; ++k) out[k] = 0.0f;
   // log s = log1p(t) (s = 1 + t); log s directly for an empty row (-inf) and a non-finite s (NaN, inf).
-  const float log_s = (r.m == -fl_inf() || !(r.s - r.s == 0.0f)) ? logf(r.s) : log1pf(r.t);
-  const float lse = r.m + log_s;
+  const float log_s = (r[kM] == -fl_inf() || !(r[kS] - r[kS] == 0.0f)) ? logf(r[kS]) : log1pf(r[kT]);
+  const float lse = r[kM] + log_s;
   out[kLse] = lse;
-  out[kLseLo] = rounding_residual(lse, r.m, log_s);
-  if (w.targets) out[kLogp] = (zy - r.m) - log_s;  // not zy - lse: see problem.py on the _lo terms
-  if (w.entropy) out[kEntropy] = log_s - r.e / r.s;
-  if (w.mean_logit) out[kMeanLogit] = r.sz / w.vocab;
+  out[kLseLo] = rounding_residual(lse, r[kM], log_s);
+  if (w.targets) out[kLogp] = (zy - r[kM]) - log_s;  // not zy - lse: see problem.py on the _lo terms
+  if (w.entropy) out[kEntropy] = log_s - r[kE] / r[kS];
+  if (w.mean_logit) out[kMeanLogit] = r[kSz] / w.vocab;
   if (w.extras) {
-    out[kLogSumSqProbs] = logf(r.s2) - 2.0f * log_s;
+    out[kLogSumSqProbs] = logf(r[kS2]) - 2.0f * log_s;
     // y is the FIRST argmax (argmax's rule on exact ties, as TRL): z_y >= max_v z_v and z_y > max_{v<y} z_v.
     // A NaN row (s is NaN) is never top-1, as in the torch backend (its max is NaN there).
-    if (w.targets) out[kIsTop1] = (zy >= r.m && zy > r.mb && r.s == r.s) ? 1.0f : 0.0f;
+    if (w.targets) out[kIsTop1] = (zy >= r[kM] && zy > r[kMb] && r[kS] == r[kS]) ? 1.0f : 0.0f;
   }
   if (w.teacher) {
-    const float log_st = logf(r.st);
-    out[kLseT] = r.mt + log_st;
-    out[kLseTLo] = rounding_residual(out[kLseT], r.mt, log_st);
-    if (w.kl_rev) out[kKlRev] = r.a / r.s - log_s + log_st;
-    if (w.kl_fwd) out[kKlFwd] = r.b / r.st - log_st + log_s;
+    const float log_st = logf(r[kSt]);
+    out[kLseT] = r[kMt] + log_st;
+    out[kLseTLo] = rounding_residual(out[kLseT], r[kMt], log_st);
+    if (w.kl_rev) out[kKlRev] = r[kA] / r[kS] - log_s + log_st;
+    if (w.kl_fwd) out[kKlFwd] = r[kB] / r[kSt] - log_st + log_s;
   }
 }
 
@@ -308,7 +333,8 @@ FL_HD float logaddexp(float x, float y) {
 }
 
 struct JsdConsts {
-  float beta, log_1m_beta, log_beta;  // beta, log(1 - beta), log(beta), formed in double on the host
+  // beta, log(1 - beta), log(beta), formed in double on the host
+  float beta = 0.5f, log_1m_beta = -0.693147180559945309f, log_beta = -0.693147180559945309f;
 };
 
 // Adds q (log q - log m) to kl_qm and p (log p - log m) to kl_pm for one column.
@@ -324,189 +350,66 @@ FL_HD float jsd_value(float kl_qm, float kl_pm, const JsdConsts& j) {
 
 // ---------------------------------------------------------------------------------------------------
 // Gradient: dz_j = a [j == y] + q_j (c0 + c1 log q_j + c2 log p_j + c4 log m_j) + c3 p_j + c5
-// (problem.py), then dx_j = dz_j * chain_factor.
+// (problem.py), then dx_j = dz_j * chain_factor. The coefficient indices are problem.py's COEF_*.
 // ---------------------------------------------------------------------------------------------------
+enum Coef : int { kCoefOnehot = 0, kCoefConst, kCoefLogq, kCoefLogp, kCoefTeacherProb, kCoefLogm, kCoefUniform,
+                  kNumCoeffs };
+
 struct RowCoeffs {
-  float a, c0, c1, c2, c3, c4, c5;
+  float c[kNumCoeffs];
   float lse, lse_t, lse_lo, lse_t_lo;  // (hi, lo) normalisers: log q = (z - lse) - lse_lo
 };
 
+// The terms a problem can produce. A term whose coefficient the problem cannot produce is never formed,
+// so that a teacher's -inf entry (log p = -inf) meets no zero coefficient (0 * inf = NaN): c1 log q only
+// with entropy, reverse KL or JSD; c2 log p only with reverse KL; c3 p only with forward KL; c4 log m
+// only with the JSD; c5 only with the mean logit.
+struct DzTerms {
+  bool log_q, kl_rev, kl_fwd, jsd, uniform;
+  FL_HD bool forms(int k) const {
+    switch (k) {
+      case kCoefLogq: return log_q;
+      case kCoefLogp: return kl_rev;
+      case kCoefTeacherProb: return kl_fwd;
+      case kCoefLogm: return jsd;
+      case kCoefUniform: return uniform;
+      default: return true;
+    }
+  }
+};
+
+// -ln 2: above it q > 1/2, where a + q inner is formed as (a + inner) + inner expm1(log q).
+constexpr float kMinusLn2 = -0.693147180559945309f;
+
 template <bool kTeacher>
-FL_HD float dz_element(float z, float zt, bool is_target, const RowCoeffs& k, bool jsd, const JsdConsts& j) {
+FL_HD float dz_element(float z, float zt, bool is_target, const RowCoeffs& k, const DzTerms& t, const JsdConsts& j) {
   const float logq = (z - k.lse) - k.lse_lo;
   const float q = expf(logq);
-  float inner = k.c0 + k.c1 * logq;
-  float extra = 0.0f;
+  float inner = k.c[kCoefConst];
+  if (t.log_q) inner += k.c[kCoefLogq] * logq;
+  float teacher_prob = 0.0f;
   if (kTeacher) {
     const float logpt = (zt - k.lse_t) - k.lse_t_lo;
-    inner += k.c2 * logpt;
-    if (jsd) inner += k.c4 * logaddexp(logq + j.log_1m_beta, logpt + j.log_beta);
-    extra = k.c3 * expf(logpt);
+    if (t.kl_rev) inner += k.c[kCoefLogp] * logpt;
+    if (t.jsd) inner += k.c[kCoefLogm] * logaddexp(logq + j.log_1m_beta, logpt + j.log_beta);
+    if (t.kl_fwd) teacher_prob = k.c[kCoefTeacherProb] * expf(logpt);
   }
-  // The target column: a + q inner = (a + inner) + inner (q - 1), with q - 1 = expm1(log q) exact to
-  // rounding. For log-probability terms a + inner cancels exactly (a = -c0), which keeps the digits of
-  // 1 - q_y on a confident row (1e-4 in fp32 would otherwise carry q's rounding, 6e-8, as 6e-4 relative).
   float dz;
-  if (is_target && q != 0.0f) dz = ((k.a + inner) + inner * expm1f(logq)) + extra + k.c5;
-  else dz = xmul(q, inner) + extra + k.c5 + (is_target ? k.a : 0.0f);
+  if (!is_target) {
+    dz = xmul(q, inner);
+  } else if (logq > kMinusLn2) {
+    // A confident target (q > 1/2): a + q inner = (a + inner) + inner (q - 1), with q - 1 = expm1(log q)
+    // exact to rounding. For log-probability terms a + inner cancels exactly (a = -c0), which keeps the
+    // digits of 1 - q_y (1e-4 in fp32 would otherwise carry q's rounding, 6e-8, as 6e-4 relative).
+    dz = (k.c[kCoefOnehot] + inner) + inner * expm1f(logq);
+  } else {
+    // Below q = 1/2 that form would cancel instead ((a + inner) against inner, losing q inner). q == 0
+    // gives exactly a (0 log 0 -> 0, as on every other column).
+    dz = k.c[kCoefOnehot] + xmul(q, inner);
+  }
+  if (t.kl_fwd) dz += teacher_prob;
+  if (t.uniform) dz += k.c[kCoefUniform];
   return dz;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// GRPO per-token and DPO per-pair math (SPEC section 5), templated on the compute type S (float for
-// fp32/bf16/fp16 inputs, double for float64 ones), in the operation order of fusedloss/losses/grpo.py and
-// dpo.py so that the fused launches agree with the loss modules to rounding. Constants that the modules
-// form from Python floats (1 - eps_low, 1 / (2 beta), ...) are formed in double on the host and rounded
-// once to S, as torch does with a Python scalar.
-// ---------------------------------------------------------------------------------------------------
-FL_HD float s_exp(float x) { return expf(x); }
-FL_HD double s_exp(double x) { return exp(x); }
-FL_HD float s_log1p(float x) { return log1pf(x); }
-FL_HD double s_log1p(double x) { return log1p(x); }
-FL_HD float s_abs(float x) { return fabsf(x); }
-FL_HD double s_abs(double x) { return fabs(x); }
-
-// torch.clamp / torch.minimum semantics: NaN propagates (fminf/fmaxf would drop it).
-template <typename S> FL_HD S clamp_max(S x, S hi) { return x > hi ? hi : x; }
-template <typename S> FL_HD S clamp_min(S x, S lo) { return x < lo ? lo : x; }
-template <typename S> FL_HD S nan_min(S x, S y) { return (x != x || y != y) ? x + y : (y < x ? y : x); }
-
-enum GrpoKind : int { kGrpoClip = 0, kGrpoCispo = 1 };
-
-struct GrpoParams {
-  int kind;
-  double eps_low, eps_high;  // eps_high already resolved (None -> eps_low)
-  int has_delta;
-  double delta;
-  double beta;
-  double clip_low, clip_high;  // 1 - eps_low, 1 + eps_high (formed in double)
-};
-
-template <typename S>
-struct GrpoToken {
-  S loss;       // l_t * m_t (importance weight and KL penalty included)
-  S dlogp;      // weight_t * m_t * d l_t / d logp_t, through the per-token ratio and the KL penalty
-  S dlogratio;  // weight_t * m_t * d l_t / d log r, when the ratio is given (sequence level), else 0
-  S kl;         // m_t * (exp(ref - logp) - (ref - logp) - 1), 0 when beta == 0
-  S is_low, is_high, is_region;  // clip indicators (TRL's definitions, on the ratio below), times m_t
-  S ratio;      // the ratio of the clip metrics: min(r, delta) (non-cispo with delta), else r
-};
-
-// logratio: log r of the token (logp - old at token level, masked to 0 on masked tokens; the sequence's
-// log r at sequence level). ratio_from_logp: the ratio's derivative flows to logp (token level) rather
-// than to dlogratio.
-template <typename S>
-FL_HD GrpoToken<S> grpo_token(S logp, S logratio, bool ratio_from_logp, S adv, S mask, S iw, bool has_ref, S ref,
-                              S weight, const GrpoParams& g) {
-  GrpoToken<S> o;
-  const S zero = S(0), one = S(1);
-  const S r = s_exp(logratio);
-  S l, dl_dr = zero, dl_dlogp = zero, ratio = r;
-  if (g.kind == kGrpoCispo) {
-    const S clipped = clamp_max(r, S(g.eps_high));  // sg(min(r, eps_high))
-    l = -clipped * adv * logp;
-    dl_dlogp = -clipped * adv;
-  } else {
-    // -min(r1 A, clamp(r, 1 - eps_low, 1 + eps_high) A), r1 = min(r, delta) when delta is set
-    const S lo = S(g.clip_low), hi = S(g.clip_high);
-    const S r2 = clamp_max(clamp_min(r, lo), hi);
-    const S d2 = (r >= lo && r <= hi) ? one : zero;  // torch.clamp passes the gradient at the bounds
-    S r1 = r, d1 = one;
-    if (g.has_delta) {
-      r1 = clamp_max(r, S(g.delta));
-      d1 = r <= S(g.delta) ? one : zero;
-    }
-    ratio = r1;
-    const S x1 = r1 * adv, x2 = r2 * adv;
-    const S w1 = x1 < x2 ? one : (x1 == x2 ? S(0.5) : zero);  // torch.minimum splits the gradient on ties
-    l = -nan_min(x1, x2);
-    dl_dr = -(w1 * d1 + (one - w1) * d2) * adv;
-  }
-  l *= iw;
-  dl_dr *= iw;
-  dl_dlogp *= iw;
-  S kl = zero;
-  if (g.beta != 0.0 && has_ref) {
-    const S b = S(g.beta);
-    const S d = ref - logp;
-    const S ed = s_exp(d);
-    kl = ed - d - one;
-    l += b * kl;
-    dl_dlogp -= b * ed - b;
-  }
-  const S dl_dlogratio = dl_dr * r;  // d l / d log r = d l / d r * r
-  const bool on = mask != zero;
-  const S wm = weight * mask;
-  o.loss = on ? l * mask : zero;
-  o.kl = on ? kl * mask : zero;
-  o.dlogp = on ? wm * (dl_dlogp + (ratio_from_logp ? dl_dlogratio : zero)) : zero;
-  o.dlogratio = on && !ratio_from_logp ? wm * dl_dlogratio : zero;
-  o.ratio = ratio;
-  bool low, high;
-  if (g.kind == kGrpoCispo) {  // TRL tracks only the upper clip of CISPO (its cispo_clip_ratio)
-    low = false;
-    high = ratio > S(g.eps_high) && adv > zero;
-  } else {
-    low = ratio < S(g.clip_low) && adv < zero;
-    high = ratio > S(g.clip_high) && adv > zero;
-  }
-  o.is_low = on && low ? mask : zero;
-  o.is_high = on && high ? mask : zero;
-  o.is_region = on && (low || high) ? mask : zero;
-  return o;
-}
-
-enum DpoKind : int { kDpoSigmoid = 0, kDpoIpo = 1, kDpoHinge = 2, kDpoRobust = 3 };
-
-struct DpoParams {
-  int kind;
-  double beta, label_smoothing;
-  double one_minus_e, half_inv_beta, one_minus_2e;  // 1 - e, 1 / (2 beta), 1 - 2 e (formed in double)
-};
-
-template <typename S>
-struct DpoPair {
-  S loss, d_chosen, d_rejected;
-};
-
-// torch's log_sigmoid: min(x, 0) - log1p(exp(-|x|)); its derivative sigmoid(-x) in torch's form.
-template <typename S> FL_HD S log_sigmoid(S x) { return (x < S(0) ? x : S(0)) - s_log1p(s_exp(-s_abs(x))); }
-template <typename S> FL_HD S log_sigmoid_grad(S x) {
-  const S z = s_exp(-s_abs(x));
-  return x < S(0) ? S(1) - z / (S(1) + z) : z / (S(1) + z);
-}
-template <typename S> FL_HD S sigmoid(S x) { return log_sigmoid_grad(-x); }
-
-// ipo's n_c, n_r are the completion token counts (>= 1; the caller applies max(1, n)).
-template <typename S>
-FL_HD DpoPair<S> dpo_pair(S logp_c, S logp_r, S ref_c, S ref_r, S n_c, S n_r, const DpoParams& p) {
-  const S u_c = logp_c - ref_c, u_r = logp_r - ref_r;
-  const S b = S(p.beta), e = S(p.label_smoothing), ome = S(p.one_minus_e);
-  const S x = b * (u_c - u_r);
-  DpoPair<S> o;
-  S dd = S(0);  // d loss / d Delta
-  if (p.kind == kDpoIpo) {
-    const S h = u_c / n_c - u_r / n_r - S(p.half_inv_beta);
-    o.loss = h * h;
-    o.d_chosen = S(2) * h / n_c;
-    o.d_rejected = -(S(2) * h) / n_r;
-    return o;
-  }
-  if (p.kind == kDpoHinge) {
-    const S t = S(1) - x;
-    o.loss = t > S(0) ? t : (t != t ? t : S(0));  // relu, NaN propagates
-    dd = t > S(0) ? -b : S(0);
-  } else if (p.kind == kDpoRobust) {
-    const S den = S(p.one_minus_2e);
-    o.loss = (-ome * log_sigmoid(x) + e * log_sigmoid(-x)) / den;
-    dd = (-ome * log_sigmoid_grad(x) * b - e * log_sigmoid_grad(-x) * b) / den;
-  } else {  // sigmoid
-    o.loss = -ome * log_sigmoid(x) - e * log_sigmoid(-x);
-    dd = -ome * log_sigmoid_grad(x) * b + e * log_sigmoid_grad(-x) * b;
-  }
-  o.d_chosen = dd;
-  o.d_rejected = -dd;
-  return o;
 }
 
 }  // namespace fl

@@ -13,17 +13,29 @@
 
 namespace fl {
 
+// f(T{}) with T the storage type of a dtype code (validated by check.h): one switch for every launcher.
+template <typename F>
+void with_dtype(int dtype, F&& f) {
+  switch (dtype) {
+    case kBFloat16: f(bf16{}); break;
+    case kFloat16: f(fp16{}); break;
+    default: f(float{}); break;
+  }
+}
+
 template <typename T>
 struct Vec {
   static constexpr int kSize = 16 / sizeof(T);
 };
 
-// 16 bytes at p (16-byte aligned) -> floats.
+// 16 bytes at p (16-byte aligned) -> floats. A streaming load (ld.global.cs): a tile is read once per
+// pass, and the dx kernel may overwrite the very tile it reads (fp32 in place), which the read-only
+// path (__ldg) does not allow.
 template <typename T>
 FL_HD void load_group(const T* p, float* out) {
   constexpr int kN = Vec<T>::kSize;
 #ifdef __CUDA_ARCH__
-  const uint4 raw = __ldg(reinterpret_cast<const uint4*>(p));
+  const uint4 raw = __ldcs(reinterpret_cast<const uint4*>(p));
   const T* e = reinterpret_cast<const T*>(&raw);
 #else
   T e[kN];
@@ -70,27 +82,55 @@ FL_HD void for_lane_groups(const T* xr, const T* xtr, int64_t cols, int64_t lane
   }
 }
 
-// n floats -> p (dtype TO); 16-byte stores when p is aligned and the group fills whole vectors.
+// Two 16-bit values or one float as the 32-bit word they are stored as.
+template <typename TO>
+FL_HD uint32_t pack_word(const float* v) {
+  if constexpr (sizeof(TO) == 4) {
+    return float_to_bits(v[0]);
+  } else {
+    return uint32_t(from_float<TO>(v[0]).bits) | (uint32_t(from_float<TO>(v[1]).bits) << 16);
+  }
+}
+
+// kCount floats -> p (dtype TO): 16-byte stores when the group fills whole 16-byte vectors and p is
+// aligned, else 8-byte stores (4 bf16 from a 4-float group), else one value at a time. The words are
+// built in registers and stored with the vector store intrinsics (streaming: the tile is read next by a
+// product, from memory, not from the cache): a plain store of a uint4 is split by the compiler into
+// 4-byte stores once it merges the aligned and unaligned branches.
 template <typename TO, int kCount>
 FL_HD void store_group(TO* p, const float* vals) {
-  TO e[kCount];
-  FL_UNROLL
-  for (int k = 0; k < kCount; ++k) e[k] = from_float<TO>(vals[k]);
-  constexpr int bytes = kCount * int(sizeof(TO));
-  if (bytes % 16 == 0 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+  constexpr int kBytes = kCount * int(sizeof(TO));
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p);
+  if constexpr (kBytes % 8 == 0) {
+    constexpr int kWords = kBytes / 4, kPerWord = 4 / int(sizeof(TO));
+    uint32_t w[kWords];
     FL_UNROLL
-    for (int b = 0; b < bytes; b += 16) {
+    for (int k = 0; k < kWords; ++k) w[k] = pack_word<TO>(vals + k * kPerWord);
+    if (kBytes % 16 == 0 && (addr & 15u) == 0) {
+      FL_UNROLL
+      for (int k = 0; k < kWords; k += 4) {
 #ifdef __CUDA_ARCH__
-      *reinterpret_cast<uint4*>(reinterpret_cast<char*>(p) + b) =
-          *reinterpret_cast<const uint4*>(reinterpret_cast<const char*>(e) + b);
+        __stcs(reinterpret_cast<uint4*>(p) + k / 4, make_uint4(w[k], w[k + 1], w[k + 2], w[k + 3]));
 #else
-      std::memcpy(reinterpret_cast<char*>(p) + b, reinterpret_cast<const char*>(e) + b, 16);
+        std::memcpy(reinterpret_cast<char*>(p) + 4 * k, w + k, 16);
 #endif
+      }
+      return;
     }
-  } else {
-    FL_UNROLL
-    for (int k = 0; k < kCount; ++k) p[k] = e[k];
+    if ((addr & 7u) == 0) {
+      FL_UNROLL
+      for (int k = 0; k < kWords; k += 2) {
+#ifdef __CUDA_ARCH__
+        __stcs(reinterpret_cast<uint2*>(p) + k / 2, make_uint2(w[k], w[k + 1]));
+#else
+        std::memcpy(reinterpret_cast<char*>(p) + 4 * k, w + k, 8);
+#endif
+      }
+      return;
+    }
   }
+  FL_UNROLL
+  for (int k = 0; k < kCount; ++k) p[k] = from_float<TO>(vals[k]);
 }
 
 FL_HD bool row_ignored(const TileArgs& a, int64_t row) {
@@ -118,7 +158,7 @@ FL_HD RowState fold_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t n
       float zt = 0.0f;
       if (kTeacher) zt = transform_logit(vt[k], bias_at(a.teacher_bias, a.teacher_bias_dtype, col), a.teacher_tf).z;
       state_add<kEntropy, kTeacher>(st, z, zt);
-      if (c + k < ybefore) st.mb = fmaxf(st.mb, z);
+      if (c + k < ybefore) st[kMb] = fmaxf(st[kMb], z);
     }
   });
   return st;
@@ -147,17 +187,8 @@ FL_HD void fold_row_finish(const TileArgs& a, int64_t row, const RowState& part)
   RowState run = part;
   if (!a.first) {
     RowState old;
-    old.m = state[kM * ss + row];
-    old.s = state[kS * ss + row];
-    old.e = state[kE * ss + row];
-    old.mt = state[kMt * ss + row];
-    old.st = state[kSt * ss + row];
-    old.a = state[kA * ss + row];
-    old.b = state[kB * ss + row];
-    old.s2 = state[kS2 * ss + row];
-    old.sz = state[kSz * ss + row];
-    old.mb = state[kMb * ss + row];
-    old.t = state[kT * ss + row];
+    FL_UNROLL
+    for (int k = 0; k < kRowFields; ++k) old[k] = state[k * ss + row];
     run = state_merge<kEntropy, kTeacher>(old, part);
   }
   if (a.last) {
@@ -167,18 +198,9 @@ FL_HD void fold_row_finish(const TileArgs& a, int64_t row, const RowState& part)
     finalize_row(run, zy, w, o);
     for (int k = 0; k < kNumOutputs; ++k) out[k * os + row] = o[k];
   } else {
-    state[kM * ss + row] = run.m;
-    state[kS * ss + row] = run.s;
-    state[kE * ss + row] = run.e;
-    state[kMt * ss + row] = run.mt;
-    state[kSt * ss + row] = run.st;
-    state[kA * ss + row] = run.a;
-    state[kB * ss + row] = run.b;
+    FL_UNROLL
+    for (int k = 0; k < kRowFields; ++k) state[k * ss + row] = run[k];
     state[kZy * ss + row] = zy;
-    state[kS2 * ss + row] = run.s2;
-    state[kSz * ss + row] = run.sz;
-    state[kMb * ss + row] = run.mb;
-    state[kT * ss + row] = run.t;
   }
 }
 
@@ -225,15 +247,9 @@ FL_HD void jsd_row_finish(const TileArgs& a, int64_t row, float kl_qm, float kl_
 FL_HD RowCoeffs row_coeffs(const TileArgs& a, int64_t row) {
   const float* k = reinterpret_cast<const float*>(a.coeffs);
   const float* out = reinterpret_cast<const float*>(a.out);
-  const int64_t cs = a.coeff_stride;
   RowCoeffs r;
-  r.a = k[row];
-  r.c0 = k[cs + row];
-  r.c1 = k[2 * cs + row];
-  r.c2 = k[3 * cs + row];
-  r.c3 = k[4 * cs + row];
-  r.c4 = k[5 * cs + row];
-  r.c5 = k[6 * cs + row];
+  FL_UNROLL
+  for (int c = 0; c < kNumCoeffs; ++c) r.c[c] = k[c * a.coeff_stride + row];
   r.lse = out[kLse * a.out_stride + row];
   r.lse_t = out[kLseT * a.out_stride + row];
   r.lse_lo = out[kLseLo * a.out_stride + row];
@@ -241,21 +257,30 @@ FL_HD RowCoeffs row_coeffs(const TileArgs& a, int64_t row) {
   return r;
 }
 
-// A row whose gradient is identically zero: ignored, or all seven coefficients zero (masked tokens).
-// Its saved lse is 0, so it must not be evaluated (exp(z - 0) may overflow, and inf * 0 is NaN).
-FL_HD bool row_inactive(const TileArgs& a, int64_t row, const RowCoeffs& k) {
-  return row_ignored(a, row) ||
-         (k.a == 0.0f && k.c0 == 0.0f && k.c1 == 0.0f && k.c2 == 0.0f && k.c3 == 0.0f && k.c4 == 0.0f &&
-          k.c5 == 0.0f);
+FL_HD DzTerms dz_terms(const TileArgs& a) {
+  const bool teacher = a.xt != 0;
+  return DzTerms{a.want_entropy || (teacher && (a.want_kl_rev || a.has_jsd)), teacher && a.want_kl_rev,
+                 teacher && a.want_kl_fwd, teacher && a.has_jsd, a.want_mean_logit};
+}
+
+// A row whose gradient is identically zero: ignored, or every coefficient of a formed term zero (masked
+// tokens). Its saved lse is 0, so it must not be evaluated (exp(z - 0) may overflow, and inf * 0 is NaN).
+FL_HD bool row_inactive(const TileArgs& a, int64_t row, const RowCoeffs& k, const DzTerms& t) {
+  if (row_ignored(a, row)) return true;
+  FL_UNROLL
+  for (int c = 0; c < kNumCoeffs; ++c)
+    if (t.forms(c) && k.c[c] != 0.0f) return false;
+  return true;
 }
 
 template <typename T, typename TO, bool kTeacher>
 FL_HD void dx_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes) {
   const RowCoeffs k = row_coeffs(a, row);
+  const DzTerms terms = dz_terms(a);
   const T* xr = reinterpret_cast<const T*>(a.x) + row * a.ld;
   const T* xtr = kTeacher ? reinterpret_cast<const T*>(a.xt) + row * a.ld : nullptr;
   TO* dr = reinterpret_cast<TO*>(a.dx) + row * a.dx_ld;
-  const bool inactive = row_inactive(a, row, k);
+  const bool inactive = row_inactive(a, row, k, terms);
   const int64_t y = a.targets != 0 ? reinterpret_cast<const int64_t*>(a.targets)[row] - a.v0 : -1;
   for_lane_groups(xr, xtr, a.cols, lane, nlanes, [&](int64_t c, auto n, const float* v, const float* vt) {
     constexpr int kCount = decltype(n)::value;
@@ -270,46 +295,11 @@ FL_HD void dx_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes)
       const Logit z = transform_logit(v[j], bias_at(a.bias, a.bias_dtype, col), a.tf);
       float zt = 0.0f;
       if (kTeacher) zt = transform_logit(vt[j], bias_at(a.teacher_bias, a.teacher_bias_dtype, col), a.teacher_tf).z;
-      const float dz = dz_element<kTeacher>(z.z, zt, c + j == y, k, a.has_jsd, a.jsd);
+      const float dz = dz_element<kTeacher>(z.z, zt, c + j == y, k, terms, a.jsd);
       g[j] = dz * chain_factor(z.c, a.tf);
     }
     store_group<TO, kCount>(dr + c, g);
   });
-}
-
-// ---- GRPO / DPO: one token (pair) of the per-token math, for the device kernels and the host loops ----
-template <typename S>
-FL_HD void grpo_element(const GrpoArgs& a, int64_t i) {
-  auto at = [&](uint64_t p, S dflt) { return p ? reinterpret_cast<const S*>(p)[i] : dflt; };
-  const S logp = at(a.logp, S(0));
-  const S mask = at(a.mask, S(1));
-  const bool ratio_given = a.logratio != 0;
-  // Token level: log r = logp - old where the token counts, 0 elsewhere (garbage such as an old
-  // log-prob of -inf on a padded position never reaches a sum), as grpo.py's token_log_ratio.
-  const S logratio = ratio_given ? at(a.logratio, S(0)) : (mask != S(0) ? logp - at(a.old_logp, logp) : S(0));
-  const GrpoToken<S> t = grpo_token<S>(logp, logratio, !ratio_given, at(a.adv, S(0)), mask, at(a.iw, S(1)),
-                                       a.ref != 0, at(a.ref, S(0)), at(a.weight, S(1)), a.params);
-  S* out = reinterpret_cast<S*>(a.out);
-  const int64_t n = a.n;
-  out[i] = t.loss;
-  out[n + i] = t.dlogp;
-  out[2 * n + i] = t.dlogratio;
-  out[3 * n + i] = t.kl;
-  out[4 * n + i] = t.is_low;
-  out[5 * n + i] = t.is_high;
-  out[6 * n + i] = t.is_region;
-  out[7 * n + i] = t.ratio;
-}
-
-template <typename S>
-FL_HD void dpo_element(const DpoArgs& a, int64_t i) {
-  auto at = [&](uint64_t p, S dflt) { return p ? reinterpret_cast<const S*>(p)[i] : dflt; };
-  const DpoPair<S> d = dpo_pair<S>(at(a.logp_c, S(0)), at(a.logp_r, S(0)), at(a.ref_c, S(0)), at(a.ref_r, S(0)),
-                                   at(a.n_c, S(1)), at(a.n_r, S(1)), a.params);
-  S* out = reinterpret_cast<S*>(a.out);
-  out[i] = d.loss;
-  out[a.n + i] = d.d_chosen;
-  out[2 * a.n + i] = d.d_rejected;
 }
 
 }  // namespace fl

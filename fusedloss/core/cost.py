@@ -16,6 +16,7 @@ figures beside the measured ones. See docs/design.md, "Plans and the cost model"
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -40,16 +41,42 @@ class GPUSpec:
 
 GPUS = {
     # H200 SXM: bf16 dense ~790 TFLOP/s on random data and a 4.3 TB/s device copy, as measured on the lent
-    # device by an earlier task; 4.0 TB/s is what a streaming kernel should expect.
-    "h200": GPUSpec("H200", {"bfloat16": 790.0, "float16": 790.0, "tf32": 395.0, "float32": 60.0},
+    # device by an earlier task; 4.0 TB/s is what a streaming kernel should expect. fp64: 67 TFLOP/s
+    # (datasheet, tensor cores).
+    "h200": GPUSpec("H200", {"bfloat16": 790.0, "float16": 790.0, "tf32": 395.0, "float32": 60.0, "float64": 60.0},
                     hbm_tbps=4.0, l2_bytes=50 * 2**20, sm_count=132, memory_bytes=141 * 10**9),
+    # H100 SXM 80 GB: the H200's SMs with 3.35 TB/s HBM3 (datasheet), ~3.0 effective.
+    "h100": GPUSpec("H100", {"bfloat16": 760.0, "float16": 760.0, "tf32": 380.0, "float32": 60.0, "float64": 60.0},
+                    hbm_tbps=3.0, l2_bytes=50 * 2**20, sm_count=132, memory_bytes=80 * 10**9),
     # A100 SXM 80 GB: 312 TFLOP/s bf16 dense (datasheet; ~280 reached), 2.0 TB/s datasheet, ~1.7 effective.
-    "a100": GPUSpec("A100", {"bfloat16": 280.0, "float16": 280.0, "tf32": 140.0, "float32": 19.5},
+    "a100": GPUSpec("A100", {"bfloat16": 280.0, "float16": 280.0, "tf32": 140.0, "float32": 19.5, "float64": 19.5},
                     hbm_tbps=1.7, l2_bytes=40 * 2**20, sm_count=108, memory_bytes=80 * 10**9),
     # B200: ~2250 TFLOP/s bf16 dense (datasheet), 8 TB/s datasheet, ~7 effective.
-    "b200": GPUSpec("B200", {"bfloat16": 2000.0, "float16": 2000.0, "tf32": 1000.0, "float32": 75.0},
+    "b200": GPUSpec("B200", {"bfloat16": 2000.0, "float16": 2000.0, "tf32": 1000.0, "float32": 75.0, "float64": 37.0},
                     hbm_tbps=7.0, l2_bytes=126 * 2**20, sm_count=148, memory_bytes=180 * 10**9),
 }
+
+# What one small kernel launch costs on the device when the host keeps ahead of it (the gap between
+# back-to-back kernels, plus the kernel's own minimum): many launches of tiny kernels (the per-token loss
+# math, the per-tile state merges) cost this, not their bytes.
+LAUNCH_US = 3.0
+
+
+def gemm_efficiency(m: int, n: int, k: int, gpu: GPUSpec) -> float:
+    """The fraction of the dense peak (``GPUSpec.tflops``, itself what a large product reaches) that a
+    cuBLAS product with an ``[m, n]`` output and inner dimension ``k`` reaches: output tiles of 128 x 256
+    (tile quantisation), the last partial wave over the SMs (cuBLAS's split-K / stream-K kernels recover
+    most of it: at least 85%, and 97% for long main loops, k >= 8192, where they split k), and the per-tile
+    prologue and epilogue against a short main loop over k. A lead, not a measurement: the benchmark stores
+    the measured time beside it."""
+    if m <= 0 or n <= 0 or k <= 0:
+        return 1.0
+    tiles_m, tiles_n = math.ceil(m / 128), math.ceil(n / 256)
+    quantisation = (m * n) / (tiles_m * 128 * tiles_n * 256)
+    waves = tiles_m * tiles_n / gpu.sm_count
+    wave = max(waves / math.ceil(waves), 0.97 if k >= 8192 else 0.85)
+    main_loop = k / (k + 64)
+    return quantisation * wave * main_loop
 
 # ------------------------------------------------------------------------------------------------
 # Workloads
@@ -131,7 +158,9 @@ class Pass:
     """One step of a plan. ``flops`` at ``math`` throughput ("bfloat16", "tf32", "float32", ... or
     "cuda_core" for elementwise work, counted at the fp32 rate), ``hbm_bytes`` read plus written.
     ``overlaps_previous``: runs concurrently with the previous pass (second stream), so the pair costs the
-    longer of the two."""
+    longer of the two. ``efficiency``: the fraction of the peak the pass's arithmetic reaches (a skinny
+    product: ``gemm_efficiency``). ``fixed_us``: time that neither flops nor bytes explain (kernel
+    launches of small kernels: ``launches * LAUNCH_US``), per execution."""
 
     name: str
     flops: float = 0.0
@@ -139,6 +168,8 @@ class Pass:
     math: str = "bfloat16"
     count: int = 1
     overlaps_previous: bool = False
+    efficiency: float = 1.0
+    fixed_us: float = 0.0
 
 
 @dataclass
@@ -164,8 +195,8 @@ class Estimate:
 
 
 def _pass_ms(p: Pass, gpu: GPUSpec) -> float:
-    rate = gpu.tflops["float32" if p.math == "cuda_core" else p.math] * 1e12
-    return p.count * max(p.flops / rate, p.hbm_bytes / (gpu.hbm_tbps * 1e12)) * 1e3
+    rate = gpu.tflops["float32" if p.math == "cuda_core" else p.math] * 1e12 * p.efficiency
+    return p.count * (max(p.flops / rate, p.hbm_bytes / (gpu.hbm_tbps * 1e12)) * 1e3 + p.fixed_us * 1e-3)
 
 
 def bound_ms(w: Workload, gpu: GPUSpec) -> float:

@@ -1,101 +1,121 @@
 """CUDA backend of the statistics core (``core/problem.py``'s protocol): cuBLAS products, CUDA kernels
-(``csrc/``, built into ``fusedloss._C``) for everything between them.
+(``csrc/``, built into ``fusedloss._C``) for everything between them. See docs/design.md, "Backends and
+their plans" and "Plans and the cost model".
 
 Design
-    Products ``x = h @ W.T`` go through cuBLAS (``torch.mm``; bf16/fp16 inputs with
+    Products ``x = h @ W.T`` go through cuBLAS (``torch.mm``; bf16/fp16 operands with
     ``out_dtype=torch.float32``, so the logits are never rounded to half precision before the softmax)
-    into a workspace tile ``[rows, cols]``. The kernels of ``fusedloss._C`` then work on that tile:
+    into a workspace tile ``[rows, cols]`` whose leading dimension is padded to 64 elements (16-byte rows
+    for every dtype, so cuBLAS keeps its aligned kernels whatever V is). The kernels then work on the tile:
 
-    ``fold_tile``   one block per row folds the tile (bias, logit_scale, soft-cap, temperature applied
-                    per element) into the running partial statistics (m, s, e, mt, st, a, b, s2, sz and
-                    the target logit) with the associative merge of ``core/torch_backend.py``, and
-                    writes the per-row outputs on the last vocabulary tile;
+    ``fold_tile``   one block per row folds the tile (bias, logit_scale, soft-cap, temperature applied per
+                    element) into the running partial statistics and writes the per-row outputs on the last
+                    vocabulary tile;
     ``jsd_tile``    the generalized JSD's second sweep;
-    ``dx_tile``     turns the tile into d loss / d x from the seven per-row coefficients (problem.py's
-                    dz formula and the chain rule through temperature, soft-cap and scale), in place
-                    for fp32 or into a bf16/fp16 copy that feeds the two gradient products; rows whose
-                    target is ignored or whose coefficients are all zero get 0.
+    ``dx_tile``     turns the tile into d loss / d x from the per-row coefficients (problem.py's dz formula
+                    and the chain rule), in place for fp32 or into a bf16/fp16 copy that feeds the two
+                    gradient products; rows outside the loss get exact zeros.
 
-    ``grpo_token_loss`` and ``dpo_pair_loss`` (autograd Functions used by the loss modules) and the
-    lower-level ``grpo_token_math`` / ``dpo_pair_math`` run the per-token GRPO and per-pair DPO math of
-    SPEC section 5 in one launch each (fp32, or float64 for float64 inputs), writing the loss and its
-    derivative with respect to the log-probs in the same launch.
+The plan
+    ``plan(workload, gpu, free_bytes)`` decides everything about a call (workspace, tile shape, eager or
+    composable path, how gradients are accumulated) and describes it as a ``fusedloss.core.cost.Plan``,
+    whose modelled time ``cost.evaluate`` computes without a GPU (``benchmarks/cost_model.py``). The backend
+    calls the same function at run time, so what the model evaluates is what runs:
 
-Products per op (one product = 2 N V D flops; a teacher adds its own N V D_t product wherever a
-student product is formed):
-    forward_statistics   1 (plus 1 for the JSD's second sweep)
-    backward_gradients   3: recompute, d hidden, d weight (2 with a frozen weight: d weight is skipped)
-    eager_gradients      3: logits, d hidden, d weight, no recompute (the JSD reuses the chunk's logits)
+    * workspace: ``FUSEDLOSS_WORKSPACE_MB`` (fusedloss/config.py) if set, else an eighth of the memory free for torch on the
+      device when the backend first runs there, between 256 MiB and 8 GiB (then fixed for the process, so
+      that a backward recomputes exactly the tiles its forward used);
+    * composable path (``forward_statistics`` then ``backward_gradients``, 4 products): one tile shape for
+      both passes (all rows when that leaves >= 4096 columns, else square), the same row blocks and GEMM
+      shapes, so recomputed logits equal the forward's bit for bit whichever rows carry gradient;
+    * eager path (``eager_gradients``, 3 products, losses known in the forward): chunks of whole rows; taken
+      only where the model says it beats the composable path (big enough chunks), so no op is slower than
+      its 4-product plan;
+    * d hidden and d weight accumulate inside the GEMM (beta = 1 into fp32 accumulators) where torch
+      supports it on the device (probed once per device), else a product block and an add; a gradient that
+      one product completes is written in its own dtype directly.
+    * not done: running the fold and dx kernels on a second stream beside the products. They are ~7% of the
+      modelled time at issue 11's H200 shape (6 of 88 ms), which a double-buffered workspace and
+      cross-stream lifetimes could save at most; the first device run's timings decide whether it pays.
 
-Workspace budget
-    ``FUSEDLOSS_CUDA_WORKSPACE_MB`` (default 256) bounds the logits workspace of one call, whatever N is:
-    forward and backward tiles are ``[rows, cols]`` with ``rows * cols * bytes_per_element <= budget``
-    (4 bytes per fp32 logit, 4 more with a teacher, 2 more for the bf16/fp16 dx copy in the backward);
-    the eager path holds ``rows_chunk = budget // (V * bytes_per_element)`` full rows (at least 1 row).
-    Besides the gradients themselves and O(N) per-row vectors, the products add fp32 blocks of
-    ``[rows, D]`` (d hidden) and ``[cols, D]`` (d weight); d hidden is accumulated in an fp32
-    ``[N, D]`` buffer. d weight is accumulated in fp32 one vocabulary tile at a time over all rows in
-    ``backward_gradients`` (no fp32 ``[V, D]`` buffer at all); in ``eager_gradients`` it is written
-    tile by tile straight in the weight's dtype when one row chunk covers all tokens, and only when
-    several chunks must be summed is an fp32 ``[V, D]`` accumulator allocated.
-
-Eager (3-product) API, for ``core/eager.py``
-    ``eager_gradients(problem, chunk_fn, needs) -> (loss, (d_hidden, d_weight, d_bias))``: for each row
-    chunk the full ``[rows_chunk, V]`` logits are formed in the workspace, folded into the chunk's
-    statistics, and ``chunk_fn(stats, slice(r0, r1)) -> (chunk_loss, coeffs [7, r1 - r0])`` is asked for the
-    loss and the per-row coefficients (``core.statistics.dz_coefficients``); dx is formed in place and
-    the gradients accumulated right away. Returns the summed loss and the gradients: d hidden and
-    d bias in fp32; d weight in fp32, except for a bf16/fp16 weight whose rows all fit one chunk, which
-    is returned in the weight's dtype (each vocabulary tile rounded once from its fp32 product).
-    ``eager_rows(problem)`` says how many rows a chunk holds.
+Numerics
+    fp32 products run in full fp32 whatever torch's TF32 settings are (``FUSEDLOSS_ALLOW_TF32=1``
+    opts in to TF32 for this backend's products). fp16 eager chunks scale dx by a power of two before
+    rounding it (the loss scale of a GradScaler is not known yet when the eager path forms dx) and divide
+    the fp32 products by it again, exactly. No host synchronisation in steady state: the path and every
+    shape are decided on the host from shapes alone, so a training step can be captured in a CUDA graph.
 
 Host mode (tests without a GPU)
-    When the extension is built, every entry point also accepts CPU tensors: the products run in fp32
-    on the CPU and the kernels' host twins (``_C.host_*``, the same ``__host__ __device__`` math of
-    ``csrc/fusedloss/*.h``) do the rest. ``tests/test_cuda_host.py`` checks the kernel math this way.
+    When the extension is built, every entry point also accepts CPU tensors: the products run in fp32 on
+    the CPU and the kernels' host twins (``_C.host_*``, the same ``__host__ __device__`` math of
+    ``csrc/fusedloss/*.h``) do the rest. ``override_plan`` shrinks tiles and chunks for the tests.
 
-Float64 statistics problems are delegated to the torch backend (the tile kernels compute in fp32); the
-GRPO/DPO math kernels have float64 instantiations.
+Float64 problems are delegated to the torch backend (the tile kernels compute in fp32).
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
+import functools
 import math
+import warnings
 from typing import NamedTuple, Optional
 
 import torch
 
 from .. import config
-from ..core import torch_backend
-from ..core.problem import COEF_TEACHER_PROB, COEF_UNIFORM, NUM_COEFFS, GradientNeeds, Statistics, StatsProblem
+from ..core import cost, torch_backend
+from ..core.problem import (
+    COEF_CONST,
+    COEF_LOGM,
+    COEF_LOGP,
+    COEF_LOGQ,
+    COEF_ONEHOT,
+    COEF_TEACHER_PROB,
+    COEF_UNIFORM,
+    NUM_COEFFS,
+    GradientNeeds,
+    Statistics,
+    StatsProblem,
+)
 
 _NUM_OUTPUTS = len(Statistics._fields)
+_COEF_ORDER = [COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_LOGP, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM]
 
-try:
-    from .. import _C
-except ImportError as exc:  # not built (no nvcc, FUSEDLOSS_CUDA=0) or a plain source checkout
-    _C = None
-    _IMPORT_ERROR: Optional[ImportError] = exc
-else:
-    _IMPORT_ERROR = None
-    if getattr(_C, "NUM_OUTPUTS", None) != _NUM_OUTPUTS or not hasattr(_C, "GRPO_OUTPUTS"):
-        # An extension built from older sources (the Statistics protocol grew): refuse it rather than
-        # read or write past its output rows. Rebuild with `python setup.py build_ext --inplace`.
-        _IMPORT_ERROR = ImportError(f"fusedloss._C is stale: it writes {getattr(_C, 'NUM_OUTPUTS', '?')} per-row "
-                                    f"outputs, the protocol has {_NUM_OUTPUTS}; rebuild the extension")
-        _C = None
 
+def _load_extension():
+    """``(fusedloss._C, None)``, or ``(None, why)``: not built, or built from sources whose protocol
+    (output names, coefficient order) differs from problem.py's, which it would then read and write wrongly."""
+    try:
+        from .. import _C
+    except ImportError as exc:  # not built (no nvcc, FUSEDLOSS_CUDA=0) or a plain source checkout
+        return None, exc
+    expected = {"OUTPUT_NAMES": list(Statistics._fields), "NUM_COEFFS": NUM_COEFFS, "COEF_INDEX": _COEF_ORDER}
+    for name, want in expected.items():
+        got = getattr(_C, name, None)
+        if got != want:
+            return None, ImportError(f"fusedloss._C is stale: its {name} is {got!r}, the protocol has {want!r}; "
+                                     "rebuild the extension (python setup.py build_ext --inplace)")
+    return _C, None
+
+
+_C, _IMPORT_ERROR = _load_extension()
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_FLOAT64_CODE = 3  # GRPO / DPO math only
-
-# Testing knobs: cap the tile shape (None: from the workspace budget) to exercise multi-tile merging.
-MAX_TILE_ROWS: Optional[int] = None
-MAX_TILE_COLS: Optional[int] = None
 
 
 # ------------------------------------------------------------------------------------------------
 # Availability
 # ------------------------------------------------------------------------------------------------
+# The oldest driver branch that runs each CUDA major version's runtime (CUDA minor-version compatibility).
+_MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
+
+
+def _version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
 def _build_status() -> str:
     try:
         from .. import _build_info
@@ -110,16 +130,40 @@ def extension_built() -> bool:
     return _C is not None
 
 
+def runtime_info() -> dict:
+    """The CUDA versions behind ``availability()``: the runtime the extension carries (static), the
+    newest CUDA version the driver supports (None without a driver), the oldest driver branch the
+    runtime needs, and the devices the extension's runtime sees."""
+    if _C is None:
+        return {"extension": availability()}
+    runtime, driver = _C.runtime_version(), _C.driver_version()
+    return {"runtime": _version(runtime), "driver": _version(driver) if driver else None,
+            "needs_driver": _MIN_DRIVER.get(runtime // 1000, f"one for CUDA {runtime // 1000}.x"),
+            "devices": _C.device_count()}
+
+
 def availability() -> str:
+    """"available", or why not: the extension is missing or stale, its own CUDA runtime finds no usable
+    device (a driver older than the runtime it was built with, typically), or the GPU is too old."""
     if _C is None:
         status = _build_status()
-        if status == "built" and _IMPORT_ERROR is not None and "stale" in str(_IMPORT_ERROR):
+        if status == "built" and "stale" in str(_IMPORT_ERROR):
             return f"built but stale: {_IMPORT_ERROR}"
         if status == "built":
             return f"built but not importable: {_IMPORT_ERROR}"
         return status
+    if _C.device_count() == 0:
+        runtime, driver = _C.runtime_version(), _C.driver_version()
+        if driver == 0:
+            return "built; no CUDA device visible"
+        if driver // 1000 < runtime // 1000:
+            need = _MIN_DRIVER.get(runtime // 1000, f"one for CUDA {runtime // 1000}.x")
+            return (f"built with the CUDA {_version(runtime)} runtime, which needs a {need}+ driver; this driver "
+                    f"supports CUDA {_version(driver)}: rebuild the extension with a CUDA {driver // 1000}.x "
+                    f"toolkit, or upgrade the driver")
+        return f"built; the extension's CUDA {_version(runtime)} runtime sees no device ({_C.device_error()})"
     if not torch.cuda.is_available():
-        return "built; no CUDA device visible"
+        return f"built; torch {torch.__version__} sees no CUDA device (a CPU build of torch?)"
     major, minor = torch.cuda.get_device_capability()
     if major < 8:
         return f"built for sm_80 and newer; this GPU is sm_{major}{minor}"
@@ -127,11 +171,547 @@ def availability() -> str:
 
 
 # ------------------------------------------------------------------------------------------------
+# The plan (docs/design.md, "Plans and the cost model")
+# ------------------------------------------------------------------------------------------------
+WORKSPACE_MIN_BYTES = 256 * 2**20
+WORKSPACE_MAX_BYTES = 8 * 2**30
+WORKSPACE_FRACTION = 8  # of the memory free for torch when the backend first runs on a device
+ALIGN = 64  # elements: leading dimensions and vocabulary tile widths (256 B of fp32, 128 B of bf16)
+MIN_TILE_COLS = 4096  # below this many columns per row, square tiles instead of all rows
+# Per-element work of the elementwise kernels, for the model (cost.Pass.flops at the fp32 rate).
+_FOLD_FLOPS, _JSD_FLOPS, _DX_FLOPS = 16, 24, 16
+# Small kernels per row chunk of the per-token loss math (the loss module's autograd on [rows] vectors).
+_TOKEN_MATH_LAUNCHES = 60
+
+_OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("fusedloss_cuda_plan_overrides", default=())
+_OVERRIDE_KEYS = ("tile_rows", "tile_cols", "eager_rows", "workspace_mb")
+
+
+@contextlib.contextmanager
+def override_plan(**fields):
+    """Cap parts of the plan inside a ``with`` block (this context only): ``tile_rows`` / ``tile_cols``
+    (the composable tile), ``eager_rows`` (rows per eager chunk), ``workspace_mb``. Tests use tiny tiles so
+    that tiny shapes cross tile borders; keep forward and backward inside one block, since a backward must
+    recompute the tiles its forward used."""
+    unknown = set(fields) - set(_OVERRIDE_KEYS)
+    if unknown:
+        raise TypeError(f"override_plan takes {_OVERRIDE_KEYS}, got {sorted(unknown)}")
+    for key, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"override_plan: {key} must be a positive number, got {value!r}")
+    token = _OVERRIDES.set(tuple(sorted({**dict(_OVERRIDES.get()), **fields}.items())))
+    try:
+        yield
+    finally:
+        _OVERRIDES.reset(token)
+
+
+def workspace_bytes(free_bytes: Optional[int] = None) -> int:
+    """The logits workspace of one call: ``override_plan(workspace_mb=)`` or ``FUSEDLOSS_WORKSPACE_MB``
+    (fusedloss/config.py) if set; else ``free_bytes / 8`` between 256 MiB and 8 GiB; 256 MiB when nothing
+    is known."""
+    override = dict(_OVERRIDES.get()).get("workspace_mb")
+    if override is None:
+        override = config.from_environment().workspace_mb
+    if override is not None:
+        return max(1, int(override * 2**20))
+    if free_bytes is None:
+        return WORKSPACE_MIN_BYTES
+    return int(min(WORKSPACE_MAX_BYTES, max(WORKSPACE_MIN_BYTES, free_bytes // WORKSPACE_FRACTION)))
+
+
+def _round_up(x: int, m: int) -> int:
+    return -(-x // m) * m
+
+
+def _balanced(total: int, most: int) -> tuple[int, int]:
+    """(size, count): ``total`` split into ``count = ceil(total / most)`` near-equal parts of at most ``size``."""
+    most = max(1, min(total, most))
+    count = -(-total // most)
+    return -(-total // count), count
+
+
+class _Shape(NamedTuple):
+    """The tile (composable) or chunk (eager) shape of a plan."""
+
+    rows: int
+    row_chunks: int
+    cols: int
+    vocab_tiles: int
+    ld: int  # leading dimension of the fp32 tiles (and of the dx copy), padded to ALIGN
+
+
+def _bytes_per_element(w: cost.Workload) -> int:
+    """Workspace bytes per logit: the fp32 student tile, the fp32 teacher tile, the half-precision dx copy."""
+    return 4 + (4 if w.has_teacher else 0) + (0 if w.dtype == "float32" else w.operand_bytes)
+
+
+def _composable_shape(w: cost.Workload, budget: int, caps: dict) -> _Shape:
+    """One tile shape for the forward and the recompute backward (rule: the backward recomputes exactly the
+    forward's row blocks and GEMM shapes). All rows when that leaves >= MIN_TILE_COLS columns (one row chunk:
+    d weight needs no accumulator and W is read once per pass), else a square tile (fewest accumulator
+    round trips for d hidden and d weight together)."""
+    elements = max(1, budget // _bytes_per_element(w))
+    v_pad = _round_up(w.v, ALIGN)
+    if elements // w.n >= min(v_pad, MIN_TILE_COLS):
+        rows_max, cols_max = w.n, min(v_pad, elements // w.n)
+    else:
+        rows_max = max(1, min(w.n, math.isqrt(elements)))
+        cols_max = min(v_pad, max(ALIGN, elements // rows_max))
+    cols_max = max(ALIGN, cols_max // ALIGN * ALIGN) if cols_max < w.v else w.v
+    rows_max = min(rows_max, caps.get("tile_rows", rows_max))
+    cols_max = min(cols_max, caps.get("tile_cols", cols_max))
+    rows, row_chunks = _balanced(w.n, rows_max)
+    cols, vocab_tiles = _balanced(w.v, cols_max)
+    if vocab_tiles > 1 and "tile_cols" not in caps:
+        cols = min(cols_max, _round_up(cols, ALIGN))  # tiles start on 64-column boundaries of W
+        vocab_tiles = -(-w.v // cols)
+    return _Shape(rows, row_chunks, cols, vocab_tiles, _round_up(cols, ALIGN))
+
+
+def _eager_shape(w: cost.Workload, budget: int, caps: dict) -> _Shape:
+    """Chunks of whole rows (all V columns), as many rows as the workspace holds, split evenly."""
+    ld = _round_up(w.v, ALIGN)
+    rows_max = max(1, budget // (ld * _bytes_per_element(w)))
+    rows_max = min(rows_max, caps.get("eager_rows", rows_max))
+    rows, chunks = _balanced(w.n, rows_max)
+    return _Shape(rows, chunks, w.v, 1, ld)
+
+
+def _gemm(name, m, n, k, count, w, gpu, hbm_bytes, launches) -> cost.Pass:
+    """A product of ``count`` GEMMs with [m, n] outputs over k (the totals: 2 m n k count flops)."""
+    math_ = "float32" if w.dtype == "float32" else w.dtype
+    return cost.Pass(name, flops=2.0 * m * n * k * count, hbm_bytes=hbm_bytes, math=math_,
+                     efficiency=cost.gemm_efficiency(m, n, k, gpu), fixed_us=launches * cost.LAUNCH_US)
+
+
+def _sweep(name, elements, bytes_per_element, flops_per_element, launches) -> cost.Pass:
+    return cost.Pass(name, flops=float(elements) * flops_per_element, hbm_bytes=float(elements) * bytes_per_element,
+                     math="cuda_core", fixed_us=launches * cost.LAUNCH_US)
+
+
+def _token_math(w: cost.Workload, chunks: int) -> cost.Pass:
+    """The loss's per-token math (GRPO clipping, DPO sigmoid, KL penalty, normalisation, dz coefficients):
+    tens of elementwise kernels on [tokens] vectors, ~1 KB per token in all. At N = 16384 that is 16 MB:
+    microseconds beside the GEMM-sized products; launches, not bytes, are its cost."""
+    return cost.Pass("token math", flops=200.0 * w.n, hbm_bytes=1024.0 * w.n, math="cuda_core",
+                     fixed_us=_TOKEN_MATH_LAUNCHES * chunks * cost.LAUNCH_US)
+
+
+def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
+    n, v, d, b = w.n, w.v, w.d, w.operand_bytes
+    dt = w.teacher_d or d
+    tiles = s.row_chunks * s.vocab_tiles
+    nv = float(n) * v
+    teacher = w.has_teacher
+    jsd = w.op == "distill_jsd"
+    grads = w.hidden_grad or w.weight_grad
+
+    def logits(name, dim):
+        return _gemm(name, s.rows, s.cols, dim, tiles, w, gpu,
+                     n * dim * b * s.vocab_tiles + v * dim * b * s.row_chunks + nv * 4, tiles)
+
+    passes = [logits("logits", d)]
+    if teacher:
+        passes.append(logits("teacher logits", dt))
+    # the state merges of a fold over several vocabulary tiles: [kStateFields, rows] read and written per tile
+    state = 2 * 12 * 4 * n * (s.vocab_tiles - 1)
+    passes.append(cost.Pass("fold", flops=nv * _FOLD_FLOPS, hbm_bytes=nv * (8 if teacher else 4) + state,
+                            math="cuda_core", fixed_us=tiles * cost.LAUNCH_US))
+    if jsd:
+        if tiles > 1:  # the JSD's second sweep recomputes the tiles (one tile stays in the workspace)
+            passes += [logits("jsd recompute", d), logits("jsd teacher recompute", dt)]
+        passes.append(_sweep("jsd", nv, 8, _JSD_FLOPS, tiles))
+    passes.append(_token_math(w, 1))
+    if not grads:
+        return passes
+    dx_bytes = 4 if w.dtype == "float32" else b
+    passes.append(logits("recompute", d))
+    if teacher:
+        passes.append(logits("teacher recompute", dt))
+    passes.append(_sweep("dx", nv, (8 if teacher else 4) + dx_bytes, _DX_FLOPS, tiles))
+    if w.hidden_grad:
+        # d hidden [rows, D] over the vocabulary tiles: one product when one tile covers V, else fp32
+        # accumulation (beta = 1: the accumulator read and written by each later tile's product)
+        acc = n * d * 4 * (1 + 2 * (s.vocab_tiles - 1)) if s.vocab_tiles > 1 else n * d * b
+        passes.append(_gemm("d hidden", s.rows, d, s.cols, tiles, w, gpu, nv * dx_bytes + v * d * b * s.row_chunks + acc,
+                            tiles))
+        if s.vocab_tiles > 1 and not accumulate:  # a product block, then a separate add kernel
+            passes.append(_sweep("d hidden add", n * d * (s.vocab_tiles - 1), 12, 1, tiles))
+    if w.weight_grad:
+        acc = v * d * 4 * (1 + 2 * (s.row_chunks - 1)) if s.row_chunks > 1 else v * d * b
+        passes.append(_gemm("d weight", s.cols, d, s.rows, tiles, w, gpu, nv * dx_bytes + n * d * b * s.vocab_tiles + acc,
+                            tiles))
+        if s.row_chunks > 1 and not accumulate:
+            passes.append(_sweep("d weight add", v * d * (s.row_chunks - 1), 12, 1, tiles))
+        # rows outside the loss must not bring NaN padding into d weight: a masked copy of hidden
+        passes.append(_sweep("hidden mask", n * d, 2 * b, 1, 1))
+    rounding = (v * d * (4 + b) if w.weight_grad and s.row_chunks > 1 else 0) + (
+        n * d * (4 + b) if w.hidden_grad and s.vocab_tiles > 1 else 0)
+    if rounding:
+        passes.append(_sweep("round gradients", rounding / 6, 6, 1, 2))
+    return passes
+
+
+def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
+    n, v, d, b = w.n, w.v, w.d, w.operand_bytes
+    dt = w.teacher_d or d
+    c = s.row_chunks
+    nv = float(n) * v
+    teacher = w.has_teacher
+    fp16 = w.dtype == "float16"
+    dx_bytes = 4 if w.dtype == "float32" else b
+
+    def logits(name, dim):
+        return _gemm(name, s.rows, v, dim, c, w, gpu, n * dim * b + v * dim * b * c + nv * 4, c)
+
+    passes = [logits("logits", d)]
+    if teacher:
+        passes.append(logits("teacher logits", dt))
+    passes.append(_sweep("fold", nv, 8 if teacher else 4, _FOLD_FLOPS, c))
+    if w.op == "distill_jsd":
+        passes.append(_sweep("jsd", nv, 8, _JSD_FLOPS, c))
+    passes.append(_token_math(w, c))
+    if fp16:
+        # dx in fp32 in place, its max, then x 2^k rounded to fp16 (GradScaler's scale is not known yet)
+        passes.append(_sweep("dx", nv, (8 if teacher else 4) + 4, _DX_FLOPS, c))
+        passes.append(_sweep("dx pre-scale", nv, 4 + 4 + 2, 2, 3 * c))
+    else:
+        passes.append(_sweep("dx", nv, (8 if teacher else 4) + dx_bytes, _DX_FLOPS, c))
+    if w.hidden_grad:
+        passes.append(_gemm("d hidden", s.rows, d, v, c, w, gpu, nv * dx_bytes + v * d * b * c + n * d * 4, c))
+    if w.weight_grad:
+        acc = v * d * 4 * (1 + 2 * (c - 1)) if c > 1 or fp16 else v * d * b
+        passes.append(_gemm("d weight", v, d, s.rows, c, w, gpu, nv * dx_bytes + n * d * b + acc, c))
+        if c > 1 and not accumulate:  # a product block, then a separate add kernel
+            passes.append(_sweep("d weight add", v * d * (c - 1), 12, 1, c - 1))
+        passes.append(_sweep("hidden mask", n * d, 2 * b, 1, c))
+        if fp16 and c > 1:  # the accumulator follows each chunk's power-of-two scale
+            passes.append(_sweep("d weight rescale", v * d * (c - 1), 8, 1, c - 1))
+    # core/eager.py's backward: scale the stored gradients by the incoming gradient, round to the dtype
+    scale_bytes = 0
+    if w.weight_grad:
+        scale_bytes += v * d * (4 + 4 + 4 + b) if (c > 1 or fp16 or w.dtype == "float32") else v * d * 2 * b
+    if w.hidden_grad:
+        scale_bytes += n * d * (4 + 4 + 4 + b)
+    if scale_bytes:
+        passes.append(_sweep("scale and round gradients", scale_bytes, 1, 0.1, 4))
+    return passes
+
+
+def _products(w: cost.Workload, path: str) -> tuple[float, float]:
+    grads = int(w.hidden_grad) + int(w.weight_grad)
+    if path == "eager":
+        return float(1 + grads), 1.0 if w.has_teacher else 0.0
+    forms = 1 + (1 if grads else 0)
+    return float(forms + grads), float(forms) if w.has_teacher else 0.0
+
+
+def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
+    shape = (_eager_shape if path == "eager" else _composable_shape)(w, budget, caps)
+    passes = (_eager_passes if path == "eager" else _composable_passes)(w, gpu, shape, accumulate)
+    products, teacher_products = _products(w, path)
+    if path == "composable" and w.op == "distill_jsd" and shape.row_chunks * shape.vocab_tiles > 1:
+        products += 1
+        teacher_products += 1
+    dx = {"float32": "fp32, in place in the logits tile", "bfloat16": "bf16 copy",
+          "float16": "fp16 copy" + (", power-of-two pre-scaled per chunk" if path == "eager" else "")}[w.dtype]
+    if path == "eager":
+        d_weight = ("written once in the weight's dtype" if shape.row_chunks == 1 and w.dtype == "bfloat16"
+                    else "fp32 accumulator [V, D]")
+        params = {"eager_rows": shape.rows, "chunks": shape.row_chunks, "ld": shape.ld}
+    else:
+        d_weight = ("written once per vocabulary tile in the weight's dtype" if shape.row_chunks == 1
+                    else "fp32 accumulator per vocabulary tile [cols, D]")
+        params = {"tile_rows": shape.rows, "tile_cols": shape.cols, "row_chunks": shape.row_chunks,
+                  "vocab_tiles": shape.vocab_tiles, "ld": shape.ld}
+    params.update(workspace_bytes=budget, teacher_products=teacher_products, dx=dx, d_weight=d_weight,
+                  accumulate=("inside the GEMM (beta=1 into fp32)" if accumulate else "product block, then add"),
+                  fp32_products=("ieee" if _fp32_precision() == "ieee" else "tf32") if w.dtype == "float32" else None,
+                  overlap=False)
+    return cost.Plan(backend="cuda", path=path, products=products, passes=passes, params=params)
+
+
+def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] = None, *,
+         path: Optional[str] = None, workspace: Optional[int] = None, accumulate_in_gemm: bool = True) -> cost.Plan:
+    """How the CUDA backend runs ``workload`` on ``gpu`` (``fusedloss.core.cost``'s interface).
+
+    ``free_bytes``: memory free for torch on the device (sizes the workspace, ``workspace_bytes``), or
+    ``workspace`` the workspace itself. ``path``: "eager" or "composable" to force one (the forward and the
+    backward of the composable op force "composable"); None takes the eager path for a loss known in the
+    forward (``workload.row_local``) with a gradient to compute when the model says it is faster than the
+    composable one, else the composable path. ``accumulate_in_gemm``: whether torch can accumulate half
+    products into fp32 inside the GEMM on the device (``_capabilities``; assumed for the model).
+    The same inputs always give the same plan."""
+    if path not in (None, "eager", "composable"):
+        raise ValueError(f"path must be None, 'eager' or 'composable', got {path!r}")
+    if workload.dtype not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"the CUDA backend plans float32, bfloat16 and float16 workloads (float64 runs on the "
+                         f"torch backend), got {workload.dtype!r}")
+    budget = workspace if workspace is not None else workspace_bytes(free_bytes)
+    cached = _plan(workload, gpu.name, budget, path, bool(accumulate_in_gemm), _OVERRIDES.get(), _fp32_precision())
+    return dataclasses.replace(cached, passes=list(cached.passes), params=dict(cached.params))
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(w: cost.Workload, gpu_name: str, budget: int, path, accumulate, overrides, precision) -> cost.Plan:
+    gpu = next(g for g in cost.GPUS.values() if g.name == gpu_name)
+    caps = dict(overrides)
+    can_eager = w.row_local and (w.hidden_grad or w.weight_grad)
+    if path == "eager" and not can_eager:
+        raise ValueError(f"the eager path needs a loss known in the forward and a gradient; {w.op!r} with "
+                         f"hidden_grad={w.hidden_grad}, weight_grad={w.weight_grad} has none")
+    composable = _candidate(w, gpu, budget, caps, "composable", accumulate)
+    if path == "composable" or not can_eager:
+        return composable
+    eager = _candidate(w, gpu, budget, caps, "eager", accumulate)
+    if path == "eager":
+        return eager
+    t_eager = cost.evaluate(eager, w, gpu).model_ms
+    t_comp = cost.evaluate(composable, w, gpu).model_ms
+    chosen, other, t_other = (eager, composable, t_comp) if t_eager <= t_comp else (composable, eager, t_eager)
+    chosen.params["alternative"] = {"path": other.path, "model_ms": round(t_other, 3)}
+    chosen.params["reason"] = (f"{chosen.path} is modelled faster than {other.path} ({min(t_eager, t_comp):.3g} ms "
+                               f"vs {t_other:.3g} ms) for {w.n} rows of {w.v} at this workspace")
+    return chosen
+
+
+def gpu_of(device: torch.device) -> cost.GPUSpec:
+    """The cost model's spec for the device's GPU (by name); the H200's for CPU tensors (host mode) and
+    GPUs the model does not list (the plan's choices depend on the ratio of math to bandwidth, which the
+    listed GPUs share within a factor of two)."""
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).upper()
+        for key in ("H200", "H100", "A100", "B200"):
+            if key in name or (key == "H100" and ("H800" in name or "GH200" in name)) or (
+                    key == "A100" and "A800" in name) or (key == "B200" and ("B100" in name or "GB200" in name)):
+                return cost.GPUS[key.lower()]
+    return cost.GPUS["h200"]
+
+
+def workload_of(p: StatsProblem, *, row_local: bool, hidden_grad: bool = True, weight_grad: bool = True) -> cost.Workload:
+    """The cost model's description of a statistics problem. Only what the plan depends on matters: the
+    shapes, the dtype, a teacher and a JSD (its second sweep), and whether the loss is known in the forward."""
+    n, d = p.hidden.shape
+    v = p.weight.shape[0]
+    dtype = str(p.hidden.dtype).replace("torch.", "")
+    if p.has_teacher:
+        op = "distill_jsd" if p.jsd_beta is not None else "distill_forward_kl" if (
+            p.want_kl_fwd and not p.want_kl_rev) else "distill_reverse_kl"
+    elif row_local:
+        op = "cross_entropy"
+    else:
+        op = "token_logprobs_entropy" if p.want_entropy else "token_logprobs"
+    teacher_d = p.teacher_hidden.shape[1] if p.has_teacher else None
+    return cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype, teacher_d=teacher_d, hidden_grad=hidden_grad,
+                         weight_grad=weight_grad)
+
+
+# The per-device facts the run-time plan needs, fixed for the process once the backend first runs there.
+_DEVICE_FREE: dict = {}
+
+
+def _free_bytes(device: torch.device) -> Optional[int]:
+    """Memory free for torch on the device (the driver's free memory plus what torch's caching allocator
+    holds unused), the first time the backend runs there; None for CPU tensors."""
+    if device.type != "cuda":
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _DEVICE_FREE:
+        free, _ = torch.cuda.mem_get_info(index)
+        _DEVICE_FREE[index] = free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
+    return _DEVICE_FREE[index]
+
+
+def _problem_plan(p: StatsProblem, *, row_local: bool, path: Optional[str],
+                  needs: GradientNeeds = GradientNeeds(True, True, False)) -> cost.Plan:
+    dev = p.hidden.device
+    w = workload_of(p, row_local=row_local, hidden_grad=needs.hidden, weight_grad=needs.weight)
+    return plan(w, gpu_of(dev), _free_bytes(dev), path=path, accumulate_in_gemm=_capabilities(dev).accumulate)
+
+
+def _shapes(p: StatsProblem) -> tuple[_Shape, _Shape]:
+    """(composable tile, eager chunk) of a problem. They depend on its shapes, dtype, teacher and the
+    device's workspace only, never on which gradients a call wants: a backward recomputes exactly the tiles
+    of its forward."""
+    w = workload_of(p, row_local=True)
+    budget, caps = workspace_bytes(_free_bytes(p.hidden.device)), dict(_OVERRIDES.get())
+    return _composable_shape(w, budget, caps), _eager_shape(w, budget, caps)
+
+
+def eager_pays(p: StatsProblem) -> bool:
+    """The plan's choice for a loss known in the forward (core/eager.py): the 3-product eager path where the
+    cost model says its chunks are big enough to beat the composable path."""
+    if p.acc_dtype == torch.float64:
+        return torch_backend.eager_pays(p)
+    needs = GradientNeeds(p.hidden.requires_grad, p.weight.requires_grad, False)
+    if not (needs.hidden or needs.weight):
+        return False
+    return _problem_plan(p, row_local=True, path=None, needs=needs).path == "eager"
+
+
+def eager_rows(p: StatsProblem) -> int:
+    """Rows of one eager chunk of this problem."""
+    return _shapes(p)[1].rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Products: what torch can do on the device (probed once), fp32 precision, accumulation
+# ------------------------------------------------------------------------------------------------
+class Capabilities(NamedTuple):
+    out_dtype: bool   # torch.mm(a16, b16, out_dtype=torch.float32, out=c32): half operands, fp32 output
+    accumulate: bool  # torch.baddbmm(c32, a16, b16, out_dtype=torch.float32, out=c32): beta = 1 into fp32
+
+
+_CAPS: dict = {}
+_WARNED: set = set()
+
+
+def _warn_once(key: str, message: str) -> None:
+    if key not in _WARNED:
+        _WARNED.add(key)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _device_failure(exc: BaseException) -> bool:
+    """Errors a probe must never swallow: out of memory, and a broken device (not an unsupported call)."""
+    accelerator = getattr(torch, "AcceleratorError", None)
+    return isinstance(exc, torch.OutOfMemoryError) or (accelerator is not None and isinstance(exc, accelerator)) \
+        or "CUDA error" in str(exc)
+
+
+def _probe(device: torch.device) -> Capabilities:
+    """One tiny product of each kind on the device, checked against its known result. Only this probe
+    catches errors (an unsupported signature raises TypeError, NotImplementedError or a RuntimeError from a
+    dtype check); the real products never do."""
+    a = torch.tensor([[1.0, 2.0], [3.0, 4.0]], device=device, dtype=torch.bfloat16)
+    b = torch.tensor([[1.0, 0.5], [0.25, 2.0]], device=device, dtype=torch.bfloat16)
+    want = a.float() @ b.float()
+
+    def fp32_output():
+        return torch.mm(a, b, out_dtype=torch.float32, out=torch.full((2, 2), 7.0, device=device))
+
+    def accumulation():
+        acc = torch.ones(1, 2, 2, device=device)
+        torch.baddbmm(acc, a[None], b[None], out_dtype=torch.float32, out=acc)
+        return acc[0] - 1.0
+
+    supported = []
+    for attempt in (fp32_output, accumulation):
+        try:
+            supported.append(bool(torch.equal(attempt(), want)))
+        except (TypeError, NotImplementedError, RuntimeError) as exc:
+            if _device_failure(exc):
+                raise
+            supported.append(False)
+    caps = Capabilities(out_dtype=supported[0], accumulate=supported[0] and supported[1])
+    if not caps.out_dtype:
+        _warn_once("out_dtype", f"fusedloss CUDA backend: torch {torch.__version__} cannot multiply half-precision "
+                   "operands into fp32 outputs on this device (torch.mm(..., out_dtype=torch.float32), torch >= "
+                   "2.8); each product converts its operands to fp32 instead: correct, but several times slower")
+    elif not caps.accumulate:
+        _warn_once("accumulate", f"fusedloss CUDA backend: torch {torch.__version__} cannot accumulate half "
+                   "products into an fp32 tensor inside the GEMM on this device (torch.baddbmm(..., "
+                   "out_dtype=torch.float32, out=acc)); gradients are summed with a separate add (slower)")
+    return caps
+
+
+def _capabilities(device: torch.device) -> Capabilities:
+    """Per device, probed once per process. CPU tensors (host mode): fp32 products and ``addmm_``."""
+    if device.type != "cuda":
+        return Capabilities(out_dtype=False, accumulate=True)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _CAPS:
+        _CAPS[index] = _probe(torch.device("cuda", index))
+    return _CAPS[index]
+
+
+def _fp32_precision() -> str:
+    """"ieee" (default: full fp32 products whatever torch's TF32 flags say, the fp32 accuracy contract) or
+    "tf32" (the explicit opt-in ``FUSEDLOSS_ALLOW_TF32=1``, fusedloss/config.py)."""
+    return "tf32" if config.from_environment().allow_tf32 else "ieee"
+
+
+def _torch_fp32_precision() -> str:
+    """What torch's matmul would use for fp32 operands now: "tf32" or "ieee"."""
+    matmul = torch.backends.cuda.matmul
+    value = getattr(matmul, "fp32_precision", None)  # torch >= 2.9; readable whichever API set it
+    if value is None:
+        return "tf32" if matmul.allow_tf32 else "ieee"
+    if value == "none":
+        value = getattr(torch.backends, "fp32_precision", "none")
+    return "tf32" if value == "tf32" else "ieee"
+
+
+@contextlib.contextmanager
+def _fp32_products(device: torch.device, dtype: torch.dtype):
+    """Run the block's fp32 CUDA products at ``_fp32_precision()``, restoring torch's setting after it.
+    torch refuses to read its TF32 flag through one API once the other API set it, so the flag is changed
+    through the API the caller used (the legacy ``allow_tf32`` when it is readable, else
+    ``fp32_precision``), and only when it differs from what is wanted."""
+    want = _fp32_precision()
+    if device.type != "cuda" or dtype != torch.float32 or _torch_fp32_precision() == want:
+        yield
+        return
+    matmul = torch.backends.cuda.matmul
+    try:
+        previous = matmul.allow_tf32  # raises when the new API set the flag
+        legacy = True
+    except RuntimeError:
+        legacy = False
+    if legacy:
+        matmul.allow_tf32 = want == "tf32"
+    else:
+        previous = matmul.fp32_precision
+        matmul.fp32_precision = want
+    try:
+        yield
+    finally:
+        if legacy:
+            matmul.allow_tf32 = previous
+        else:
+            matmul.fp32_precision = previous
+
+
+class _Products:
+    """The products of one call: fp32 outputs from the operands' dtype, accumulation into fp32 inside the
+    GEMM where the device's torch can, one product straight into a gradient's own dtype."""
+
+    def __init__(self, device: torch.device):
+        self.host = device.type != "cuda"
+        self.caps = _capabilities(device)
+
+    def _fp32_operands(self, a: torch.Tensor) -> bool:
+        return self.host or a.dtype == torch.float32 or not self.caps.out_dtype
+
+    def into(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``out = a @ b`` (out fp32, possibly a row-padded view)."""
+        if self._fp32_operands(a):
+            return torch.mm(a.float(), b.float(), out=out)
+        return torch.mm(a, b, out_dtype=torch.float32, out=out)
+
+    def accumulate(self, acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``acc += a @ b`` for an fp32 accumulator: beta = 1 inside the GEMM where possible."""
+        if self._fp32_operands(a):
+            return acc.addmm_(a.float(), b.float())
+        if self.caps.accumulate:
+            torch.baddbmm(acc[None], a[None], b[None], out_dtype=torch.float32, out=acc[None])
+            return acc
+        return acc.add_(torch.mm(a, b, out_dtype=torch.float32))
+
+    def direct(self, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``out = a @ b`` in out's own dtype (the operands'), accumulated in fp32 and rounded once."""
+        if self.host:
+            return out.copy_(torch.mm(a.float(), b.float()))
+        return torch.mm(a, b, out=out)
+
+
+# ------------------------------------------------------------------------------------------------
 # Launch helpers
 # ------------------------------------------------------------------------------------------------
 class _Exec:
-    """Runs the kernels on the tensors' device: CUDA kernels on the current stream, or the host twins
-    for CPU tensors."""
+    """Runs the kernels on the tensors' device: CUDA kernels on the current stream (the extension makes the
+    device current for the launch and restores the caller's), or the host twins for CPU tensors."""
 
     def __init__(self, device: torch.device):
         if _C is None:
@@ -158,12 +738,6 @@ class _Exec:
     def dx(self, args):
         self._run("dx_tile", args)
 
-    def grpo(self, args):
-        self._run("grpo_tokens", args)
-
-    def dpo(self, args):
-        self._run("dpo_pairs", args)
-
 
 def _code(t: torch.Tensor) -> int:
     try:
@@ -182,60 +756,8 @@ def _transform(tf) -> "_C.Transform":
                         temperature=float(tf.temperature), chain=float(tf.logit_scale) / float(tf.temperature))
 
 
-_OUT_DTYPE_OK = True  # torch.mm(..., out_dtype=float32) on CUDA (PyTorch >= 2.8)
-
-
-def _mm32(a: torch.Tensor, b: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``a @ b`` accumulated and returned in fp32 (into ``out`` when given)."""
-    global _OUT_DTYPE_OK
-    if a.dtype == b.dtype == torch.float32:
-        return torch.mm(a, b, out=out)
-    if a.is_cuda and a.dtype == b.dtype and _OUT_DTYPE_OK:
-        try:
-            if out is None:
-                return torch.mm(a, b, out_dtype=torch.float32)
-            return torch.mm(a, b, out_dtype=torch.float32, out=out)
-        except (RuntimeError, TypeError):
-            _OUT_DTYPE_OK = False
-    return torch.mm(a.float(), b.float(), out=out)
-
-
-def _budget_bytes() -> int:
-    mb = config.from_environment().workspace_mb
-    return max(1, int((256.0 if mb is None else mb) * 2**20))
-
-
-def _tile_shape(n: int, v: int, bytes_per_element: int) -> tuple[int, int]:
-    """[rows, cols] of a workspace tile within the budget: up to 2048 rows, at least 4096 columns when
-    the budget allows, columns a multiple of 128 (16-byte aligned rows for every dtype)."""
-    budget = _budget_bytes() // bytes_per_element
-    rows = max(1, min(n, 2048))
-    if budget // rows < 4096:
-        rows = max(1, min(rows, budget // 4096))
-    cols = max(128, budget // rows // 128 * 128)
-    cols = min(v, cols)
-    if MAX_TILE_ROWS is not None:
-        rows = max(1, min(rows, MAX_TILE_ROWS))
-    if MAX_TILE_COLS is not None:
-        cols = max(1, min(cols, MAX_TILE_COLS))
-    return rows, cols
-
-
-def _dx_bytes(p: StatsProblem) -> int:
-    return 0 if p.hidden.dtype == torch.float32 else p.hidden.element_size()
-
-
-def eager_rows(p: StatsProblem) -> int:
-    """Rows of one eager chunk: ``budget // (V * bytes per element)``, at least 1."""
-    per_row = p.weight.shape[0] * (4 + (4 if p.has_teacher else 0) + _dx_bytes(p))
-    rows = max(1, min(p.hidden.shape[0], _budget_bytes() // per_row))
-    if MAX_TILE_ROWS is not None:
-        rows = max(1, min(rows, MAX_TILE_ROWS))
-    return rows
-
-
 def _tile_args(p: StatsProblem, targets: Optional[torch.Tensor], r0: int, out: torch.Tensor) -> "_C.TileArgs":
-    """The arguments shared by every tile of a call; per-tile fields are set by the caller."""
+    """The arguments shared by every tile of a call; per-tile fields are set by ``_set_tile``."""
     a = _C.TileArgs()
     a.bias = _ptr(p.bias)
     a.bias_dtype = _code(p.bias) if p.bias is not None else 0
@@ -244,19 +766,19 @@ def _tile_args(p: StatsProblem, targets: Optional[torch.Tensor], r0: int, out: t
         a.teacher_bias = _ptr(p.teacher_bias)
         a.teacher_bias_dtype = _code(p.teacher_bias) if p.teacher_bias is not None else 0
         a.teacher_tf = _transform(p.teacher_transform)
+        a.want_kl_rev = bool(p.want_kl_rev)
+        a.want_kl_fwd = bool(p.want_kl_fwd)
+        if p.jsd_beta is not None:
+            beta = float(p.jsd_beta)
+            a.jsd = _C.JsdConsts(beta=beta, log_1m_beta=math.log1p(-beta), log_beta=math.log(beta))
+            a.has_jsd = True
     a.targets = _ptr(targets, r0)
     a.want_entropy = bool(p.want_entropy)
-    a.want_kl_rev = bool(p.want_kl_rev and p.has_teacher)
-    a.want_kl_fwd = bool(p.want_kl_fwd and p.has_teacher)
     a.want_mean_logit = bool(p.want_mean_logit)
     a.want_extras = bool(p.want_extras)
     a.vocab = p.weight.shape[0]
     a.out = _ptr(out, r0)
     a.out_stride = out.shape[1]
-    if p.jsd_beta is not None:
-        beta = float(p.jsd_beta)
-        a.jsd = _C.JsdConsts(beta=beta, log_1m_beta=math.log1p(-beta), log_beta=math.log(beta))
-        a.has_jsd = True
     return a
 
 
@@ -269,48 +791,81 @@ def _set_tile(a, x: torch.Tensor, xt: Optional[torch.Tensor], v0: int) -> None:
     a.v0 = v0
 
 
-def _prepare(p: StatsProblem):
+def _contiguous_problem(p: StatsProblem) -> StatsProblem:
     targets = None if p.targets is None else p.targets.to(torch.int64).contiguous()
     bias = None if p.bias is None else p.bias.contiguous()
     tbias = None if p.teacher_bias is None else p.teacher_bias.contiguous()
-    return targets, bias, tbias
-
-
-def _contiguous_problem(p: StatsProblem) -> StatsProblem:
-    targets, bias, tbias = _prepare(p)
     if targets is p.targets and bias is p.bias and tbias is p.teacher_bias:
         return p
-    import dataclasses
-
     return dataclasses.replace(p, targets=targets, bias=bias, teacher_bias=tbias)
 
 
+def _formed_terms(p: StatsProblem) -> list:
+    """The coefficients whose terms the dx kernel forms for this problem (csrc/fusedloss/math.h, DzTerms)."""
+    teacher = p.has_teacher
+    jsd = teacher and p.jsd_beta is not None
+    formed = {COEF_ONEHOT: True, COEF_CONST: True,
+              COEF_LOGQ: p.want_entropy or (teacher and (p.want_kl_rev or jsd)),
+              COEF_LOGP: teacher and p.want_kl_rev, COEF_TEACHER_PROB: teacher and p.want_kl_fwd,
+              COEF_LOGM: jsd, COEF_UNIFORM: p.want_mean_logit}
+    return [k for k, on in formed.items() if on]
+
+
+def _gate_coeffs(p: StatsProblem, coeffs: torch.Tensor) -> torch.Tensor:
+    """fp32 contiguous coefficients with the terms the problem cannot produce set to 0, as the kernel
+    ignores them: a row is then outside the loss (``_active_rows``) exactly when the kernel says so."""
+    coeffs = coeffs.to(torch.float32)
+    unformed = sorted(set(range(NUM_COEFFS)) - set(_formed_terms(p)))
+    if unformed:
+        coeffs = coeffs.clone()
+        for k in unformed:  # one fill each (an index list would be a host-to-device copy: not capturable)
+            coeffs[k].zero_()
+    return coeffs.contiguous()
+
+
+def _active_rows(coeffs: torch.Tensor, targets: Optional[torch.Tensor]) -> torch.Tensor:
+    """[rows] bool: the rows whose gradient is not identically zero (the dx kernel's row_inactive)."""
+    active = (coeffs != 0).any(dim=0)
+    return active if targets is None else active & (targets >= 0)
+
+
+def _zero_rows_outside(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """hidden with the rows outside the loss set to 0: their dx is 0, but 0 * NaN is not, and NaN padding
+    rows (fully masked attention) must stay out of d weight. No host synchronisation."""
+    return torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+
+
 class _Workspace:
-    """The logits tiles of one call (student, teacher), allocated once at the largest tile shape."""
+    """The tiles of one call (student logits, teacher logits, dx copy), allocated once with padded rows."""
 
-    def __init__(self, rows: int, cols: int, p: StatsProblem, dx_copy: bool):
+    def __init__(self, rows: int, ld: int, p: StatsProblem, dx_copy: bool):
         dev = p.hidden.device
-        self.x = torch.empty(rows * cols, device=dev, dtype=torch.float32)
-        self.xt = torch.empty(rows * cols, device=dev, dtype=torch.float32) if p.has_teacher else None
-        self.dx = torch.empty(rows * cols, device=dev, dtype=p.hidden.dtype) if dx_copy else None
+        self.ld = ld
+        self.x = torch.empty(rows * ld, device=dev, dtype=torch.float32)
+        self.xt = torch.empty(rows * ld, device=dev, dtype=torch.float32) if p.has_teacher else None
+        self.dx = torch.empty(rows * ld, device=dev, dtype=p.hidden.dtype) if dx_copy else None
 
-    @staticmethod
-    def view(buf: Optional[torch.Tensor], rows: int, cols: int) -> Optional[torch.Tensor]:
-        return None if buf is None else buf[: rows * cols].view(rows, cols)
+    def view(self, buf: Optional[torch.Tensor], rows: int, cols: int) -> Optional[torch.Tensor]:
+        return None if buf is None else buf[: rows * self.ld].view(rows, self.ld)[:, :cols]
 
-    def logits(self, p: StatsProblem, rows: slice, v0: int, v1: int, h=None, ht=None):
+    def logits(self, products: _Products, p: StatsProblem, rows: slice, v0: int, v1: int):
         n = rows.stop - rows.start
-        x = self.view(self.x, n, v1 - v0)
-        _mm32(p.hidden[rows] if h is None else h, p.weight[v0:v1].T, out=x)
+        x = products.into(self.view(self.x, n, v1 - v0), p.hidden[rows], p.weight[v0:v1].T)
         xt = None
         if p.has_teacher:
-            xt = self.view(self.xt, n, v1 - v0)
-            _mm32(p.teacher_hidden[rows] if ht is None else ht, p.teacher_weight[v0:v1].T, out=xt)
+            xt = products.into(self.view(self.xt, n, v1 - v0), p.teacher_hidden[rows], p.teacher_weight[v0:v1].T)
         return x, xt
 
 
+def _dx_into(ex: _Exec, a, dx: torch.Tensor) -> torch.Tensor:
+    """Runs dx_tile on the tile in ``a``, writing ``dx`` (the tile itself, or a half copy)."""
+    a.dx, a.dx_dtype, a.dx_ld = _ptr(dx), _code(dx), dx.stride(0)
+    ex.dx(a)
+    return dx
+
+
 # ------------------------------------------------------------------------------------------------
-# Forward
+# Forward: the composable op's statistics (1 product; 2 for the JSD over several tiles)
 # ------------------------------------------------------------------------------------------------
 def forward_statistics(p: StatsProblem) -> Statistics:
     if p.acc_dtype == torch.float64:
@@ -318,68 +873,58 @@ def forward_statistics(p: StatsProblem) -> Statistics:
     p = _contiguous_problem(p)
     ex = _Exec(p.hidden.device)
     n, v = p.hidden.shape[0], p.weight.shape[0]
-    out = torch.zeros((_NUM_OUTPUTS, n), device=p.hidden.device, dtype=torch.float32)
+    dev = p.hidden.device
+    out = torch.empty((_NUM_OUTPUTS, n), device=dev, dtype=torch.float32)
     if n == 0:
         return Statistics(*out.unbind(0))
-    rows_max, cols_max = _tile_shape(n, v, 8 if p.has_teacher else 4)
-    ws = _Workspace(rows_max, cols_max, p, dx_copy=False)
-    multi = cols_max < v
-    state = torch.empty((_C.STATE_FIELDS, rows_max), device=p.hidden.device, dtype=torch.float32) if multi else None
-    jsd_acc = torch.empty((2, rows_max), device=p.hidden.device, dtype=torch.float32) if multi else None
+    shape = _shapes(p)[0]
+    products = _Products(dev)
+    ws = _Workspace(shape.rows, shape.ld, p, dx_copy=False)
+    multi = shape.vocab_tiles > 1
+    state = torch.empty((_C.STATE_FIELDS, shape.rows), device=dev, dtype=torch.float32) if multi else None
+    jsd_acc = torch.empty((2, shape.rows), device=dev, dtype=torch.float32) if multi else None
+    one_tile = shape.row_chunks == 1 and not multi
 
-    def sweep(launch, attach):
+    def sweep(launch, attach, reuse=False):
         """One pass over all (row chunk, vocabulary tile) pairs: the fold, then (JSD) the mixture pass."""
-        for r0 in range(0, n, rows_max):
-            rows = slice(r0, min(n, r0 + rows_max))
+        for r0 in range(0, n, shape.rows):
+            rows = slice(r0, min(n, r0 + shape.rows))
             a = _tile_args(p, p.targets, r0, out)
             attach(a)
-            for v0 in range(0, v, cols_max):
-                v1 = min(v, v0 + cols_max)
-                x, xt = ws.logits(p, rows, v0, v1)
+            for v0 in range(0, v, shape.cols):
+                v1 = min(v, v0 + shape.cols)
+                if reuse:  # the one tile is still in the workspace
+                    x, xt = ws.view(ws.x, n, v), ws.view(ws.xt, n, v)
+                else:
+                    x, xt = ws.logits(products, p, rows, v0, v1)
                 _set_tile(a, x, xt, v0)
                 a.first, a.last = v0 == 0, v1 == v
                 launch(a)
 
     def with_state(a):
-        a.state, a.state_stride = _ptr(state), rows_max
+        a.state, a.state_stride = _ptr(state), shape.rows
 
     def with_jsd_acc(a):
-        a.jsd_acc, a.jsd_acc_stride = _ptr(jsd_acc), rows_max
+        a.jsd_acc, a.jsd_acc_stride = _ptr(jsd_acc), shape.rows
 
-    sweep(ex.fold, with_state)
-    if p.jsd_beta is not None and p.has_teacher:
-        sweep(ex.jsd, with_jsd_acc)
+    with _fp32_products(dev, p.hidden.dtype):
+        sweep(ex.fold, with_state)
+        if p.jsd_beta is not None and p.has_teacher:
+            sweep(ex.jsd, with_jsd_acc, reuse=one_tile)
     return Statistics(*out.unbind(0))
 
 
 # ------------------------------------------------------------------------------------------------
-# Backward (recompute): 3 products
+# Backward (recompute): 3 products over exactly the forward's tiles
 # ------------------------------------------------------------------------------------------------
-def _gate_coeffs(p: StatsProblem, coeffs: torch.Tensor) -> torch.Tensor:
-    """fp32 contiguous coefficients, with the terms the problem does not have set to 0 (as the torch
-    backend ignores them): c3 (teacher probability) without want_kl_fwd, c5 (uniform) without
-    want_mean_logit."""
-    coeffs = coeffs.to(torch.float32)
-    drop = [i for i, off in ((COEF_TEACHER_PROB, not (p.want_kl_fwd and p.has_teacher)),
-                             (COEF_UNIFORM, not p.want_mean_logit)) if off]
-    if drop:
-        coeffs = coeffs.clone()
-        coeffs[drop] = 0.0
-    return coeffs.contiguous()
-
-
-def _dx_into(ex: _Exec, a, x: torch.Tensor, dx_buf: Optional[torch.Tensor]) -> torch.Tensor:
-    """Runs dx_tile on the tile in ``a``; returns dx (the tile itself for fp32, else the half copy)."""
-    dx = x if dx_buf is None else dx_buf
-    a.dx, a.dx_dtype, a.dx_ld = _ptr(dx), _code(dx), dx.stride(0)
-    ex.dx(a)
-    return dx
-
-
 def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds):
     """(d hidden, d weight, d bias) in the dtypes of their tensors, each None when not needed.
-    Vocabulary tiles outside, row chunks inside: d weight of a tile is summed in fp32 over all rows
-    and rounded once; d hidden is summed in an fp32 [N_active, D] buffer."""
+
+    Every row block of the forward is recomputed with the same GEMM shapes (rows outside the loss are not
+    skipped: their dx is written as zeros), so the recomputed logits equal the forward's bit for bit and a
+    row's gradient does not depend on which other rows carry gradient. Vocabulary tiles outside, row chunks
+    inside: d weight of a tile is summed in fp32 over the row chunks (or written once when one chunk holds
+    every row); d hidden is summed in fp32 over the vocabulary tiles (or written once for one tile)."""
     if p.acc_dtype == torch.float64:
         return torch_backend.backward_gradients(p, saved, coeffs, needs)
     p = _contiguous_problem(p)
@@ -387,68 +932,95 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     h_all, w = p.hidden, p.weight
     n, v = h_all.shape[0], w.shape[0]
     dev = h_all.device
-    dh = torch.zeros(h_all.shape, device=dev, dtype=h_all.dtype) if needs.hidden else None
-    dw = torch.zeros_like(w) if needs.weight else None
-    db = torch.zeros_like(p.bias) if needs.bias else None
     if n == 0 or not (needs.hidden or needs.weight or needs.bias):
-        return dh, dw, db
+        return (torch.zeros_like(h_all) if needs.hidden else None, torch.zeros_like(w) if needs.weight else None,
+                torch.zeros_like(p.bias) if needs.bias else None)
+    shape = _shapes(p)[0]
+    products = _Products(dev)
     coeffs = _gate_coeffs(p, coeffs)
-    # Rows with all-zero coefficients (ignored targets, masked tokens) contribute nothing: skip them.
-    active = (coeffs != 0).any(dim=0)
-    if p.targets is not None:
-        active &= p.targets >= 0
-    rows_idx = None if bool(active.all()) else torch.nonzero(active).squeeze(1)
-    if rows_idx is not None and rows_idx.numel() == 0:
-        return dh, dw, db
+    stats = torch.stack(tuple(saved)).to(torch.float32).contiguous()
+    h_dw = _zero_rows_outside(h_all, _active_rows(coeffs, p.targets)) if needs.weight else None
+    one_vocab_tile = shape.vocab_tiles == 1
+    # d hidden: fp32 over the vocabulary tiles (the hidden's own buffer when it is fp32), or direct
+    dh = dh_acc = None
+    if needs.hidden:
+        dh = torch.empty_like(h_all)
+        dh_acc = dh if (h_all.dtype == torch.float32 or one_vocab_tile) else torch.empty(h_all.shape, device=dev,
+                                                                                           dtype=torch.float32)
+    dw = torch.empty_like(w) if needs.weight else None
+    db = torch.empty_like(p.bias) if needs.bias else None
+    dw_tile = None
+    if needs.weight and shape.row_chunks > 1 and w.dtype != torch.float32:
+        dw_tile = torch.empty((shape.cols, w.shape[1]), device=dev, dtype=torch.float32)
+    db_tile = torch.empty(shape.cols, device=dev, dtype=torch.float32) if needs.bias else None
 
-    def pick(t):
-        return t if rows_idx is None or t is None else t.index_select(0, rows_idx)
-
-    h_act, ht_act, tgt_act = pick(h_all), pick(p.teacher_hidden), pick(p.targets)
-    stats = torch.stack(tuple(saved)).to(torch.float32)
-    stats_act = (stats if rows_idx is None else stats.index_select(1, rows_idx)).contiguous()
-    coeffs_act = (coeffs if rows_idx is None else coeffs.index_select(1, rows_idx)).contiguous()
-    n_act = h_act.shape[0]
-    dh_act = torch.zeros((n_act, h_all.shape[1]), device=dev, dtype=torch.float32) if needs.hidden else None
-
-    dx_copy = h_all.dtype != torch.float32
-    rows_max, cols_max = _tile_shape(n_act, v, 4 + (4 if p.has_teacher else 0) + _dx_bytes(p))
-    ws = _Workspace(rows_max, cols_max, p, dx_copy)
-    for v0 in range(0, v, cols_max):
-        v1 = min(v, v0 + cols_max)
-        dw_tile = torch.zeros((v1 - v0, w.shape[1]), device=dev, dtype=torch.float32) if needs.weight else None
-        db_tile = torch.zeros(v1 - v0, device=dev, dtype=torch.float32) if needs.bias else None
-        for r0 in range(0, n_act, rows_max):
-            rows = slice(r0, min(n_act, r0 + rows_max))
-            h = h_act[rows]
-            x, xt = ws.logits(p, rows, v0, v1, h=h, ht=None if ht_act is None else ht_act[rows])
-            a = _tile_args(p, tgt_act, r0, stats_act)
-            a.coeffs, a.coeff_stride = _ptr(coeffs_act, r0), n_act
-            _set_tile(a, x, xt, v0)
-            dx = _dx_into(ex, a, x, ws.view(ws.dx, x.shape[0], x.shape[1]))
-            if dh_act is not None:
-                dh_act[rows] += _mm32(dx, w[v0:v1])
+    ws = _Workspace(shape.rows, shape.ld, p, dx_copy=h_all.dtype != torch.float32)
+    with _fp32_products(dev, h_all.dtype):
+        for v0 in range(0, v, shape.cols):
+            v1 = min(v, v0 + shape.cols)
+            cols = v1 - v0
+            dw_acc = None
+            if needs.weight:
+                dw_acc = dw[v0:v1] if (dw_tile is None) else dw_tile[:cols]
+            for r0 in range(0, n, shape.rows):
+                rows = slice(r0, min(n, r0 + shape.rows))
+                m = rows.stop - r0
+                x, xt = ws.logits(products, p, rows, v0, v1)
+                a = _tile_args(p, p.targets, r0, stats)
+                a.coeffs, a.coeff_stride = _ptr(coeffs, r0), n
+                _set_tile(a, x, xt, v0)
+                dx = _dx_into(ex, a, x if ws.dx is None else ws.view(ws.dx, m, cols))
+                if dh is not None:
+                    if one_vocab_tile:
+                        (products.into if dh_acc.dtype == torch.float32 else products.direct)(dh[rows], dx, w)
+                    elif v0 == 0:
+                        products.into(dh_acc[rows], dx, w[v0:v1])
+                    else:
+                        products.accumulate(dh_acc[rows], dx, w[v0:v1])
+                if dw_acc is not None:
+                    if shape.row_chunks == 1:
+                        (products.into if w.dtype == torch.float32 else products.direct)(dw_acc, dx.T, h_dw[rows])
+                    elif r0 == 0:
+                        products.into(dw_acc, dx.T, h_dw[rows])
+                    else:
+                        products.accumulate(dw_acc, dx.T, h_dw[rows])
+                if db_tile is not None:
+                    part = dx.sum(0, dtype=torch.float32)
+                    if r0 == 0:
+                        db_tile[:cols].copy_(part)
+                    else:
+                        db_tile[:cols].add_(part)
             if dw_tile is not None:
-                dw_tile += _mm32(dx.T, h)
-            if db_tile is not None:
-                db_tile += dx.sum(0, dtype=torch.float32)
-        if dw is not None:
-            dw[v0:v1] = dw_tile.to(w.dtype)
-        if db is not None:
-            db[v0:v1] = db_tile.to(p.bias.dtype)
-    if dh is not None:
-        if rows_idx is None:
-            dh.copy_(dh_act)
-        else:
-            dh.index_copy_(0, rows_idx, dh_act.to(h_all.dtype))
+                dw[v0:v1].copy_(dw_acc)
+            if db is not None:
+                db[v0:v1].copy_(db_tile[:cols])
+    if dh is not None and dh_acc is not dh:
+        dh.copy_(dh_acc)
     return dh, dw, db
 
 
 # ------------------------------------------------------------------------------------------------
 # Eager: 3 products, no recompute (core/eager.py)
 # ------------------------------------------------------------------------------------------------
+def _scaled_half_dx(x: torch.Tensor, dx16: torch.Tensor) -> torch.Tensor:
+    """fp16 dx from the fp32 dx in ``x``, scaled by 2^k so that its largest magnitude lands in [2^14, 2^15]:
+    rounding to fp16 then keeps the small gradients of a long mean that would flush to zero (the loss scale
+    of a GradScaler is applied only after the eager path). Returns 2^-k (a device scalar), by which the fp32
+    products are divided again, exactly. On the device: no host synchronisation."""
+    amax = torch.linalg.vector_norm(x, float("inf"))
+    k = torch.floor(torch.log2(2.0**15 / amax))
+    k = torch.where(torch.isfinite(k), k, torch.zeros_like(k)).clamp(-64.0, 64.0)  # all-zero dx: no scale
+    torch.mul(x, torch.exp2(k), out=dx16)
+    return torch.exp2(-k)
+
+
 def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
-    """See the module docstring. ``chunk_fn(stats, slice(r0, r1)) -> (loss, coeffs [7, r1 - r0])``."""
+    """Losses known in the forward (core/eager.py). ``chunk_fn(stats, slice(r0, r1)) -> (loss, coeffs
+    [7, r1 - r0])``. For each chunk of rows the full ``[rows, V]`` logits are formed in the workspace,
+    folded into the chunk's statistics, turned into dx with the loss's coefficients and multiplied into
+    the gradients right away. Returns the summed loss and the gradients: d hidden and d bias in fp32;
+    d weight in fp32, except for a bf16 weight whose rows all fit one chunk, returned in bf16 (each entry
+    rounded once from its fp32 product)."""
     if p.acc_dtype == torch.float64:
         return torch_backend.eager_gradients(p, chunk_fn, needs)
     p = _contiguous_problem(p)
@@ -456,270 +1028,64 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     h_all, w = p.hidden, p.weight
     n, v = h_all.shape[0], w.shape[0]
     dev = h_all.device
-    step = eager_rows(p)
-    single = step >= n
-    dh = torch.zeros(h_all.shape, device=dev, dtype=torch.float32) if needs.hidden else None
+    chunk = _shapes(p)[1]
+    step, chunks = chunk.rows, chunk.row_chunks
+    products = _Products(dev)
+    half16 = h_all.dtype == torch.float16
+    dh = torch.empty(h_all.shape, device=dev, dtype=torch.float32) if needs.hidden else None
     db = torch.zeros(v, device=dev, dtype=torch.float32) if needs.bias else None
     dw = None
+    direct_dw = chunks == 1 and w.dtype == torch.bfloat16
     if needs.weight:
-        # One chunk: each vocabulary tile of d weight is complete after one product; write it in the
-        # weight's dtype. Several chunks: sum in fp32.
-        dw_dtype = w.dtype if single else torch.float32
-        dw = (torch.empty if single else torch.zeros)(w.shape, device=dev, dtype=dw_dtype)
+        dw = torch.empty(w.shape, device=dev, dtype=w.dtype if direct_dw else torch.float32)
     loss = torch.zeros((), device=dev, dtype=torch.float32)
-    # d weight is formed one vocabulary slice at a time, so its fp32 product block stays [slice, D].
-    w_slice = max(128, min(v, _budget_bytes() // 4 // max(1, w.shape[1]) // 128 * 128))
-    dx_copy = h_all.dtype != torch.float32
-    ws = _Workspace(step, v, p, dx_copy)
-    out_chunk = torch.zeros((_NUM_OUTPUTS, step), device=dev, dtype=torch.float32)
-    for r0 in range(0, n, step):
-        rows = slice(r0, min(n, r0 + step))
-        m = rows.stop - r0
-        out = out_chunk[:, :m].contiguous() if m != step else out_chunk
-        out.zero_()
-        x, xt = ws.logits(p, rows, 0, v)
-        tgt = None if p.targets is None else p.targets[rows]
-        a = _tile_args(p, tgt, 0, out)
-        _set_tile(a, x, xt, 0)
-        a.first = a.last = True
-        ex.fold(a)
-        if p.jsd_beta is not None and p.has_teacher:
-            ex.jsd(a)
-        chunk_loss, coeffs = chunk_fn(Statistics(*out.clone().unbind(0)), slice(r0, rows.stop))
-        loss = loss + chunk_loss.to(torch.float32)
-        coeffs = _gate_coeffs(p, coeffs)
-        if coeffs.shape != (NUM_COEFFS, m):
-            raise ValueError(f"chunk_fn must return coefficients of shape [{NUM_COEFFS}, {m}], got {tuple(coeffs.shape)}")
-        a.coeffs, a.coeff_stride = _ptr(coeffs), m
-        dx = _dx_into(ex, a, x, ws.view(ws.dx, m, v))
-        h = h_all[rows]
-        if dw is not None:
-            # dx is 0 on rows outside the loss, but 0 * NaN is not: NaN padding rows (fully masked attention)
-            # must stay out of d weight. [rows, D] of work next to the [rows, V, D] products.
-            h = torch.where((coeffs != 0).any(dim=0)[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
-        if dh is not None:
-            dh[rows] = _mm32(dx, w)
-        if dw is not None:
-            for s0 in range(0, v, w_slice):
-                s1 = min(v, s0 + w_slice)
-                block = _mm32(dx[:, s0:s1].T, h)
-                if single:
-                    dw[s0:s1] = block.to(dw.dtype)
+    ws = _Workspace(step, chunk.ld, p, dx_copy=h_all.dtype != torch.float32)
+    out_chunk = torch.empty((_NUM_OUTPUTS, step), device=dev, dtype=torch.float32)
+    dw_scale = None  # fp16: the power of two d weight's accumulator currently carries
+    with _fp32_products(dev, h_all.dtype):
+        for r0 in range(0, n, step):
+            rows = slice(r0, min(n, r0 + step))
+            m = rows.stop - r0
+            out = out_chunk if m == step else out_chunk[:, :m].contiguous()
+            x, xt = ws.logits(products, p, rows, 0, v)
+            tgt = None if p.targets is None else p.targets[rows]
+            a = _tile_args(p, tgt, 0, out)
+            _set_tile(a, x, xt, 0)
+            ex.fold(a)
+            if p.jsd_beta is not None and p.has_teacher:
+                ex.jsd(a)
+            chunk_loss, coeffs = chunk_fn(Statistics(*out.clone().unbind(0)), slice(r0, rows.stop))
+            loss = loss + chunk_loss.to(torch.float32)
+            if coeffs.shape != (NUM_COEFFS, m):
+                raise ValueError(f"chunk_fn must return coefficients of shape [{NUM_COEFFS}, {m}], "
+                                 f"got {tuple(coeffs.shape)}")
+            coeffs = _gate_coeffs(p, coeffs)
+            a.coeffs, a.coeff_stride = _ptr(coeffs), m
+            unscale = None
+            if half16:
+                _dx_into(ex, a, x)  # fp32 in place first: the scale comes from its largest entry
+                dx = ws.view(ws.dx, m, v)
+                unscale = _scaled_half_dx(x, dx)
+            else:
+                dx = _dx_into(ex, a, x if ws.dx is None else ws.view(ws.dx, m, v))
+            if dh is not None:
+                products.into(dh[rows], dx, w)
+                if unscale is not None:
+                    dh[rows].mul_(unscale)
+            if dw is not None:
+                h = _zero_rows_outside(h_all[rows], _active_rows(coeffs, tgt))
+                if direct_dw:
+                    products.direct(dw, dx.T, h)
+                elif r0 == 0:
+                    products.into(dw, dx.T, h)
                 else:
-                    dw[s0:s1] += block
-        if db is not None:
-            db += dx.sum(0, dtype=torch.float32)
+                    if unscale is not None:  # bring the accumulator to this chunk's scale (powers of two: exact)
+                        dw.mul_(dw_scale / unscale)
+                    products.accumulate(dw, dx.T, h)
+                dw_scale = unscale
+            if db is not None:
+                part = dx.sum(0, dtype=torch.float32)
+                db.add_(part if unscale is None else part * unscale)
+    if dw is not None and dw_scale is not None:
+        dw.mul_(dw_scale)
     return loss, (dh, dw, db)
-
-
-# ------------------------------------------------------------------------------------------------
-# GRPO / DPO per-token math (SPEC section 5)
-# ------------------------------------------------------------------------------------------------
-GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo")
-DPO_LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
-
-
-class GrpoTokenMath(NamedTuple):
-    """Per-token outputs of ``grpo_token_math``, each with the shape of ``logp`` (float64 for float64 ``logp``,
-    else fp32)."""
-
-    loss: torch.Tensor        # m_t * l_t (importance weight and KL penalty included)
-    dlogp: torch.Tensor       # weight_t * m_t * d l_t / d logp_t (ratio derivative included at token level)
-    dlogratio: torch.Tensor   # weight_t * m_t * d l_t / d log r (only when ``logratio`` is given)
-    kl: torch.Tensor          # m_t * (exp(ref - logp) - (ref - logp) - 1)
-    is_low: torch.Tensor      # m_t * [ratio < 1 - eps_low and A < 0]        (0 for cispo)
-    is_high: torch.Tensor     # m_t * [ratio > 1 + eps_high and A > 0]       (cispo: ratio > eps_high)
-    is_region: torch.Tensor   # m_t * (is_low or is_high)
-    ratio: torch.Tensor       # min(r, delta) (non-cispo with delta), else r; r = 1 on masked tokens (token level)
-
-
-def _math_dtype(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _flat(t: Optional[torch.Tensor], like: torch.Tensor, dtype: torch.dtype) -> Optional[torch.Tensor]:
-    if t is None:
-        return None
-    return t.detach().to(device=like.device, dtype=dtype).expand(like.shape).contiguous().reshape(-1)
-
-
-def _grpo_launch(ex: "_Exec", shape, dtype, lp, old, lr, adv, msk, iw, ref, wgt, *, loss_type, epsilon_low,
-                 epsilon_high, delta, beta) -> torch.Tensor:
-    """One grpo_tokens launch over flat contiguous ``dtype`` vectors -> the [GRPO_OUTPUTS, n] outputs."""
-    n = lp.numel()
-    eps_high = epsilon_low if epsilon_high is None else epsilon_high
-    args = _C.GrpoArgs()
-    out = torch.empty((_C.GRPO_OUTPUTS, n), device=lp.device, dtype=dtype)
-    args.n = n
-    args.dtype = _FLOAT64_CODE if dtype == torch.float64 else 0
-    args.logp, args.old_logp, args.logratio = _ptr(lp), _ptr(old), _ptr(lr)
-    args.adv, args.mask, args.iw, args.ref, args.weight = _ptr(adv), _ptr(msk), _ptr(iw), _ptr(ref), _ptr(wgt)
-    args.params = _C.GrpoParams(kind=1 if loss_type == "cispo" else 0, eps_low=float(epsilon_low),
-                                eps_high=float(eps_high), has_delta=delta is not None,
-                                delta=float(delta or 0.0), beta=float(beta))
-    args.out = _ptr(out)
-    if n:
-        ex.grpo(args)
-    return out
-
-
-def grpo_token_math(logp: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, *,
-                    old_logprobs: Optional[torch.Tensor] = None, logratio: Optional[torch.Tensor] = None,
-                    ref_logprobs: Optional[torch.Tensor] = None, importance_weights: Optional[torch.Tensor] = None,
-                    weight: Optional[torch.Tensor] = None, loss_type: str = "dapo", epsilon_low: float = 0.2,
-                    epsilon_high: Optional[float] = None, delta: Optional[float] = None,
-                    beta: float = 0.0) -> GrpoTokenMath:
-    """Per-token GRPO loss and its derivative, one launch (CUDA tensors) or the host twin (CPU).
-
-    Every tensor argument broadcasts to ``logp``'s shape. ``r = exp(logp - old_logprobs)`` where ``mask``
-    is nonzero, 1 elsewhere (ratio 1 everywhere when ``old_logprobs`` is None), or ``r = exp(logratio)`` when
-    the sequence-level log-ratio is given per token (GSPO): its derivative is then returned in ``dlogratio``
-    for the caller to spread over the sequence (d log r_i / d logp_t = m_t / max(1, sum m)). ``weight`` is
-    the per-token aggregation weight (e.g. 1 / max(1, sum m) for bnpo), so that ``(weight * loss).sum()`` is
-    the loss and ``dlogp`` its gradient. ``logp`` is treated as detached (the caller chains dlogp into the
-    statistics). Computes in float64 for float64 ``logp``, else fp32. The differentiable form used by the
-    losses is ``grpo_token_loss``.
-    """
-    if loss_type not in GRPO_LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
-    ex = _Exec(logp.device)
-    dtype = _math_dtype(logp)
-    lp = logp.detach().to(dtype).contiguous().reshape(-1)
-    rest = [_flat(t, logp, dtype) for t in (old_logprobs, logratio, advantages, mask, importance_weights,
-                                            ref_logprobs, weight)]
-    out = _grpo_launch(ex, logp.shape, dtype, lp, *rest, loss_type=loss_type, epsilon_low=epsilon_low,
-                       epsilon_high=epsilon_high, delta=delta, beta=beta)
-    return GrpoTokenMath(*(o.view(logp.shape) for o in out.unbind(0)))
-
-
-class _GrpoTokenLoss(torch.autograd.Function):
-    """per-token GRPO loss, KL term and ratio in one launch; the launch also writes d loss / d logp."""
-
-    @staticmethod
-    def forward(ctx, logp, old_logprobs, advantages, ref_logprobs, importance_weights, valid, loss_type,
-                epsilon_low, epsilon_high, delta, beta):
-        ex = _Exec(logp.device)
-        dtype = _math_dtype(logp)
-        lp = logp.detach().to(dtype).contiguous().reshape(-1)
-        old, adv, ref, iw = (_flat(t, logp, dtype) for t in (old_logprobs, advantages, ref_logprobs,
-                                                             importance_weights))
-        msk = _flat(valid, logp, dtype)
-        if beta == 0:
-            ref = None  # no KL term: the kernel then writes kl = 0
-        out = _grpo_launch(ex, logp.shape, dtype, lp, old, None, adv, msk, iw, ref, None, loss_type=loss_type,
-                           epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta)
-        # Separate tensors (not views of one buffer), so that callers may modify them in place.
-        loss, kl, ratio = (out[k].clone().view(logp.shape) for k in (0, 3, 7))
-        ctx.save_for_backward(out[1].clone())
-        ctx.logp_dtype = logp.dtype
-        ctx.mark_non_differentiable(kl, ratio)
-        return loss, kl, ratio
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss, grad_kl, grad_ratio):
-        (dlogp,) = ctx.saved_tensors
-        grad = None
-        if ctx.needs_input_grad[0] and grad_loss is not None:
-            grad = (grad_loss.reshape(-1).to(dlogp.dtype) * dlogp).view(grad_loss.shape).to(ctx.logp_dtype)
-        return grad, None, None, None, None, None, None, None, None, None, None
-
-
-def grpo_token_loss(logp: torch.Tensor, old_logprobs: Optional[torch.Tensor], advantages: torch.Tensor,
-                    ref_logprobs: Optional[torch.Tensor], importance_weights: Optional[torch.Tensor],
-                    valid: torch.Tensor, *, loss_type: str, epsilon_low: float, epsilon_high: Optional[float],
-                    delta: Optional[float], beta: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Token-level GRPO math of fusedloss/losses/grpo.py (``token_terms``) in one launch.
-
-    All tensors are 1-D ``[T]`` on one device (CUDA: the device kernel; CPU: its host twin); ``valid`` is
-    bool; ``old_logprobs``, ``ref_logprobs`` and ``importance_weights`` may be None (``old_logprobs`` None:
-    on-policy, ratio 1 with gradient ``-A``). Returns ``(per_token_loss, kl, ratio)``: the per-token loss
-    (0 where not valid), the KL penalty term ``exp(ref - logp) - (ref - logp) - 1`` (0 where not valid, and
-    everywhere when ``beta == 0``), and the ratio of the clip metrics (``min(r, delta)`` for non-cispo with
-    ``delta``; ``r = 1`` on tokens that are not valid). Only ``per_token_loss`` is differentiable, and only
-    with respect to ``logp``: the launch writes d per_token_loss / d logp, which the backward scales.
-    Computes in float64 for float64 ``logp``, else in fp32 (other inputs are converted to that dtype).
-    """
-    if loss_type not in GRPO_LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {GRPO_LOSS_TYPES}, got {loss_type!r}")
-    if beta != 0 and ref_logprobs is None:
-        raise ValueError("ref_logprobs is required when beta != 0")
-    return _GrpoTokenLoss.apply(logp, old_logprobs, advantages, ref_logprobs, importance_weights, valid,
-                                loss_type, float(epsilon_low), None if epsilon_high is None else float(epsilon_high),
-                                None if delta is None else float(delta), float(beta))
-
-
-class DpoPairMath(NamedTuple):
-    loss: torch.Tensor        # [B] per-pair loss
-    d_chosen: torch.Tensor    # d loss_i / d logp_chosen_i
-    d_rejected: torch.Tensor  # d loss_i / d logp_rejected_i
-
-
-def _dpo_launch(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_counts, rejected_counts,
-                *, beta, loss_type, label_smoothing) -> torch.Tensor:
-    if loss_type not in DPO_LOSS_TYPES:
-        raise ValueError(f"loss_type must be one of {DPO_LOSS_TYPES}, got {loss_type!r}")
-    ex = _Exec(chosen_logps.device)
-    like = chosen_logps
-    dtype = _math_dtype(like)
-    c, r, rc, rr, nc, nr = (_flat(t, like, dtype) for t in (chosen_logps, rejected_logps, ref_chosen_logps,
-                                                             ref_rejected_logps, chosen_counts, rejected_counts))
-    n = c.numel()
-    out = torch.empty((3, n), device=like.device, dtype=dtype)
-    args = _C.DpoArgs()
-    args.n = n
-    args.dtype = _FLOAT64_CODE if dtype == torch.float64 else 0
-    args.logp_c, args.logp_r, args.ref_c, args.ref_r = _ptr(c), _ptr(r), _ptr(rc), _ptr(rr)
-    args.n_c, args.n_r = _ptr(nc), _ptr(nr)
-    args.params = _C.DpoParams(kind=DPO_LOSS_TYPES.index(loss_type), beta=float(beta),
-                               label_smoothing=float(label_smoothing))
-    args.out = _ptr(out)
-    if n:
-        ex.dpo(args)
-    return out
-
-
-def dpo_pair_math(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-                  ref_rejected_logps: torch.Tensor, *, beta: float = 0.1, loss_type: str = "sigmoid",
-                  label_smoothing: float = 0.0, chosen_counts: Optional[torch.Tensor] = None,
-                  rejected_counts: Optional[torch.Tensor] = None) -> DpoPairMath:
-    """Per-pair DPO loss (SPEC section 5) and its derivatives, one launch. ``*_counts`` are the
-    completion token counts n of the ipo loss (used as given; 1 when None). float64 in, float64 math."""
-    out = _dpo_launch(chosen_logps.detach(), rejected_logps.detach(), ref_chosen_logps, ref_rejected_logps,
-                      chosen_counts, rejected_counts, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
-    return DpoPairMath(*(o.view(chosen_logps.shape) for o in out.unbind(0)))
-
-
-class _DpoPairLoss(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_tokens,
-                rejected_tokens, loss_type, beta, label_smoothing):
-        counts = [None if t is None else t.detach().to(_math_dtype(chosen_logps)).clamp(min=1)
-                  for t in (chosen_tokens, rejected_tokens)]
-        out = _dpo_launch(chosen_logps.detach(), rejected_logps.detach(), ref_chosen_logps, ref_rejected_logps,
-                          *counts, beta=beta, loss_type=loss_type, label_smoothing=label_smoothing)
-        ctx.save_for_backward(out[1].clone(), out[2].clone())
-        ctx.dtypes = (chosen_logps.dtype, rejected_logps.dtype)
-        return out[0].clone().view(chosen_logps.shape)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_loss):
-        d_chosen, d_rejected = ctx.saved_tensors
-        g = grad_loss.reshape(-1).to(d_chosen.dtype)
-        gc = (g * d_chosen).view(grad_loss.shape).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-        gr = (g * d_rejected).view(grad_loss.shape).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-        return gc, gr, None, None, None, None, None, None, None
-
-
-def dpo_pair_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
-                  ref_rejected_logps: torch.Tensor, chosen_tokens: Optional[torch.Tensor],
-                  rejected_tokens: Optional[torch.Tensor], *, loss_type: str, beta: float,
-                  label_smoothing: float) -> torch.Tensor:
-    """Per-pair DPO losses ``[B]`` exactly as fusedloss/losses/dpo.py, in one launch (CUDA kernel, or its
-    host twin for CPU tensors). ``*_tokens`` are the completion token counts of the ipo loss (max(1, n) is
-    applied; None counts as 1; unused by the other losses). Differentiable with respect to
-    ``chosen_logps`` and ``rejected_logps``: the launch writes both derivatives, which the backward scales.
-    Computes in float64 for float64 ``chosen_logps``, else in fp32."""
-    return _DpoPairLoss.apply(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, chosen_tokens,
-                              rejected_tokens, loss_type, float(beta), float(label_smoothing))

@@ -1,0 +1,291 @@
+"""The cost model on the command line: what a backend's own plan for one call costs on a GPU, no GPU needed.
+
+    python benchmarks/cost_model.py --op cross_entropy --backend cuda --N 16384 --D 4096 --V 151936 \\
+        --dtype bfloat16 --gpu h200 --json
+    python benchmarks/cost_model.py --table            # issue 11's before/after table (markdown)
+
+It asks the backend's ``plan(workload, gpu, free_bytes)`` (``fusedloss.cuda.backend.plan``,
+``fusedloss.triton.backend.plan``: the functions the backends use for their run-time choices) and evaluates
+it with ``fusedloss.core.cost.evaluate``: GEMM flops, the bytes each pass moves through HBM, the modelled
+time (a roofline per pass, with the GEMM-shape efficiency and launch costs of ``fusedloss.core.cost``) and
+its ratio to the product-count bound (the fewest GEMM-sized products any exact method needs, at the
+GPU's dense peak). docs/design.md, "Plans and the cost model".
+
+``--before`` evaluates the CUDA backend as it was at commit db85361 (``plan_db85361`` below: a record of
+that code's passes, for the before/after table; nothing runs it any more).
+
+Importable: ``estimate(op, backend, n, d, v, ...) -> dict`` is what the JSON prints, for the benchmark to
+store beside its measurements.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Optional
+
+if __package__ in (None, ""):  # run as a script: make `fusedloss` importable from the checkout
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fusedloss.core import cost  # noqa: E402
+
+GIB = 2**30
+# issue 11's shapes: the H200 target and the peers' published shape (QuACK 17.3 ms, Liger Triton 141 ms)
+TABLE_SHAPES = ((16384, 4096, 151936), (4096, 4096, 128256))
+TABLE_OPS = ("cross_entropy", "grpo", "token_logprobs", "token_logprobs_entropy", "distill_reverse_kl")
+
+
+class NoPlan(RuntimeError):
+    """The backend has no ``plan`` function to evaluate."""
+
+
+def backend_plan_function(backend: str):
+    """The backend module's ``plan(workload, gpu, free_bytes=None)``, or NoPlan saying why there is none."""
+    module_name = {"cuda": "fusedloss.cuda.backend", "triton": "fusedloss.triton.backend"}.get(backend)
+    if module_name is None:
+        raise NoPlan(f"--backend must be 'cuda' or 'triton' (the GPU backends), got {backend!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise NoPlan(f"{module_name} cannot be imported here ({exc}), so its plan cannot be modelled") from None
+    fn = getattr(module, "plan", None)
+    if fn is None:
+        raise NoPlan(f"{module_name} has no plan(workload, gpu, free_bytes=None) yet: the {backend} backend's "
+                     "choices cannot be modelled until it exposes one")
+    return fn
+
+
+def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfloat16", gpu: str = "h200",
+             teacher_d: Optional[int] = None, hidden_grad: bool = True, weight_grad: bool = True,
+             free_bytes: Optional[int] = None, workspace_mb: Optional[float] = None, path: Optional[str] = None,
+             before: bool = False) -> dict:
+    """The modelled cost of ``backend``'s plan for one call (the fields of the CLI's JSON).
+    ``free_bytes`` defaults to half the GPU's memory (a training step's state holds the rest)."""
+    spec = cost.GPUS[gpu]
+    w = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype, teacher_d=teacher_d, hidden_grad=hidden_grad,
+                      weight_grad=weight_grad)
+    if free_bytes is None:
+        free_bytes = spec.memory_bytes // 2
+    if before:
+        if backend != "cuda":
+            raise NoPlan("--before records the CUDA backend at db85361 only")
+        plan = plan_db85361(w, spec)
+    else:
+        fn = backend_plan_function(backend)
+        kwargs = {}
+        if path is not None:
+            kwargs["path"] = path
+        if workspace_mb is not None:
+            kwargs["workspace"] = int(workspace_mb * 2**20)
+        plan = fn(w, spec, free_bytes, **kwargs)
+    est = cost.evaluate(plan, w, spec)
+    student, teacher = cost.product_bound(w)
+    return {
+        "op": op, "backend": backend, "N": n, "D": d, "V": v, "dtype": dtype, "gpu": spec.name,
+        "path": plan.path, "products": plan.products,
+        "teacher_products": plan.params.get("teacher_products", 0.0),
+        "bound_products": student, "bound_teacher_products": teacher,
+        "flops": est.flops, "hbm_bytes": est.hbm_bytes, "model_ms": est.model_ms, "bound_ms": est.bound_ms,
+        "ratio": est.ratio, "free_bytes": free_bytes,
+        "plan": _jsonable(plan.params),
+        "passes": {name: round(ms, 4) for name, ms in est.pass_ms.items()},
+    }
+
+
+def _jsonable(x):
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    return x
+
+
+# ------------------------------------------------------------------------------------------------
+# The CUDA backend at db85361, for the record (issue 11's "before")
+# ------------------------------------------------------------------------------------------------
+def plan_db85361(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
+    """The passes the CUDA backend ran at db85361, read from its code: a fixed 256 MiB workspace; the eager
+    path for every loss known in the forward (no policy on a GPU), chunks of ``256 MiB / (V x bytes)``
+    rows; fp32 product blocks then ``+=`` for d hidden and d weight (the eager path's d weight in vocabulary
+    slices of 16384 rows over an fp32 [V, D] accumulator zeroed first); composable tiles of at most 2048
+    rows; core/eager.py's backward allocating the scaled fp32 gradients before rounding them."""
+    n, d, v, b = w.n, w.d, w.v, w.operand_bytes
+    dt = w.teacher_d or d
+    teacher = w.has_teacher
+    jsd = w.op == "distill_jsd"
+    dxb = 0 if w.dtype == "float32" else b
+    budget = 256 * 2**20
+    math_ = "float32" if w.dtype == "float32" else w.dtype
+    nv = float(n) * v
+    grads = w.hidden_grad or w.weight_grad
+
+    def gemm(name, m, nn, k, count, hbm, launches):
+        return cost.Pass(name, flops=2.0 * m * nn * k * count, hbm_bytes=hbm, math=math_,
+                         efficiency=cost.gemm_efficiency(m, nn, k, gpu), fixed_us=launches * cost.LAUNCH_US)
+
+    def sweep(name, elements, per_element, launches, flops=16):
+        return cost.Pass(name, flops=float(elements) * flops, hbm_bytes=float(elements) * per_element,
+                         math="cuda_core", fixed_us=launches * cost.LAUNCH_US)
+
+    def tile_shape(bpe):
+        elements = budget // bpe
+        rows = max(1, min(n, 2048))
+        if elements // rows < 4096:
+            rows = max(1, min(rows, elements // 4096))
+        cols = min(v, max(128, elements // rows // 128 * 128))
+        return rows, cols
+
+    passes = []
+    if w.row_local and grads:  # eager, always
+        path, products = "eager", 1 + int(w.hidden_grad) + int(w.weight_grad)
+        per_row = v * (4 + (4 if teacher else 0) + dxb)
+        rows = max(1, min(n, budget // per_row))
+        chunks = math.ceil(n / rows)
+        w_slice = max(128, min(v, budget // 4 // d // 128 * 128))
+        slices = math.ceil(v / w_slice)
+        passes.append(gemm("logits", rows, v, d, chunks, n * d * b + v * d * b * chunks + nv * 4, chunks))
+        if teacher:
+            passes.append(gemm("teacher logits", rows, v, dt, chunks, n * dt * b + v * dt * b * chunks + nv * 4, chunks))
+        passes.append(sweep("fold", nv, 8 if teacher else 4, chunks))
+        if jsd:
+            passes.append(sweep("jsd", nv, 8, chunks, 24))
+        passes.append(cost.Pass("token math", flops=200.0 * n, hbm_bytes=1024.0 * n, math="cuda_core",
+                                fixed_us=60 * chunks * cost.LAUNCH_US))
+        passes.append(sweep("dx", nv, (8 if teacher else 4) + (dxb or 4), chunks))
+        if w.hidden_grad:  # dh[rows] = fp32 block, then copied in (a separate kernel)
+            passes.append(gemm("d hidden", rows, d, v, chunks, nv * (dxb or 4) + v * d * b * chunks + n * d * 4,
+                               chunks))
+            passes.append(sweep("d hidden copy", n * d, 8, chunks, 1))
+        if w.weight_grad:  # per vocabulary slice: an fp32 block, then `dw[s] = block.to()` or `dw[s] += block`
+            single = chunks == 1
+            passes.append(gemm("d weight", min(w_slice, v), d, rows, chunks * slices,
+                               nv * (dxb or 4) + n * d * b * slices + v * d * 4 * chunks, chunks * slices))
+            if single:
+                passes.append(sweep("d weight round", v * d, 4 + b, slices, 1))
+            else:
+                passes.append(sweep("d weight zero", v * d, 4, 1, 0))
+                passes.append(sweep("d weight +=", v * d * chunks, 12, chunks * slices, 1))
+            passes.append(sweep("hidden mask", n * d, 2 * b, chunks, 1))
+        scale = 0
+        if w.weight_grad:
+            scale += v * d * (4 + 4 + 4 + b) if (chunks > 1 or w.dtype == "float32") else v * d * 2 * b
+        if w.hidden_grad:
+            scale += n * d * (4 + 4 + 4 + b)
+        passes.append(sweep("scale and round gradients", scale, 1, 4, 0.1))
+    else:
+        path = "composable"
+        rows, cols = tile_shape(8 if teacher else 4)
+        rc, vt = math.ceil(n / rows), math.ceil(v / cols)
+        tiles = rc * vt
+        forms = 2 if grads else 1
+        products = forms + int(w.hidden_grad) + int(w.weight_grad) + (1 if jsd else 0)
+        passes.append(gemm("logits", rows, cols, d, tiles, n * d * b * vt + v * d * b * rc + nv * 4, tiles))
+        if teacher:
+            passes.append(gemm("teacher logits", rows, cols, dt, tiles, n * dt * b * vt + v * dt * b * rc + nv * 4, tiles))
+        passes.append(sweep("fold", nv, 8 if teacher else 4, tiles))
+        if jsd:
+            passes.append(gemm("jsd recompute", rows, cols, d, tiles, n * d * b * vt + v * d * b * rc + nv * 4, tiles))
+            passes.append(sweep("jsd", nv, 8, tiles, 24))
+        passes.append(cost.Pass("token math", flops=200.0 * n, hbm_bytes=1024.0 * n, math="cuda_core",
+                                fixed_us=60 * cost.LAUNCH_US))
+        if grads:
+            rows, cols = tile_shape(4 + (4 if teacher else 0) + dxb)
+            rc, vt = math.ceil(n / rows), math.ceil(v / cols)
+            tiles = rc * vt
+            passes.append(gemm("recompute", rows, cols, d, tiles, n * d * b * vt + v * d * b * rc + nv * 4, tiles))
+            if teacher:
+                passes.append(gemm("teacher recompute", rows, cols, dt, tiles,
+                                   n * dt * b * vt + v * dt * b * rc + nv * 4, tiles))
+            passes.append(sweep("dx", nv, (8 if teacher else 4) + (dxb or 4), tiles))
+            if w.hidden_grad:  # dh_act zeroed; dh_act[rows] += fp32 block (a separate kernel); rounded at the end
+                passes.append(gemm("d hidden", rows, d, cols, tiles, nv * (dxb or 4) + v * d * b * rc + n * d * 4 * vt,
+                                   tiles))
+                passes.append(sweep("d hidden +=", n * d * vt, 12, tiles, 1))
+                passes.append(sweep("d hidden zero and round", n * d, 4 + 4 + b + b, 3, 0))
+            if w.weight_grad:  # dw_tile zeroed, += fp32 block per row chunk, rounded per vocabulary tile
+                passes.append(gemm("d weight", cols, d, rows, tiles, nv * (dxb or 4) + n * d * b * vt + v * d * 4 * rc,
+                                   tiles))
+                passes.append(sweep("d weight +=", v * d * rc, 12, tiles, 1))
+                passes.append(sweep("d weight zero and round", v * d, 4 + 4 + b, 2 * vt, 0))
+    return cost.Plan(backend="cuda@db85361", path=path, products=float(products), passes=passes,
+                     params={"workspace_bytes": budget, "teacher_products": 1.0 if teacher else 0.0,
+                             "accumulate": "product block, then +="})
+
+
+# ------------------------------------------------------------------------------------------------
+# The before/after table
+# ------------------------------------------------------------------------------------------------
+def table(gpu: str = "h200", dtype: str = "bfloat16", free_bytes: Optional[int] = None) -> str:
+    """Markdown: op x plan (before / after) at issue 11's shapes, plus the after-plan's rejected path."""
+    lines = [f"GPU {cost.GPUS[gpu].name}, {dtype}; free memory for the workspace: "
+             f"{(free_bytes or cost.GPUS[gpu].memory_bytes // 2) / 1e9:.0f} GB",
+             "", "| N, D, V | op | plan | path | products | HBM GB | model ms | bound ms | ratio |",
+             "|---|---|---|---|---:|---:|---:|---:|---:|"]
+    for n, d, v in TABLE_SHAPES:
+        for op in TABLE_OPS:
+            rows = [("before (db85361)", estimate(op, "cuda", n, d, v, dtype=dtype, gpu=gpu, before=True)),
+                    ("after", estimate(op, "cuda", n, d, v, dtype=dtype, gpu=gpu, free_bytes=free_bytes))]
+            if cost.OPS[op]["row_local"]:
+                rows.append(("after, composable", estimate(op, "cuda", n, d, v, dtype=dtype, gpu=gpu,
+                                                           free_bytes=free_bytes, path="composable")))
+            for label, e in rows:
+                lines.append(f"| {n}, {d}, {v} | {op} | {label} | {e['path']} | {e['products']:g} | "
+                             f"{e['hbm_bytes'] / 1e9:.1f} | {e['model_ms']:.1f} | {e['bound_ms']:.1f} | "
+                             f"{e['ratio']:.2f} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--op", choices=tuple(cost.OPS), default="cross_entropy")
+    ap.add_argument("--backend", default="cuda", help="cuda or triton: whose plan() to evaluate")
+    ap.add_argument("--N", type=int, default=16384, help="tokens")
+    ap.add_argument("--D", type=int, default=4096, help="hidden size")
+    ap.add_argument("--V", type=int, default=151936, help="vocabulary size")
+    ap.add_argument("--teacher-D", type=int, default=None, help="teacher hidden size (distillation; default D)")
+    ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
+    ap.add_argument("--gpu", choices=tuple(cost.GPUS), default="h200")
+    ap.add_argument("--free-gb", type=float, default=None,
+                    help="memory free for torch when the backend first runs (default: half the GPU's)")
+    ap.add_argument("--workspace-mb", type=float, default=None, help="the workspace, instead of the free memory")
+    ap.add_argument("--path", choices=("eager", "composable"), default=None, help="force a path")
+    ap.add_argument("--frozen-weight", action="store_true", help="no d weight (LoRA, frozen head)")
+    ap.add_argument("--before", action="store_true", help="the CUDA backend at db85361 instead")
+    ap.add_argument("--json", action="store_true", help="one JSON object")
+    ap.add_argument("--table", action="store_true", help="the before/after table of issue 11 (markdown)")
+    args = ap.parse_args(argv)
+    free = None if args.free_gb is None else int(args.free_gb * 1e9)
+    if args.table:
+        print(table(args.gpu, args.dtype, free))
+        return 0
+    try:
+        e = estimate(args.op, args.backend, args.N, args.D, args.V, dtype=args.dtype, gpu=args.gpu,
+                     teacher_d=args.teacher_D, weight_grad=not args.frozen_weight, free_bytes=free,
+                     workspace_mb=args.workspace_mb, path=args.path, before=args.before)
+    except NoPlan as exc:
+        if args.json:
+            print(json.dumps({"op": args.op, "backend": args.backend, "error": str(exc)}))
+        else:
+            print(f"cost_model: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(e, indent=None))
+        return 0
+    print(f"{e['op']} on {e['backend']} ({e['path']}), N={e['N']} D={e['D']} V={e['V']} {e['dtype']} on {e['gpu']}")
+    print(f"  products {e['products']:g} (bound {e['bound_products']:g}), {e['flops'] / 1e12:.1f} TFLOP, "
+          f"HBM {e['hbm_bytes'] / 1e9:.1f} GB")
+    print(f"  modelled {e['model_ms']:.1f} ms, bound {e['bound_ms']:.1f} ms, ratio {e['ratio']:.2f}")
+    for name, ms in e["passes"].items():
+        print(f"    {name:<28} {ms:9.3f} ms")
+    print("  plan: " + json.dumps(e["plan"]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""The CUDA backend's plan: the decisions it takes for a call, checked without a GPU.
+
+``fusedloss.cuda.backend.plan`` is what the backend uses at run time and what the cost model evaluates:
+workspace from free memory (bounded, overridable), tile and chunk shapes, the eager path only where its
+chunks pay, accumulation inside the GEMM, padded leading dimensions. These tests pin those decisions at
+issue 11's shapes and check that the run-time code follows the plan (tile shapes, chunk counts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fusedloss.core import cost
+from fusedloss.core.problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
+from fusedloss.cuda import backend as cuda
+
+H200 = cost.GPUS["h200"]
+GIB = 2**30
+
+
+def workload(op="cross_entropy", n=16384, d=4096, v=151936, dtype="bfloat16", **kw):
+    return cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype, **kw)
+
+
+@pytest.fixture(autouse=True)
+def no_workspace_env(monkeypatch):
+    monkeypatch.delenv("FUSEDLOSS_CUDA_WORKSPACE_MB", raising=False)
+    monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB", raising=False)
+    monkeypatch.delenv("FUSEDLOSS_ALLOW_TF32", raising=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# Workspace
+# ------------------------------------------------------------------------------------------------
+def test_workspace_from_free_memory_is_bounded():
+    assert cuda.workspace_bytes(None) == cuda.WORKSPACE_MIN_BYTES
+    assert cuda.workspace_bytes(1 * GIB) == cuda.WORKSPACE_MIN_BYTES  # an eighth is below the floor
+    assert cuda.workspace_bytes(16 * GIB) == 2 * GIB
+    assert cuda.workspace_bytes(140 * GIB) == cuda.WORKSPACE_MAX_BYTES == 8 * GIB
+
+
+def test_workspace_override_by_environment_and_keyword(monkeypatch):
+    monkeypatch.setenv("FUSEDLOSS_CUDA_WORKSPACE_MB", "1024")
+    assert cuda.workspace_bytes(140 * GIB) == 1024 * 2**20
+    with cuda.override_plan(workspace_mb=64):
+        assert cuda.workspace_bytes(140 * GIB) == 64 * 2**20
+    p = cuda.plan(workload(), H200, 140 * GIB)
+    assert p.params["workspace_bytes"] == 1024 * 2**20
+    assert cuda.plan(workload(), H200, 140 * GIB, workspace=3 * GIB).params["workspace_bytes"] == 3 * GIB
+    for bad in ("lots", "0", "-5"):
+        monkeypatch.setenv("FUSEDLOSS_CUDA_WORKSPACE_MB", bad)
+        with pytest.raises(ValueError, match="FUSEDLOSS_CUDA_WORKSPACE_MB"):
+            cuda.workspace_bytes()
+
+
+def test_override_plan_checks_its_keys():
+    with pytest.raises(TypeError, match="override_plan takes"):
+        with cuda.override_plan(max_tile_rows=3):
+            pass
+    with pytest.raises(ValueError, match="tile_rows must be a positive number"):
+        with cuda.override_plan(tile_rows=0):
+            pass
+    assert not hasattr(cuda, "MAX_TILE_ROWS") and not hasattr(cuda, "MAX_TILE_COLS")
+
+
+# ------------------------------------------------------------------------------------------------
+# Issue 11's shapes
+# ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("op", ["cross_entropy", "grpo"])
+def test_row_local_loss_at_the_h200_shape_takes_big_eager_chunks(op):
+    p = cuda.plan(workload(op), H200, 70 * 10**9)
+    assert p.path == "eager" and p.products == 3
+    assert p.params["workspace_bytes"] == 8 * GIB
+    # 8 GiB / (151936 x (4 B fp32 logits + 2 B bf16 dx)) = 9422 rows: two chunks of 8192
+    assert p.params["eager_rows"] == 8192 and p.params["chunks"] == 2
+    assert p.params["accumulate"].startswith("inside the GEMM")
+    assert p.params["d_weight"] == "fp32 accumulator [V, D]"
+    assert p.params["alternative"]["path"] == "composable"
+
+
+def test_one_chunk_writes_d_weight_in_its_own_dtype():
+    p = cuda.plan(workload(n=4096, v=128256), H200, 70 * 10**9)
+    assert p.path == "eager" and p.params["chunks"] == 1
+    assert p.params["d_weight"] == "written once in the weight's dtype"
+
+
+def test_composable_tile_takes_every_row_when_the_workspace_allows():
+    p = cuda.plan(workload("token_logprobs_entropy"), H200, 70 * 10**9)
+    assert p.path == "composable" and p.products == 4
+    params = p.params
+    assert params["tile_rows"] == 16384 and params["row_chunks"] == 1
+    # every vocabulary tile starts on a 64-column boundary and the tiles cover V
+    assert params["tile_cols"] % cuda.ALIGN == 0 and params["vocab_tiles"] * params["tile_cols"] >= 151936
+    assert (params["vocab_tiles"] - 1) * params["tile_cols"] < 151936
+    assert params["tile_cols"] * params["tile_rows"] * 6 <= params["workspace_bytes"]
+    assert params["d_weight"] == "written once per vocabulary tile in the weight's dtype"
+
+
+def test_a_small_workspace_makes_square_tiles_and_turns_eager_off():
+    p = cuda.plan(workload(), H200, workspace=256 * 2**20)
+    assert p.path == "composable"  # 294-row eager chunks would re-add an fp32 [V, D] 56 times
+    assert p.params["alternative"]["path"] == "eager"
+    assert p.params["alternative"]["model_ms"] > cost.evaluate(p, workload(), H200).model_ms
+    assert p.params["row_chunks"] > 1 and p.params["vocab_tiles"] > 1
+    ratio = p.params["tile_cols"] / p.params["tile_rows"]
+    assert 0.5 < ratio < 2.0
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "grpo", "token_logprobs", "token_logprobs_entropy",
+                                "distill_reverse_kl"])
+@pytest.mark.parametrize("n,v", [(16384, 151936), (4096, 128256)])
+def test_issue_11_target_ratio(op, n, v):
+    """The cost model's ratio to the product-count bound: <= 1.2 for the four ops of issue 11, and no row-local
+    op slower than its 4-product (composable) plan."""
+    w = workload(op, n=n, v=v)
+    p = cuda.plan(w, H200, H200.memory_bytes // 2)
+    est = cost.evaluate(p, w, H200)
+    assert est.ratio <= 1.2, (op, n, v, est.ratio, est.pass_ms)
+    if w.row_local:
+        comp = cuda.plan(w, H200, H200.memory_bytes // 2, path="composable")
+        assert est.model_ms <= cost.evaluate(comp, w, H200).model_ms
+
+
+def test_model_of_the_token_math_is_negligible():
+    """The per-token loss math (a few elementwise ops on [tokens] vectors) next to the products."""
+    w = workload("grpo")
+    est = cost.evaluate(cuda.plan(w, H200, H200.memory_bytes // 2), w, H200)
+    assert est.pass_ms["token math"] < 0.01 * est.model_ms
+
+
+def test_fp16_eager_pre_scales_and_frozen_weight_skips_d_weight():
+    p16 = cuda.plan(workload(dtype="float16"), H200, 70 * 10**9)
+    assert p16.path == "eager" and "dx pre-scale" in [ps.name for ps in p16.passes]
+    assert "power-of-two" in p16.params["dx"]
+    assert "dx pre-scale" not in [ps.name for ps in cuda.plan(workload(), H200, 70 * 10**9).passes]
+    frozen = cuda.plan(workload(weight_grad=False), H200, 70 * 10**9)
+    assert frozen.products == 2 and "d weight" not in [ps.name for ps in frozen.passes]
+
+
+def test_without_gemm_accumulation_the_plan_adds_blocks_and_costs_more():
+    w = workload("token_logprobs", n=16384)
+    fast = cuda.plan(w, H200, workspace=256 * 2**20)
+    slow = cuda.plan(w, H200, workspace=256 * 2**20, accumulate_in_gemm=False)
+    assert fast.params["row_chunks"] > 1  # d weight is summed over row chunks
+    assert "d weight add" in [ps.name for ps in slow.passes] and "d weight add" not in [ps.name for ps in fast.passes]
+    assert cost.evaluate(slow, w, H200).model_ms > cost.evaluate(fast, w, H200).model_ms
+
+
+def test_plan_is_deterministic_and_a_copy():
+    a = cuda.plan(workload(), H200, 70 * 10**9)
+    a.params["eager_rows"] = -1
+    a.passes.clear()
+    b = cuda.plan(workload(), H200, 70 * 10**9)
+    assert b.params["eager_rows"] == 8192 and b.passes
+
+
+def test_plan_refuses_what_it_cannot_run():
+    with pytest.raises(ValueError, match="float64"):
+        cuda.plan(workload(dtype="float64"), H200)
+    with pytest.raises(ValueError, match="eager path needs"):
+        cuda.plan(workload("token_logprobs"), H200, path="eager")
+    with pytest.raises(ValueError, match="path must be"):
+        cuda.plan(workload(), H200, path="fast")
+
+
+def test_the_forward_and_backward_tile_is_the_same_whatever_the_gradients():
+    for op in ("token_logprobs", "cross_entropy"):
+        shapes = {cuda._composable_shape(workload(op, hidden_grad=hg, weight_grad=wg), GIB, {})
+                  for hg in (True, False) for wg in (True, False)}
+        assert len(shapes) == 1
+
+
+def test_odd_vocabulary_gets_a_padded_leading_dimension():
+    p = cuda.plan(workload(v=32003, n=4096), H200, 70 * 10**9)
+    assert p.params["ld"] == 32064  # rows of 16-byte multiples whatever V is
+    shape = cuda._composable_shape(workload("token_logprobs", v=131071, n=4096), 256 * 2**20, {})
+    assert shape.ld % cuda.ALIGN == 0 and shape.ld >= shape.cols
+
+
+# ------------------------------------------------------------------------------------------------
+# The run-time code follows the plan (host mode)
+# ------------------------------------------------------------------------------------------------
+def _problem(n=37, v=131, d=8, seed=0, teacher=False):
+    g = torch.Generator().manual_seed(seed)
+    kw = {}
+    if teacher:
+        kw = dict(teacher_hidden=torch.randn(n, d, generator=g), teacher_weight=torch.randn(v, d, generator=g),
+                  want_kl_rev=True)
+    return StatsProblem(hidden=torch.randn(n, d, generator=g), weight=torch.randn(v, d, generator=g), bias=None,
+                        targets=torch.randint(0, v, (n,), generator=g), transform=LogitTransform(), **kw)
+
+
+@pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
+def test_eager_chunks_follow_the_plan():
+    p = _problem(n=37)
+    calls = []
+
+    def chunk_fn(stats: Statistics, rows):
+        calls.append(rows)
+        coeffs = torch.zeros(7, rows.stop - rows.start)
+        coeffs[0], coeffs[1] = 1.0, -1.0
+        return stats.logp.sum(), coeffs
+
+    with cuda.override_plan(eager_rows=10):
+        assert cuda.eager_rows(p) == 10
+        cuda.eager_gradients(p, chunk_fn, GradientNeeds(True, True, False))
+    # 37 rows in chunks of at most 10: four even chunks (10, 10, 10, 7)
+    assert [(r.start, r.stop) for r in calls] == [(0, 10), (10, 20), (20, 30), (30, 37)]
+
+
+@pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
+def test_eager_pays_follows_the_plan(monkeypatch):
+    p = _problem(n=64, v=131)
+    p = StatsProblem(**{**p.__dict__, "hidden": p.hidden.requires_grad_()})
+    want = cuda._problem_plan(p, row_local=True, path=None, needs=GradientNeeds(True, False, False)).path
+    assert cuda.eager_pays(p) == (want == "eager")
+    frozen = StatsProblem(**{**p.__dict__, "hidden": p.hidden.detach()})
+    assert cuda.eager_pays(frozen) is False  # no gradient: nothing to do in the forward
