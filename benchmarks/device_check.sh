@@ -210,7 +210,7 @@ run_all() {
   stage build    240 $((BENCH_MIN + RESERVE)) build_stage
   stage tests    120 $((BENCH_MIN + RESERVE)) tests_stage
   stage checks   60  $((BENCH_MIN + RESERVE)) checks_stage triton
-  stage checks   60  $((BENCH_MIN + RESERVE)) checks_stage cuda
+  stage checks   150 $((BENCH_MIN + RESERVE)) checks_stage cuda
   stage sanitize 75  $((BENCH_MIN + RESERVE)) sanitize_stage
   stage bench    900 $RESERVE               bench_stage main $BENCH_IMPLS
   stage compile  900 $RESERVE               bench_stage compile reference+compile
