@@ -260,7 +260,8 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
             coef_1 = torch.clamp(coef_1, max=delta)
         per_token_loss = -torch.min(coef_1 * A, coef_2 * A)
     elif loss_type == "sapo":
-        temperatures = torch.where(A > 0, sapo_temperature_pos, sapo_temperature_neg).to(acc)
+        temperatures = torch.where(A > 0, torch.full_like(A, sapo_temperature_pos),
+                                   torch.full_like(A, sapo_temperature_neg))
         per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * A
     elif loss_type == "vespo":  # TRL's get_gamma_weights: a detached per-sequence gamma weight
         with torch.no_grad():
@@ -268,8 +269,9 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
             if weights is not None:
                 log_w = log_w + torch.clamp(torch.log(weights), math.log(1e-8), 20.0).sum(-1, keepdim=True)
             log_w = torch.clamp(log_w, math.log(1e-8), 20.0)
-            k = torch.where(A_trl >= 0, vespo_k_pos, vespo_k_neg).to(acc)
-            lam = torch.where(A_trl >= 0, vespo_lambda_pos, vespo_lambda_neg).to(acc).clamp(min=1e-4)
+            k = torch.where(A_trl >= 0, torch.full_like(A_trl, vespo_k_pos), torch.full_like(A_trl, vespo_k_neg))
+            lam = torch.where(A_trl >= 0, torch.full_like(A_trl, vespo_lambda_pos),
+                              torch.full_like(A_trl, vespo_lambda_neg)).clamp(min=1e-4)
             phi_seq = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0,
                                                                                     neginf=0.0)
         per_token_loss = -phi_seq * A * logp

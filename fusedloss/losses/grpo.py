@@ -308,7 +308,7 @@ def _token_loss(logp, log_ratio, t: _Completions, opts: _Options, *, keep: Optio
     if opts.loss_type == "cispo":
         loss = -torch.clamp(ratio, max=opts.epsilon_high).detach() * t.adv * logp
     elif opts.loss_type == "sapo":
-        tau = torch.where(t.adv > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg).to(ratio.dtype)
+        tau = _by_sign(t.adv > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg, t.adv.dtype)
         loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * t.adv
     elif opts.loss_type == "vespo":
         loss = -phi * t.adv * logp
@@ -325,6 +325,13 @@ def _token_loss(logp, log_ratio, t: _Completions, opts: _Options, *, keep: Optio
     if kl is not None:
         loss = loss + opts.beta * kl
     return loss, kl, ratio
+
+
+def _by_sign(condition: torch.Tensor, if_true: float, if_false: float, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.where`` of two options, in the accumulation dtype (Python floats would round to the default
+    dtype first: 1.05 in fp32 is off by 5e-8 in a float64 loss)."""
+    return torch.where(condition, torch.tensor(if_true, dtype=dtype, device=condition.device),
+                       torch.tensor(if_false, dtype=dtype, device=condition.device))
 
 
 def _kept_tokens(logp, entropy, t: _Completions, opts: _Options) -> _Kept:
@@ -358,8 +365,8 @@ def _vespo_weights(log_ratio, t: _Completions, opts: _Options) -> torch.Tensor:
             log_w = log_w + torch.clamp(torch.log(t.weights), _VESPO_LOG_W_MIN, 20.0).sum(-1, keepdim=True)
         log_w = torch.clamp(log_w, _VESPO_LOG_W_MIN, 20.0)
         nonneg = _advantages_as_trl(t) >= 0
-        k = torch.where(nonneg, opts.vespo_k_pos, opts.vespo_k_neg).to(log_w.dtype)
-        lam = torch.where(nonneg, opts.vespo_lambda_pos, opts.vespo_lambda_neg).to(log_w.dtype).clamp(min=1e-4)
+        k = _by_sign(nonneg, opts.vespo_k_pos, opts.vespo_k_neg, log_w.dtype)
+        lam = _by_sign(nonneg, opts.vespo_lambda_pos, opts.vespo_lambda_neg, log_w.dtype).clamp(min=1e-4)
         phi = torch.exp(lam + k * log_w - lam * torch.exp(log_w))
         return torch.nan_to_num(phi, nan=0.0, posinf=0.0, neginf=0.0)
 
