@@ -26,9 +26,12 @@ from typing import Optional
 import torch
 
 @contextlib.contextmanager
-def float64_default():
+def float64_default(enabled: bool = True):
     """Run TRL's code in float64: constants from ``torch.tensor(...)`` take the default dtype, and TRL's
     ``.float()`` casts (its upcast of half-precision log-probs, its 0/1 indicators and counts) give float64."""
+    if not enabled:  # fp32 inputs: TRL as it runs in training
+        yield
+        return
     old_dtype, old_float = torch.get_default_dtype(), torch.Tensor.float
 
     def keep_float64(self, *args, **kwargs):
@@ -183,7 +186,7 @@ def trl_dpo(full_hidden, weight, completion_mask, input_ids, ref_chosen_logps, r
                  _total_train_tokens=0, _tp_size=1)
     inputs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), completion_mask=completion_mask,
                   ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
-    with float64_default():
+    with float64_default(full_hidden.dtype == torch.float64):
         loss = DPOTrainer._compute_loss(fake, model, inputs, return_outputs=False)
     return loss, _metrics(fake)
 
