@@ -63,11 +63,11 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
     v.require_real("desirable_weight", desirable_weight)
     v.require_real("undesirable_weight", undesirable_weight)
     pairs_given = [t is not None for t in (kl_hidden, kl_labels, ref_kl_logps)]
-    if any(pairs_given) and not all(pairs_given):
-        raise ValueError("kl_hidden, kl_labels and ref_kl_logps go together (TRL's mismatched pairs); "
-                         f"got {', '.join(n for n, g in zip(('kl_hidden', 'kl_labels', 'ref_kl_logps'), pairs_given) if g)}")
     if kl is not None and any(pairs_given):
         raise ValueError("pass either kl or the mismatched pairs (kl_hidden, kl_labels, ref_kl_logps), not both")
+    if any(pairs_given) and not all(pairs_given):
+        given = ", ".join(n for n, g in zip(("kl_hidden", "kl_labels", "ref_kl_logps"), pairs_given) if g)
+        raise ValueError(f"kl_hidden, kl_labels and ref_kl_logps go together (TRL's mismatched pairs); got {given}")
     if loss_type == "kto" and kl is None and not any(pairs_given):
         raise ValueError("loss_type='kto' needs the KL reference point: pass kl_hidden, kl_labels and ref_kl_logps "
                          "(TRL's mismatched pairs), or kl (kl=0.0 for none)")
