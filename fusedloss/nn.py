@@ -3,8 +3,9 @@
 Each module takes the keyword options of its function in ``__init__`` and the tensors in ``forward``, and
 calls the function: no math lives here, so a module and its function can never disagree. Options that
 change from batch to batch (``num_items_in_batch``, the reference and sampling log-probs, GRPO's
-``importance_weights``, KTO's KL pairs, ORPO's ``nll_labels``) are ``forward`` arguments. The modules hold no parameters: pass the head's
-``weight`` (and ``bias``) to ``forward``, e.g. ``loss_fn(hidden, model.lm_head.weight, labels)``.
+``importance_weights``, KTO's KL pairs, ORPO's ``nll_labels``) are ``forward`` arguments. The modules hold
+no parameters: pass the head's ``weight`` (and ``bias``) to ``forward``, e.g.
+``loss_fn(hidden, model.lm_head.weight, labels)``.
 
 =====================  ==================================
 module                 function

@@ -531,7 +531,9 @@ def orpo_loss(hidden, weight, labels, *, beta=0.1, nll_labels=None, bias=None, t
     loss = nll - beta * (ratio.mean() if B else ratio.sum())
     if not return_details:
         return loss
-    mean = (lambda x: x.mean() if B else x.sum())
+    def mean(x):
+        return x.mean() if B else x.sum()
+
     return loss, ORPODetails(chosen_logps=chosen, rejected_logps=rejected, chosen_rewards=(beta * chosen).detach(),
                              rejected_rewards=(beta * rejected).detach(), log_odds_ratio=mean(ratio).detach(),
                              log_odds_chosen=mean(log_odds).detach(), nll_loss=nll.detach())

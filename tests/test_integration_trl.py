@@ -150,7 +150,8 @@ def _common_args(tmp_path):
                 gradient_checkpointing=False)
 
 
-@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.0), ("dapo", 0.05), ("grpo", 0.1), ("sapo", 0.05)])
+@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.0), ("dapo", 0.05), ("grpo", 0.1),
+                                            ("sapo", 0.05)])
 def test_grpo_matches_trl(loss_type, beta, saved_model, tokenizer, tmp_path, monkeypatch):
     from trl import GRPOConfig, GRPOTrainer
 
@@ -169,8 +170,10 @@ def test_grpo_matches_trl(loss_type, beta, saved_model, tokenizer, tmp_path, mon
     assert "entropy" in logs[0]
 
 
-@pytest.mark.parametrize("use_weighting, loss", [(False, {}), (True, {}),
-                                                  (False, dict(loss_type=["sigmoid", "bco_pair"], loss_weights=[0.8, 0.2]))],
+MPO = dict(loss_type=["sigmoid", "bco_pair"], loss_weights=[0.8, 0.2])
+
+
+@pytest.mark.parametrize("use_weighting, loss", [(False, {}), (True, {}), (False, MPO)],
                          ids=["sigmoid", "sigmoid-wpo", "mpo"])
 def test_dpo_matches_trl(use_weighting, loss, tokenizer, tmp_path, monkeypatch):
     from trl import DPOConfig, DPOTrainer

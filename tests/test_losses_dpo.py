@@ -161,8 +161,9 @@ def test_alpha_divergence_matches_trl_in_fp32(loss_type, coef):
     loss.backward()
     for dtype, impls in ((torch.float32, {"fused": IMPLEMENTATIONS["fused"]}), (F64, IMPLEMENTATIONS)):
         cast = {k: (v.to(dtype) if torch.is_floating_point(v) else v) for k, v in data.items()}
-        _check_against_trl(cast, options, loss.to(dtype), metrics, {k: _cast_grad(t, dtype) for k, t in trl_leaves.items()},
-                           tol_loss=1e-5, tol_grad=1e-5, implementations=impls)
+        grads = {k: _cast_grad(t, dtype) for k, t in trl_leaves.items()}
+        _check_against_trl(cast, options, loss.to(dtype), metrics, grads, tol_loss=1e-5, tol_grad=1e-5,
+                           implementations=impls)
 
 
 def _cast_grad(t, dtype):

@@ -103,7 +103,8 @@ def test_kto_matches_trl(name):
     pairs = options.get("loss_type", "kto") == "kto"
     if pairs:
         assert metrics["kl"] > 0  # the reference point is active in this data
-    for impl, fn, extra in (("fused", fusedloss.kto_loss, dict(backend="torch")), ("reference", reference.kto_loss, {})):
+    for impl, fn, extra in (("fused", fusedloss.kto_loss, dict(backend="torch")),
+                            ("reference", reference.kto_loss, {})):
         for details in (False, True):
             full, w, b = _leaf(d["h"]), _leaf(d["w"]), _leaf(d["b"])
             args, kw = _kto_fused_args(d, full, w, b, with_pairs=pairs)
@@ -174,7 +175,8 @@ def test_orpo_matches_trl(name):
     loss, metrics = trl_orpo(trl_full, trl_w, d["ids"], d["labels"], d["attention"], bias=trl_b, **head, **options)
     loss.backward()
     nll_labels = d["ids"].masked_fill(d["attention"] == 0, -100)[:, 1:]
-    for impl, fn, extra in (("fused", fusedloss.orpo_loss, dict(backend="torch")), ("reference", reference.orpo_loss, {})):
+    for impl, fn, extra in (("fused", fusedloss.orpo_loss, dict(backend="torch")),
+                            ("reference", reference.orpo_loss, {})):
         for details in (False, True):
             full, w, b = _leaf(d["h"]), _leaf(d["w"]), _leaf(d["b"])
             args, kw = _paired_fused_args(d, full, w, b)
@@ -237,7 +239,8 @@ def test_cpo_matches_trl(name):
     trl_full, trl_w, trl_b = _leaf(d["h"]), _leaf(d["w"]), _leaf(d["b"])
     loss, metrics = trl_cpo(trl_full, trl_w, d["ids"], d["labels"], d["attention"], bias=trl_b, **head, **options)
     loss.backward()
-    for impl, fn, extra in (("fused", fusedloss.cpo_loss, dict(backend="torch")), ("reference", reference.cpo_loss, {})):
+    for impl, fn, extra in (("fused", fusedloss.cpo_loss, dict(backend="torch")),
+                            ("reference", reference.cpo_loss, {})):
         for details in (False, True):
             full, w, b = _leaf(d["h"]), _leaf(d["w"]), _leaf(d["b"])
             args, kw = _paired_fused_args(d, full, w, b)

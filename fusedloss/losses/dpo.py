@@ -100,7 +100,9 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
     sequences.require_pair_refs(pairs, hidden, ref_chosen_logps=ref_chosen_logps,
                                 ref_rejected_logps=ref_rejected_logps)
     tokens = sequences.token_logps(logits, labels, ignore_index, want_log_sum_sq=use_weighting)
-    logps = tokens.sums() if ld_alpha is None else (tokens.logp * _ld_weights(tokens.valid, ld_alpha, tokens.logp.dtype)).sum(-1)
+    logps = tokens.sums()
+    if ld_alpha is not None:
+        logps = (tokens.logp * _ld_weights(tokens.valid, ld_alpha, tokens.logp.dtype)).sum(-1)
     acc = logps.dtype
     batch = _Pairs.of(logps, tokens.counts, ref_chosen_logps.to(acc), ref_rejected_logps.to(acc),
                       f_divergence_type, f_alpha_divergence_coef)

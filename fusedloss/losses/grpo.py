@@ -11,9 +11,10 @@ r_i = exp(sum_t m (logp - old) / max(1, sum_t m)), one per completion::
     vespo : l = -sg(phi) A logp,    phi = exp(lam + k log w - lam w)  (k, lam: _pos if A >= 0 else _neg)
             log w = clamp(sum_t m clamp(logp - old, -20, 20) + sum_t m log IS, log 1e-8, 20)
     off-policy mask (off_policy_mask_threshold) : l <- l * [A >= 0  or  mean_t m (sampling - sg(logp)) <= threshold]
-    entropy mask (top_entropy_quantile < 1)     : l <- l * [H * m >= quantile(H over the mask, 1 - top_entropy_quantile)]
+    entropy mask (top_entropy_quantile = q < 1) : l <- l * [H m >= quantile(H over the mask, 1 - q)]
     importance_weights IS (not vespo)           : l <- l * IS
-    KL penalty (beta != 0)                      : l <- l + beta (exp(ref - logp) - (ref - logp) - 1) * (r if use_bias_correction_kl)
+    KL penalty (beta != 0)                      : l <- l + beta (exp(ref - logp) - (ref - logp) - 1) * r^c
+                                                  (c = 1 with use_bias_correction_kl, else 0)
 
 aggregated over the mask (``_aggregation_weights``), then ``- entropy_coef * (masked mean entropy)``. The
 ratio in the KL term is TRL's differentiable ``coef_1``, before the delta cap: on-policy its value is 1 but
@@ -124,38 +125,51 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
                             ref_logprobs=ref_logprobs, sampling_logprobs=sampling_logprobs,
                             importance_weights=importance_weights)
     token_weight = _aggregation_weights(batch.m, opts.loss_type, max_completion_length, num_items_in_batch,
-                                        num_processes)
+                                        num_processes)  # loss = sum_t token_weight_t * l_t
     want_entropy = return_details or opts.needs_entropy
-
-    if opts.row_local and not return_details:  # every term depends on its own token only
-        entropy_weight = batch.m / count_or_one(batch.m.sum())
-
-        def row_loss(stats, rows):
-            tokens = batch.rows(rows)
-            per_token, _, _ = _token_loss(stats.logp, stats.logp - tokens.old_or(stats.logp), tokens, opts)
-            loss = (token_weight.reshape(-1)[rows] * per_token).sum()
-            if opts.entropy_coef != 0:
-                loss = loss - opts.entropy_coef * (entropy_weight.reshape(-1)[rows] * stats.entropy).sum()
-            return loss
-
-        return logits.row_local_loss(row_loss, targets=batch.ids, want_entropy=want_entropy)
+    if opts.row_local and not return_details:
+        return logits.row_local_loss(_row_loss(batch, token_weight, opts), targets=batch.ids,
+                                     want_entropy=want_entropy)
 
     stats = logits.statistics(targets=batch.ids, want_entropy=want_entropy)
     logp, entropy = logits.unflatten(stats.logp), logits.unflatten(stats.entropy)
-    log_ratio = logp - batch.old_or(logp)
-    if opts.importance_sampling_level == "sequence":
-        log_ratio = ((log_ratio * batch.m).sum(-1) / count_or_one(batch.m.sum(-1))).unsqueeze(-1)
+    token_log_ratio = logp - batch.old_or(logp)
+    log_ratio = token_log_ratio
+    if opts.importance_sampling_level == "sequence":  # GSPO: one ratio per completion
+        log_ratio = ((token_log_ratio * batch.m).sum(-1) / count_or_one(batch.m.sum(-1))).unsqueeze(-1)
+    phi = _vespo_weights(token_log_ratio, batch, opts) if opts.loss_type == "vespo" else None
     keep = _kept_tokens(logp, entropy, batch, opts)
-    phi = _vespo_weights(logp - batch.old_or(logp), batch, opts) if opts.loss_type == "vespo" else None
     per_token, kl, ratio = _token_loss(logp, log_ratio, batch, opts, keep=keep, phi=phi)
     policy_loss = (token_weight * per_token).sum()
     loss = policy_loss
-    if opts.entropy_coef != 0:
-        kept = batch.m if keep.entropy is None else batch.m * keep.entropy
-        loss = loss - opts.entropy_coef * (entropy * kept).sum() / count_or_one(kept.sum())
+    if opts.entropy_coef != 0:  # the entropy bonus
+        loss = loss - opts.entropy_coef * (_entropy_weights(batch.m, keep.entropy) * entropy).sum()
     if not return_details:
         return loss
     return loss, _details(logp, entropy, kl, ratio, phi, policy_loss, batch, opts)
+
+
+def _row_loss(batch: "_Completions", token_weight: torch.Tensor, opts: "_Options"):
+    """The same loss as a sum of row terms, for the eager path (``ImplicitLogits.row_local_loss``): the
+    token-level ratio, no sequence-level mask."""
+    entropy_weight = _entropy_weights(batch.m, None)
+
+    def row_loss(stats, rows):
+        tokens = batch.rows(rows)
+        per_token, _, _ = _token_loss(stats.logp, stats.logp - tokens.old_or(stats.logp), tokens, opts)
+        loss = (token_weight.reshape(-1)[rows] * per_token).sum()
+        if opts.entropy_coef != 0:
+            loss = loss - opts.entropy_coef * (entropy_weight.reshape(-1)[rows] * stats.entropy).sum()
+        return loss
+
+    return row_loss
+
+
+def _entropy_weights(m: torch.Tensor, high_entropy: Optional[torch.Tensor]) -> torch.Tensor:
+    """The entropy bonus is a mean over the tokens the policy term keeps (TRL's effective mask), whatever
+    the loss type's normalisation."""
+    kept = m if high_entropy is None else m * high_entropy
+    return kept / count_or_one(kept.sum())
 
 
 @dataclass(frozen=True)
@@ -228,37 +242,10 @@ class _Completions(NamedTuple):
     @classmethod
     def of(cls, logits: ImplicitLogits, opts: _Options, completion_ids, advantages, completion_mask, *,
            old_logprobs, ref_logprobs, sampling_logprobs, importance_weights) -> "_Completions":
-        if len(logits.lead_shape) != 2:
-            raise ValueError(f"hidden must be [B, C, D] (row t predicts completion_ids[:, t]), got shape "
-                             f"{tuple(logits.lead_shape) + (logits.hidden.shape[-1],)}")
+        mask = _check_inputs(logits, opts, completion_ids, advantages, completion_mask, old_logprobs=old_logprobs,
+                             ref_logprobs=ref_logprobs, sampling_logprobs=sampling_logprobs,
+                             importance_weights=importance_weights)
         b, c = logits.lead_shape
-        v.require_tensor("completion_ids", completion_ids, floating=False)
-        v.require_shape("completion_ids", completion_ids, (b, c), "the leading dimensions of hidden")
-        mask = v.require_mask("completion_mask", completion_mask, (b, c))
-        v.require_tensor("advantages", advantages)
-        if advantages.is_complex() or advantages.dtype == torch.bool:
-            raise TypeError(f"advantages must be a real (floating-point or integer) tensor, got {advantages.dtype}")
-        if tuple(advantages.shape) not in ((b,), (b, c)):
-            raise ValueError(f"advantages must have shape ({b},) or ({b}, {c}), got {tuple(advantages.shape)}")
-        if opts.beta != 0 and ref_logprobs is None:
-            raise ValueError(f"ref_logprobs is required when beta != 0 (beta={opts.beta!r}): the KL penalty needs "
-                             "the reference model's per-token log-probs")
-        per_token = dict(old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, sampling_logprobs=sampling_logprobs)
-        for name, t in per_token.items():
-            if t is not None:
-                v.require_tensor(name, t, floating=True)
-                v.require_shape(name, t, (b, c))
-        if importance_weights is not None:
-            v.require_tensor("importance_weights", importance_weights, floating=True)
-            shapes = ((b, c),) if opts.loss_type == "vespo" else ((b,), (b, 1), (b, c))
-            if tuple(importance_weights.shape) not in shapes:
-                why = " (vespo folds per-token weights into its sequence weight, as TRL requires a token-level " \
-                      "importance-sampling mode)" if opts.loss_type == "vespo" else ""
-                raise ValueError(f"importance_weights must have shape {' or '.join(map(str, shapes))}{why}, "
-                                 f"got {tuple(importance_weights.shape)}")
-        v.require_same_device(hidden=logits.hidden, completion_ids=completion_ids, advantages=advantages,
-                              completion_mask=completion_mask, importance_weights=importance_weights, **per_token)
-
         valid = mask != 0
         # Ids outside the mask (padding) are never read; every id inside it must be a real token.
         ids = logits.targets("completion_ids", torch.where(valid, completion_ids, torch.zeros_like(completion_ids)),
@@ -286,6 +273,42 @@ class _Completions(NamedTuple):
         """The per-token inputs of ``rows`` of the flattened batch (for the eager path's row chunks)."""
         return _Completions(*(t if t is None or name in ("ids", "adv_seq") else t.reshape(-1)[rows]
                               for name, t in zip(self._fields, self)))
+
+
+def _check_inputs(logits: ImplicitLogits, opts: _Options, completion_ids, advantages, completion_mask,
+                  **per_token) -> torch.Tensor:
+    """Shapes, dtypes and devices of the batch; returns the completion mask."""
+    if len(logits.lead_shape) != 2:
+        raise ValueError(f"hidden must be [B, C, D] (row t predicts completion_ids[:, t]), got shape "
+                         f"{tuple(logits.lead_shape) + (logits.hidden.shape[-1],)}")
+    b, c = logits.lead_shape
+    v.require_tensor("completion_ids", completion_ids, floating=False)
+    v.require_shape("completion_ids", completion_ids, (b, c), "the leading dimensions of hidden")
+    mask = v.require_mask("completion_mask", completion_mask, (b, c))
+    v.require_tensor("advantages", advantages)
+    if advantages.is_complex() or advantages.dtype == torch.bool:
+        raise TypeError(f"advantages must be a real (floating-point or integer) tensor, got {advantages.dtype}")
+    if tuple(advantages.shape) not in ((b,), (b, c)):
+        raise ValueError(f"advantages must have shape ({b},) or ({b}, {c}), got {tuple(advantages.shape)}")
+    if opts.beta != 0 and per_token["ref_logprobs"] is None:
+        raise ValueError(f"ref_logprobs is required when beta != 0 (beta={opts.beta!r}): the KL penalty needs "
+                         "the reference model's per-token log-probs")
+    weights = per_token.pop("importance_weights")
+    for name, t in per_token.items():
+        if t is not None:
+            v.require_tensor(name, t, floating=True)
+            v.require_shape(name, t, (b, c))
+    if weights is not None:
+        v.require_tensor("importance_weights", weights, floating=True)
+        shapes = ((b, c),) if opts.loss_type == "vespo" else ((b,), (b, 1), (b, c))
+        if tuple(weights.shape) not in shapes:
+            why = (" (vespo folds per-token weights into its sequence weight, as TRL requires a token-level "
+                   "importance-sampling mode)") if opts.loss_type == "vespo" else ""
+            raise ValueError(f"importance_weights must have shape {' or '.join(map(str, shapes))}{why}, "
+                             f"got {tuple(weights.shape)}")
+    v.require_same_device(hidden=logits.hidden, completion_ids=completion_ids, advantages=advantages,
+                          completion_mask=completion_mask, importance_weights=weights, **per_token)
+    return mask
 
 
 class _Kept(NamedTuple):

@@ -60,7 +60,9 @@ def orpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     nll = sequences.chosen_nll(nll_tokens.logp, nll_tokens.valid)
     log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
     ratio = F.logsigmoid(log_odds)
-    mean = (lambda x: x.mean() if pairs else x.sum())
+    def mean(x):  # over pairs; 0 for an empty batch
+        return x.mean() if pairs else x.sum()
+
     loss = nll - beta * mean(ratio)
     if not return_details:
         return loss
