@@ -361,3 +361,68 @@ def test_bad_input(fn, options, match):
         call = lambda: func(h, w, labels, backend="torch", **options)  # noqa: E731
     with pytest.raises((ValueError, TypeError), match=match):
         call()
+
+
+# --------------------------------------------------------------------------------------------------
+# torch.compile: one graph (fullgraph) for every catalogue loss, gradients as eager
+
+
+def _compiled_matches_eager(fn, leaves):
+    torch._dynamo.reset()
+    try:
+        want = fn(*leaves)
+        want_grads = torch.autograd.grad(want, leaves)
+        got = torch.compile(fn, backend="aot_eager", fullgraph=True)(*leaves)
+        got_grads = torch.autograd.grad(got, leaves)
+    finally:
+        torch._dynamo.reset()
+    assert rel_err(got, want) < 1e-6
+    for a, b in zip(got_grads, want_grads):
+        assert rel_err(a, b) < 1e-6
+
+
+def _f32(t):
+    return t.detach().float().requires_grad_(True)
+
+
+@pytest.mark.parametrize("options", [dict(loss_type="sapo", beta=0.04), dict(loss_type="vespo"),
+                                     dict(loss_type="luspo", importance_sampling_level="sequence",
+                                          off_policy_mask_threshold=0.1, top_entropy_quantile=0.4,
+                                          entropy_coef=0.1, return_details=True)],
+                         ids=["sapo", "vespo", "luspo-masks-details"])
+def test_grpo_compiles_as_one_graph(options):
+    from test_losses_grpo import grpo_data
+
+    d = grpo_data()
+    old, ref = d["old_logprobs"].float(), d["ref_logprobs"].float()
+
+    def step(h, w):
+        out = fusedloss.grpo_loss(h, w, d["completion_ids"], d["advantages"].float(), d["completion_mask"],
+                                  old_logprobs=old, ref_logprobs=ref, backend="torch", **options)
+        return out[0] + out[1].clip_ratio_low_min if isinstance(out, tuple) else out
+
+    _compiled_matches_eager(step, (_f32(d["hidden"]), _f32(d["weight"])))
+
+
+def test_preference_losses_compile_as_one_graph():
+    d = paired_batch(seed=51)
+    labels = d["labels"][:, 1:]
+    nll = d["ids"].masked_fill(d["attention"] == 0, -100)[:, 1:]
+    ref = torch.randn(PAIRS, generator=torch.Generator().manual_seed(0)) - 10
+    k = kto_batch(seed=52)
+    (_, _, k_labels, k_pref, k_ref), k_kw = _kto_fused_args(k, k["h"], k["w"], None)
+    k_kw = {name: (t.float() if torch.is_floating_point(t) else t) for name, t in k_kw.items() if t is not None}
+    steps = {
+        "dpo": lambda h, w: fusedloss.dpo_loss(h, w, labels, ref, ref - 1, loss_type=["sigmoid", "aot", "sft"],
+                                               ld_alpha=0.5, use_weighting=False, backend="torch"),
+        "dpo-wpo": lambda h, w: fusedloss.dpo_loss(h, w, labels, ref, ref - 1, use_weighting=True, backend="torch"),
+        "orpo": lambda h, w: fusedloss.orpo_loss(h, w, labels, nll_labels=nll, backend="torch"),
+        "cpo": lambda h, w: fusedloss.cpo_loss(h, w, labels, loss_type="simpo", alpha=0.2, backend="torch"),
+    }
+    for name, fn in steps.items():
+        _compiled_matches_eager(fn, (_f32(d["h"][:, :-1]), _f32(d["w"])))
+
+    def kto(h, w):
+        return fusedloss.kto_loss(h, w, k_labels, k_pref, k_ref.float(), backend="torch", **k_kw)
+
+    _compiled_matches_eager(kto, (_f32(k["h"][:, :-1]), _f32(k["w"])))

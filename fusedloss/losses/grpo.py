@@ -369,13 +369,23 @@ def _kept_tokens(logp, entropy, t: _Completions, opts: _Options) -> _Kept:
     high_entropy = None
     if opts.top_entropy_quantile < 1:
         entropy = entropy.detach()
-        inside = entropy[t.valid]
-        if inside.numel() == 0:
-            high_entropy = torch.zeros_like(t.m)
-        else:
-            threshold = torch.quantile(inside, 1 - opts.top_entropy_quantile)
-            high_entropy = ((entropy * t.m >= threshold) & t.valid).to(t.m.dtype)
+        threshold = _masked_quantile(entropy, t.valid, 1 - opts.top_entropy_quantile)
+        high_entropy = ((entropy * t.m >= threshold) & t.valid).to(t.m.dtype)
     return _Kept(off_policy, high_entropy)
+
+
+def _masked_quantile(x: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Tensor:
+    """``torch.quantile(x[valid], q)`` (linear interpolation, as TRL takes it), without the data-dependent
+    shape of ``x[valid]``, so that it traces under torch.compile; +inf when nothing is valid (no token
+    reaches it, as TRL keeps none)."""
+    values = torch.sort(torch.where(valid, x, torch.full_like(x, torch.inf)).reshape(-1)).values
+    count = valid.sum()
+    position = q * (count - 1).clamp(min=0).to(x.dtype)
+    below = position.floor()
+    low = values.gather(0, below.long().reshape(1)).squeeze(0)
+    high = values.gather(0, position.ceil().long().reshape(1)).squeeze(0)
+    threshold = torch.lerp(low, high, position - below)
+    return torch.where(count > 0, threshold, torch.full_like(threshold, torch.inf))
 
 
 def _vespo_weights(log_ratio, t: _Completions, opts: _Options) -> torch.Tensor:
@@ -473,6 +483,8 @@ def _sequence_extreme(x, t: _Completions, reduce):
     else:
         count = t.m.sum(-1)
         per_seq, present = (x * t.m).sum(-1) / count_or_one(count), count != 0
-    if not bool(present.any()):
+    skip = torch.inf if reduce is torch.amin else -torch.inf
+    extreme = reduce(torch.where(present, per_seq, torch.full_like(per_seq, skip)), dim=0) if x.numel() else None
+    if extreme is None:
         return torch.zeros((), dtype=x.dtype, device=x.device)
-    return reduce(per_seq[present])
+    return torch.where(present.any(), extreme, torch.zeros_like(extreme))
