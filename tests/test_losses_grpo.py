@@ -273,6 +273,37 @@ def test_backends(which, name, dtype, monkeypatch):
     compare("grpo_loss", inputs, options, backend, dtype, device, tol)  # the eager path where it applies
 
 
+ROW_LOCAL_CASES = ["grpo-token", "sapo-token", "luspo-token", "cispo-eps-high", "dapo-on-policy-kl",
+                   "bnpo-entropy-bonus", "dapo-token-weights", "grpo-transforms"]
+
+
+# The backends with an eager path (the Triton backend has none: it always runs the composable op).
+@pytest.mark.parametrize("which, name", [(b, n) for b in ALL_BACKENDS for n in ROW_LOCAL_CASES if b != "triton"])
+def test_eager_path_matches_trl(which, name, monkeypatch):
+    """Token-level loss types whose terms depend on their own token take the eager 3-product path
+    (``FUSEDLOSS_EAGER=1`` forces it where the backend's policy would not pay on a CPU), and still equal
+    TRL's loss and gradients."""
+    from fusedloss.core import eager
+
+    backend, device = _backend(which, monkeypatch)
+    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    taken = []
+    original = eager.eager_loss
+    monkeypatch.setattr(eager, "eager_loss", lambda *a: taken.append(1) or original(*a))
+    inputs, options = case_inputs(name)
+    trl_inputs, trl_leaves = _leaves(inputs)
+    trl_loss, _, _ = _call(trl_grpo, trl_inputs, options)
+    trl_loss.backward()
+    got_inputs, leaves = _leaves({k: (t.to(device) if isinstance(t, torch.Tensor) else t) for k, t in inputs.items()})
+    loss = _call(fusedloss.grpo_loss, got_inputs, dict(options, backend=backend))
+    loss.backward()
+    assert taken, "the eager path was not taken"
+    tol = fp64_tol(backend)
+    assert rel_err(loss, trl_loss) < tol, (loss.item(), trl_loss.item())
+    for key, leaf in leaves.items():
+        assert rel_err(leaf.grad, trl_leaves[key].grad) < 10 * tol, key
+
+
 @pytest.mark.parametrize("name", ["sapo-token", "vespo-token", "luspo-sequence", "dapo-off-policy-mask",
                                   "grpo-top-entropy-bonus"])
 @pytest.mark.parametrize("which", ALL_BACKENDS)
