@@ -1,16 +1,19 @@
-"""fusedloss: log-probs, entropy, KL, GRPO, DPO and cross-entropy straight from hidden states and the
-lm_head weight, never materialising the [tokens x vocab] logits.
+"""fusedloss: log-probs, entropy, KL, cross-entropy, distillation, GRPO and the preference losses (DPO, KTO,
+ORPO, CPO/SimPO) straight from hidden states and the lm_head weight, never materialising the
+[tokens x vocab] logits.
 
-Public API (SPEC section 3): ``token_logprobs``, ``cross_entropy``, ``distillation_loss``, ``grpo_loss``,
-``dpo_loss``, ``group_advantages``, ``backend_status``. ``fusedloss.reference`` holds the same functions on
-materialised logits: the executable specification every backend is tested against.
+Public API: ``token_logprobs``, ``cross_entropy``, ``distillation_loss``, ``grpo_loss``, ``dpo_loss``,
+``kto_loss``, ``orpo_loss``, ``cpo_loss``, ``group_advantages``, ``backend_status``. ``fusedloss.reference``
+holds the same functions on materialised logits: the executable specification every backend is tested
+against. ``fusedloss.nn`` wraps each loss as a ``torch.nn.Module``.
 """
 
 from __future__ import annotations
 
 from .core import backends as _backends
-from .losses import cross_entropy, distillation_loss, dpo_loss, group_advantages, grpo_loss, token_logprobs
-from .types import DPODetails, GroupAdvantages, GRPODetails
+from .losses import (cpo_loss, cross_entropy, distillation_loss, dpo_loss, group_advantages, grpo_loss, kto_loss,
+                     orpo_loss, token_logprobs)
+from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails
 
 __version__ = "0.1.0"
 
@@ -21,14 +24,20 @@ def backend_status() -> dict:
 
 
 __all__ = [
+    "CPODetails",
     "DPODetails",
     "GRPODetails",
     "GroupAdvantages",
+    "KTODetails",
+    "ORPODetails",
     "backend_status",
+    "cpo_loss",
     "cross_entropy",
     "distillation_loss",
     "dpo_loss",
     "group_advantages",
     "grpo_loss",
+    "kto_loss",
+    "orpo_loss",
     "token_logprobs",
 ]

@@ -2,9 +2,10 @@
 
 Each module takes the keyword options of its function in ``__init__`` and the tensors in ``forward``, and
 calls the function: no math lives here, so a module and its function can never disagree. Options that
-change from batch to batch (``num_items_in_batch``, GRPO's ``old_logprobs``/``ref_logprobs``/
-``importance_weights``) are ``forward`` arguments. The modules hold no parameters: pass the head's
-``weight`` (and ``bias``) to ``forward``, e.g. ``loss_fn(hidden, model.lm_head.weight, labels)``.
+change from batch to batch (``num_items_in_batch``, the reference and sampling log-probs, GRPO's
+``importance_weights``, KTO's KL pairs, ORPO's ``nll_labels``) are ``forward`` arguments. The modules hold
+no parameters: pass the head's ``weight`` (and ``bias``) to ``forward``, e.g.
+``loss_fn(hidden, model.lm_head.weight, labels)``.
 
 =====================  ==================================
 module                 function
@@ -14,18 +15,22 @@ module                 function
 ``DistillationLoss``   ``fusedloss.distillation_loss``
 ``GRPOLoss``           ``fusedloss.grpo_loss``
 ``DPOLoss``            ``fusedloss.dpo_loss``
+``KTOLoss``            ``fusedloss.kto_loss``
+``ORPOLoss``           ``fusedloss.orpo_loss``
+``CPOLoss``            ``fusedloss.cpo_loss``
 =====================  ==================================
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence, Union
 
 import torch
 
 import fusedloss
 
-__all__ = ["DPOLoss", "DistillationLoss", "GRPOLoss", "LinearCrossEntropy", "TokenLogProbs"]
+__all__ = ["CPOLoss", "DPOLoss", "DistillationLoss", "GRPOLoss", "KTOLoss", "LinearCrossEntropy", "ORPOLoss",
+           "TokenLogProbs"]
 
 
 class _FunctionalModule(torch.nn.Module):
@@ -86,39 +91,102 @@ class DistillationLoss(_FunctionalModule):
 
 class GRPOLoss(_FunctionalModule):
     """``forward(hidden, weight, completion_ids, advantages, completion_mask, old_logprobs=None,
-    ref_logprobs=None, bias=None, num_items_in_batch=None, importance_weights=None)`` ->
-    ``fusedloss.grpo_loss(...)``: TRL GRPOTrainer's loss (``loss_type`` grpo, bnpo, dr_grpo, dapo, cispo)."""
+    ref_logprobs=None, bias=None, num_items_in_batch=None, importance_weights=None, sampling_logprobs=None)``
+    -> ``fusedloss.grpo_loss(...)``: TRL 1.16 GRPOTrainer's loss (every ``loss_type`` of GRPOConfig)."""
 
     def __init__(self, *, temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
                  loss_type: str = "dapo", epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
-                 delta: Optional[float] = None, beta: float = 0.0, importance_sampling_level: str = "token",
-                 max_completion_length: Optional[int] = None, num_processes: int = 1, return_details: bool = False,
-                 backend: str = "auto"):
+                 delta: Optional[float] = None, beta: float = 0.0, use_bias_correction_kl: bool = True,
+                 importance_sampling_level: str = "token", sapo_temperature_pos: float = 1.0,
+                 sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0, vespo_lambda_pos: float = 3.0,
+                 vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
+                 off_policy_mask_threshold: Optional[float] = None, top_entropy_quantile: float = 1.0,
+                 entropy_coef: float = 0.0, max_completion_length: Optional[int] = None, num_processes: int = 1,
+                 return_details: bool = False, backend: str = "auto"):
         super().__init__(temperature=temperature, logit_scale=logit_scale, softcap=softcap, loss_type=loss_type,
                          epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
+                         use_bias_correction_kl=use_bias_correction_kl,
                          importance_sampling_level=importance_sampling_level,
+                         sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
+                         vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
+                         vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
+                         top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
                          max_completion_length=max_completion_length, num_processes=num_processes,
                          return_details=return_details, backend=backend)
 
     def forward(self, hidden, weight, completion_ids, advantages, completion_mask, old_logprobs=None,
-                ref_logprobs=None, bias=None, num_items_in_batch=None, importance_weights=None):
+                ref_logprobs=None, bias=None, num_items_in_batch=None, importance_weights=None,
+                sampling_logprobs=None):
         return fusedloss.grpo_loss(hidden, weight, completion_ids, advantages, completion_mask,
                                    old_logprobs=old_logprobs, ref_logprobs=ref_logprobs, bias=bias,
                                    num_items_in_batch=num_items_in_batch, importance_weights=importance_weights,
-                                   **self.options)
+                                   sampling_logprobs=sampling_logprobs, **self.options)
 
 
 class DPOLoss(_FunctionalModule):
     """``forward(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, bias=None)`` ->
     ``fusedloss.dpo_loss(...)``; ``hidden`` is ``[2B, T, D]``, chosen rows first (TRL's concatenation)."""
 
-    def __init__(self, *, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+    def __init__(self, *, beta: float = 0.1, loss_type: Union[str, Sequence[str]] = "sigmoid",
+                 loss_weights: Optional[Sequence[float]] = None, label_smoothing: float = 0.0,
+                 f_divergence_type: str = "reverse_kl", f_alpha_divergence_coef: float = 0.5,
+                 ld_alpha: Optional[float] = None, discopop_tau: float = 0.05, use_weighting: bool = False,
                  temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
                  ignore_index: int = -100, return_details: bool = False, backend: str = "auto"):
-        super().__init__(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, temperature=temperature,
-                         logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index,
-                         return_details=return_details, backend=backend)
+        super().__init__(beta=beta, loss_type=loss_type, loss_weights=loss_weights, label_smoothing=label_smoothing,
+                         f_divergence_type=f_divergence_type, f_alpha_divergence_coef=f_alpha_divergence_coef,
+                         ld_alpha=ld_alpha, discopop_tau=discopop_tau, use_weighting=use_weighting,
+                         temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                         ignore_index=ignore_index, return_details=return_details, backend=backend)
 
     def forward(self, hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, bias=None):
         return fusedloss.dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, bias=bias,
                                   **self.options)
+
+
+class KTOLoss(_FunctionalModule):
+    """``forward(hidden, weight, labels, preference_labels, ref_logps, kl_hidden=None, kl_labels=None,
+    ref_kl_logps=None, kl=None, bias=None)`` -> ``fusedloss.kto_loss(...)``: one completion per row."""
+
+    def __init__(self, *, beta: float = 0.1, loss_type: str = "kto", desirable_weight: float = 1.0,
+                 undesirable_weight: float = 1.0, temperature: float = 1.0, logit_scale: float = 1.0,
+                 softcap: Optional[float] = None, ignore_index: int = -100, return_details: bool = False,
+                 backend: str = "auto"):
+        super().__init__(beta=beta, loss_type=loss_type, desirable_weight=desirable_weight,
+                         undesirable_weight=undesirable_weight, temperature=temperature, logit_scale=logit_scale,
+                         softcap=softcap, ignore_index=ignore_index, return_details=return_details, backend=backend)
+
+    def forward(self, hidden, weight, labels, preference_labels, ref_logps, kl_hidden=None, kl_labels=None,
+                ref_kl_logps=None, kl=None, bias=None):
+        return fusedloss.kto_loss(hidden, weight, labels, preference_labels, ref_logps, kl_hidden=kl_hidden,
+                                  kl_labels=kl_labels, ref_kl_logps=ref_kl_logps, kl=kl, bias=bias, **self.options)
+
+
+class ORPOLoss(_FunctionalModule):
+    """``forward(hidden, weight, labels, nll_labels=None, bias=None)`` -> ``fusedloss.orpo_loss(...)``;
+    ``hidden`` is ``[2B, T, D]``, chosen rows first."""
+
+    def __init__(self, *, beta: float = 0.1, temperature: float = 1.0, logit_scale: float = 1.0,
+                 softcap: Optional[float] = None, ignore_index: int = -100, return_details: bool = False,
+                 backend: str = "auto"):
+        super().__init__(beta=beta, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                         ignore_index=ignore_index, return_details=return_details, backend=backend)
+
+    def forward(self, hidden, weight, labels, nll_labels=None, bias=None):
+        return fusedloss.orpo_loss(hidden, weight, labels, nll_labels=nll_labels, bias=bias, **self.options)
+
+
+class CPOLoss(_FunctionalModule):
+    """``forward(hidden, weight, labels, bias=None)`` -> ``fusedloss.cpo_loss(...)``; ``hidden`` is
+    ``[2B, T, D]``, chosen rows first. SimPO: ``CPOLoss(loss_type="simpo", cpo_alpha=0.0)``."""
+
+    def __init__(self, *, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
+                 cpo_alpha: float = 1.0, simpo_gamma: float = 0.5, alpha: float = 0.0, temperature: float = 1.0,
+                 logit_scale: float = 1.0, softcap: Optional[float] = None, ignore_index: int = -100,
+                 return_details: bool = False, backend: str = "auto"):
+        super().__init__(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, cpo_alpha=cpo_alpha,
+                         simpo_gamma=simpo_gamma, alpha=alpha, temperature=temperature, logit_scale=logit_scale,
+                         softcap=softcap, ignore_index=ignore_index, return_details=return_details, backend=backend)
+
+    def forward(self, hidden, weight, labels, bias=None):
+        return fusedloss.cpo_loss(hidden, weight, labels, bias=bias, **self.options)

@@ -24,8 +24,9 @@ import math
 from typing import Optional, Union
 
 import torch
+import torch.nn.functional as F
 
-from .types import DPODetails, GroupAdvantages, GRPODetails
+from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails
 
 __all__ = [
     "logits",
@@ -34,6 +35,9 @@ __all__ = [
     "distillation_loss",
     "grpo_loss",
     "dpo_loss",
+    "kto_loss",
+    "orpo_loss",
+    "cpo_loss",
     "group_advantages",
 ]
 
@@ -182,10 +186,17 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
 
 def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, old_logprobs=None,
               ref_logprobs=None, bias=None, temperature=1.0, logit_scale=1.0, softcap=None, loss_type="dapo",
-              epsilon_low=0.2, epsilon_high=None, delta=None, beta=0.0, importance_sampling_level="token",
+              epsilon_low=0.2, epsilon_high=None, delta=None, beta=0.0, use_bias_correction_kl=True,
+              importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
+              vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
+              off_policy_mask_threshold=None, sampling_logprobs=None, top_entropy_quantile=1.0, entropy_coef=0.0,
               max_completion_length=None, num_items_in_batch=None, num_processes=1, importance_weights=None,
               return_details=False):
-    """TRL GRPOTrainer's loss (gradient accumulation 1), SPEC section 5, written as TRL writes it."""
+    """TRL 1.16 ``GRPOTrainer._compute_loss`` (gradient accumulation 1, one process), written in TRL's order.
+
+    Per-token inputs outside the mask are replaced by neutral values (advantage 0, log-probs 0, weight 1)
+    before any arithmetic, so that whatever was there produces nothing, gradient included. TRL's shapes
+    are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio."""
     if epsilon_high is None:
         epsilon_high = epsilon_low
     mask = completion_mask != 0
@@ -194,128 +205,378 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
                                    logit_scale=logit_scale, softcap=softcap, ignore_index=-100,
                                    return_entropy=True)
     acc = logp.dtype
-    zero = torch.zeros_like(logp)
     B, C = logp.shape
-    mask_f = completion_mask.to(acc)  # TRL multiplies by the mask: a fractional mask weights tokens
-    n_seq = mask_f.sum(-1)
-    n_tok = mask_f.sum()
+    m = completion_mask.to(acc)  # TRL multiplies by the mask: a fractional mask weights tokens
 
-    A = advantages.to(acc)
-    if A.dim() == 1:
-        A = A.unsqueeze(1)
-    old = logp.detach() if old_logprobs is None else old_logprobs.to(acc)
+    def inside(x, fill=0.0):
+        if x is None:
+            return None
+        x = x.to(acc)
+        x = (x.unsqueeze(1) if x.dim() == 1 else x).expand(B, C)
+        return torch.where(mask, x, torch.full_like(x, fill))
 
-    log_ratio = torch.where(mask, logp - old, zero)
+    A = inside(advantages)
+    A_trl = advantages.to(acc).unsqueeze(1) if advantages.dim() == 1 else A  # TRL's unsqueeze(1)
+    old = logp.detach() if old_logprobs is None else inside(old_logprobs)
+    log_ratio = logp - old
     if importance_sampling_level == "token":
-        log_w = log_ratio
-    elif importance_sampling_level == "sequence":
-        log_w = ((log_ratio * mask_f).sum(-1) / n_seq.clamp(min=1.0)).unsqueeze(-1)  # GSPO, [B, 1]
+        log_importance_weights = log_ratio
+    elif importance_sampling_level == "sequence":  # GSPO
+        log_importance_weights = ((log_ratio * m).sum(-1) / m.sum(-1).clamp(min=1.0)).unsqueeze(-1)
     else:
         raise ValueError(f"importance_sampling_level must be 'token' or 'sequence', got {importance_sampling_level!r}")
-    r = torch.exp(log_w)
+    coef_1 = torch.exp(log_importance_weights)
 
-    if loss_type == "cispo":
-        per_token = -torch.clamp(r, max=epsilon_high).detach() * A * logp
-    elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo"):
-        r_clipped = torch.clamp(r, 1.0 - epsilon_low, 1.0 + epsilon_high)
-        if delta is not None:  # after the clamp is formed: the first argument only (TRL reassigns coef_1)
-            r = torch.clamp(r, max=delta)
-        per_token = -torch.minimum(r * A, r_clipped * A)
-    else:
-        raise ValueError(f"loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, got {loss_type!r}")
-    per_token = per_token.expand(B, C)
-
-    if importance_weights is not None:
-        w = importance_weights.to(acc)
-        if w.dim() == 1:
-            w = w.unsqueeze(1)
-        per_token = per_token * w
-    kl = None
+    per_token_kl = None
     if beta != 0.0:
-        ref = ref_logprobs.to(acc)
-        d = torch.where(mask, ref - logp, zero)
-        per_token_kl = torch.exp(d) - d - 1.0
-        per_token = per_token + beta * per_token_kl
-        kl = (torch.where(mask, per_token_kl, zero) * mask_f).sum().detach() / n_tok.clamp(min=1.0)
-    per_token = torch.where(mask, per_token, zero) * mask_f
+        ref = inside(ref_logprobs)
+        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if use_bias_correction_kl:
+            per_token_kl = per_token_kl * coef_1
 
-    if loss_type == "grpo":
-        loss = (per_token.sum(-1) / n_seq.clamp(min=1.0)).mean()
+    off_policy_mask = None
+    if off_policy_mask_threshold is not None:  # DeepSeek-V3.2's off-policy sequence mask
+        sampling = old if sampling_logprobs is None else inside(sampling_logprobs)
+        kl_div = torch.nan_to_num(sampling - logp.detach(), nan=0.0)
+        avg_seq_kl = (kl_div * m).sum(-1, keepdim=True) / m.sum(-1, keepdim=True).clamp(min=1.0)
+        off_policy_mask = ((A_trl >= 0) | (avg_seq_kl <= off_policy_mask_threshold)).to(acc)
+
+    entropy_mask = None
+    if top_entropy_quantile < 1.0:  # keep the top quantile of the masked tokens by entropy
+        ent = entropy.detach()
+        if bool(mask.any()):
+            threshold = torch.quantile(ent[mask], 1 - top_entropy_quantile)
+            entropy_mask = ((ent * m) >= threshold) & mask
+        else:
+            entropy_mask = torch.zeros_like(mask)
+
+    weights = None if importance_weights is None else inside(importance_weights, 1.0)
+    phi_seq = None
+    if loss_type == "cispo":
+        per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * A * logp
+    elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
+        coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+        if delta is not None:  # after the clamp is formed: the first argument only (TRL reassigns coef_1)
+            coef_1 = torch.clamp(coef_1, max=delta)
+        per_token_loss = -torch.min(coef_1 * A, coef_2 * A)
+    elif loss_type == "sapo":
+        temperatures = torch.where(A > 0, torch.full_like(A, sapo_temperature_pos),
+                                   torch.full_like(A, sapo_temperature_neg))
+        per_token_loss = -torch.sigmoid(temperatures * (coef_1 - 1)) * 4 / temperatures * A
+    elif loss_type == "vespo":  # TRL's get_gamma_weights: a detached per-sequence gamma weight
+        with torch.no_grad():
+            log_w = (torch.clamp(log_ratio, -20.0, 20.0) * m).sum(-1, keepdim=True)
+            if weights is not None:
+                log_w = log_w + torch.clamp(torch.log(weights), math.log(1e-8), 20.0).sum(-1, keepdim=True)
+            log_w = torch.clamp(log_w, math.log(1e-8), 20.0)
+            k = torch.where(A_trl >= 0, torch.full_like(A_trl, vespo_k_pos), torch.full_like(A_trl, vespo_k_neg))
+            lam = torch.where(A_trl >= 0, torch.full_like(A_trl, vespo_lambda_pos),
+                              torch.full_like(A_trl, vespo_lambda_neg)).clamp(min=1e-4)
+            phi_seq = torch.exp(lam + k * log_w - lam * torch.exp(log_w)).nan_to_num(nan=0.0, posinf=0.0,
+                                                                                    neginf=0.0)
+        per_token_loss = -phi_seq * A * logp
+    else:
+        raise ValueError(f"loss_type must be one of grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo, vespo, "
+                         f"got {loss_type!r}")
+    if off_policy_mask is not None:
+        per_token_loss = per_token_loss * off_policy_mask
+    if entropy_mask is not None:
+        per_token_loss = per_token_loss * entropy_mask
+    if weights is not None and loss_type != "vespo":
+        per_token_loss = per_token_loss * weights
+    if per_token_kl is not None:
+        per_token_loss = per_token_loss + beta * per_token_kl
+
+    if loss_type in ("grpo", "sapo"):
+        loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     elif loss_type == "bnpo":
-        loss = per_token.sum() / n_tok.clamp(min=1.0)
+        loss = (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
     elif loss_type == "dr_grpo":
-        loss = per_token.sum() / (B * (C if max_completion_length is None else max_completion_length))
-    else:  # dapo, cispo
-        items = n_tok if num_items_in_batch is None else _as_float(num_items_in_batch)
-        loss = per_token.sum() / (max(1.0, _as_float(items)) / num_processes)
+        loss = (per_token_loss * m).sum() / (B * (C if max_completion_length is None else max_completion_length))
+    elif loss_type == "luspo":
+        loss = (per_token_loss * m).sum(-1).mean()
+    else:  # dapo, cispo, vespo
+        items = m.sum() if num_items_in_batch is None else _as_float(num_items_in_batch)
+        loss = (per_token_loss * m).sum() / (max(1.0, _as_float(items)) / num_processes)
+    if B == 0:
+        loss = loss.nan_to_num(nan=0.0)
+    policy_loss = loss.detach()
+    if entropy_coef != 0.0:
+        effective = m if entropy_mask is None else m * entropy_mask
+        loss = loss - entropy_coef * (entropy * effective).sum() / effective.sum().clamp(min=1.0)
     if not return_details:
         return loss
 
-    def masked_batch_mean(x: torch.Tensor) -> torch.Tensor:
+    def global_masked_mean(x):  # TRL's: a plain mean of one value per completion, else a masked mean
         x = x.to(acc)
-        if x.shape[1] == 1:  # sequence-level ratio: TRL takes a plain mean
-            return x.mean()
-        return (torch.where(mask, x, torch.zeros_like(x)) * mask_f).sum() / n_tok.clamp(min=1.0)
+        if x.shape[1] == 1:
+            return x.sum() / max(B, 1)
+        return (x * m).sum() / m.sum().clamp(min=1.0)
 
-    r_d = r.detach()  # TRL measures clipping on coef_1, i.e. after the delta cap
-    if loss_type == "cispo":
-        # TRL tracks only the upper clip for CISPO (its cispo_clip_ratio).
-        high = (r_d > epsilon_high) & (A > 0)
-        low = torch.zeros_like(high)
-    else:
-        low = (r_d < 1.0 - epsilon_low) & (A < 0)
-        high = (r_d > 1.0 + epsilon_high) & (A > 0)
-    details = GRPODetails(
-        logprobs=logp,
-        entropy=entropy.detach(),
-        kl=kl,
-        clip_ratio_low=masked_batch_mean(low),
-        clip_ratio_high=masked_batch_mean(high),
-        clip_ratio_region=masked_batch_mean(low | high),
-    )
+    def masked_seq_extreme(x, reduce):  # TRL's nanmin/nanmax of per-completion masked means; 0 if none
+        x = x.to(acc)
+        if x.shape[1] == 1:
+            values = x[:, 0]
+        else:
+            values = ((x * m).sum(-1) / m.sum(-1))[m.sum(-1) != 0]
+        return reduce(values) if values.numel() else torch.zeros((), dtype=acc)
+
+    with torch.no_grad():
+        r = coef_1.detach()  # after the delta cap, as TRL measures it
+        sign = A_trl if r.shape[1] == 1 else A
+        low = high = region = low_min = high_max = None
+        if loss_type == "cispo":
+            high = global_masked_mean((r > epsilon_high) & (sign > 0))
+            low, region = torch.zeros_like(high), high
+        elif loss_type not in ("sapo", "vespo"):
+            is_low = (r < 1 - epsilon_low) & (sign < 0)
+            is_high = (r > 1 + epsilon_high) & (sign > 0)
+            low, high = global_masked_mean(is_low), global_masked_mean(is_high)
+            region = global_masked_mean(is_low | is_high)
+            low_min, high_max = masked_seq_extreme(is_low, torch.amin), masked_seq_extreme(is_high, torch.amax)
+        details = GRPODetails(
+            logprobs=logp,
+            entropy=entropy.detach(),
+            kl=None if per_token_kl is None else global_masked_mean(per_token_kl.detach()),
+            clip_ratio_low=low, clip_ratio_high=high, clip_ratio_region=region,
+            clip_ratio_low_min=low_min, clip_ratio_high_max=high_max,
+            vespo_phi_seq_mean=None if phi_seq is None else global_masked_mean(phi_seq),
+            policy_loss=policy_loss,
+        )
     return loss, details
 
 
 # --------------------------------------------------------------------------------------------------
+# Preference losses: chosen rows 0..B-1, rejected rows B..2B-1 (TRL's concatenation)
+
+
+def _sequence_logps(hidden, weight, labels, bias, temperature, logit_scale, softcap, ignore_index):
+    """Per-token log-probs ``[rows, T]`` (0 at ignored labels) and the mask of scored tokens."""
+    per_token = token_logprobs(hidden, weight, labels, bias=bias, temperature=temperature,
+                               logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index)
+    per_token = per_token.reshape(per_token.shape[0], -1)
+    return per_token, (labels != ignore_index).reshape(labels.shape[0], -1)
+
+
+def _chosen_nll(per_token, valid):
+    """TRL's CrossEntropyLoss over the chosen half: mean over its scored tokens (0 when there are none)."""
+    half = per_token.shape[0] // 2
+    return -per_token[:half].sum() / max(1, int(valid[:half].sum()))
+
+
+def _log1mexp(x):
+    """log(1 - exp(x)) for x <= 0, branching at -log 2 to avoid cancellation (TRL's ORPO helper)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
 # dpo_loss
 
 
 def dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, *, beta=0.1, loss_type="sigmoid",
-             label_smoothing=0.0, bias=None, temperature=1.0, logit_scale=1.0, softcap=None, ignore_index=-100,
-             return_details=False):
-    """DPO on TRL's concatenated batch: rows 0..B-1 chosen, rows B..2B-1 rejected. Sequence log-prob =
-    sum of token log-probs over non-ignored labels; u = logp - ref; Delta = u_chosen - u_rejected."""
-    logp_tok = token_logprobs(hidden, weight, labels, bias=bias, temperature=temperature,
-                              logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index)
-    acc = logp_tok.dtype
-    seq = logp_tok.reshape(logp_tok.shape[0], -1).sum(-1)
-    n = (labels != ignore_index).reshape(labels.shape[0], -1).sum(-1).to(acc)
-    B = seq.shape[0] // 2
-    chosen, rejected = seq[:B], seq[B:]
-    u_c = chosen - ref_chosen_logps.to(acc)
-    u_r = rejected - ref_rejected_logps.to(acc)
-    delta = u_c - u_r
-    e = label_smoothing
-    logsig = torch.nn.functional.logsigmoid
-    if loss_type == "sigmoid":
-        losses = -(1.0 - e) * logsig(beta * delta) - e * logsig(-beta * delta)
-    elif loss_type == "ipo":
-        losses = (u_c / n[:B].clamp(min=1.0) - u_r / n[B:].clamp(min=1.0) - 1.0 / (2.0 * beta)) ** 2
-    elif loss_type == "hinge":
-        losses = torch.relu(1.0 - beta * delta)
-    elif loss_type == "robust":
-        losses = (-(1.0 - e) * logsig(beta * delta) + e * logsig(-beta * delta)) / (1.0 - 2.0 * e)
+             loss_weights=None, label_smoothing=0.0, f_divergence_type="reverse_kl", f_alpha_divergence_coef=0.5,
+             ld_alpha=None, discopop_tau=0.05, use_weighting=False, bias=None, temperature=1.0, logit_scale=1.0,
+             softcap=None, ignore_index=-100, return_details=False):
+    """TRL 1.16 ``DPOTrainer._compute_loss`` with precomputed reference log-probs, written in TRL's order;
+    ``sigmoid`` keeps the conservative-DPO ``label_smoothing`` (cDPO; TRL 1.16's sigmoid ignores it)."""
+    z = logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+    logq = torch.log_softmax(z, dim=-1)
+    valid_tok = labels != ignore_index
+    per_token_logps = _gather(logq, labels, valid_tok).reshape(labels.shape[0], -1)
+    mask = valid_tok.reshape(labels.shape[0], -1)
+    acc = per_token_logps.dtype
+    B = per_token_logps.shape[0] // 2
+    if ld_alpha is None:
+        logps = per_token_logps.sum(-1)
+    else:  # LD-DPO: the tokens past the shorter completion of the pair count ld_alpha
+        comp_pos = mask.long().cumsum(-1)
+        lens = mask.sum(-1)
+        shared = torch.minimum(lens[:B], lens[B:]).repeat(2).unsqueeze(1)
+        shared_mask = (comp_pos > 0) & (comp_pos <= shared)
+        tail_mask = comp_pos > shared
+        logps = (per_token_logps * shared_mask).sum(-1) + ld_alpha * (per_token_logps * tail_mask).sum(-1)
+    chosen_logps, rejected_logps = logps[:B], logps[B:]
+    ref_c, ref_r = ref_chosen_logps.to(acc), ref_rejected_logps.to(acc)
+    chosen_logratios, rejected_logratios = chosen_logps - ref_c, rejected_logps - ref_r
+
+    if f_divergence_type == "reverse_kl":
+        chosen_scores, rejected_scores = chosen_logratios, rejected_logratios
+    elif f_divergence_type == "forward_kl":
+        chosen_scores, rejected_scores = 1 - torch.exp(-chosen_logratios), 1 - torch.exp(-rejected_logratios)
+    elif f_divergence_type == "js_divergence":
+        chosen_scores = math.log(2) + F.logsigmoid(chosen_logratios)
+        rejected_scores = math.log(2) + F.logsigmoid(rejected_logratios)
+    elif f_divergence_type == "alpha_divergence":
+        if abs(f_alpha_divergence_coef - 1.0) < 1e-6:
+            chosen_scores, rejected_scores = chosen_logratios, rejected_logratios
+        else:
+            a = f_alpha_divergence_coef - 1.0
+            chosen_scores = (torch.exp(torch.clamp(a * chosen_logratios, max=80.0)) - 1.0) / a
+            rejected_scores = (torch.exp(torch.clamp(a * rejected_logratios, max=80.0)) - 1.0) / a
     else:
-        raise ValueError(f"loss_type must be one of sigmoid, ipo, hinge, robust, got {loss_type!r}")
-    loss = losses.mean()
+        raise ValueError(f"unknown f_divergence_type {f_divergence_type!r}")
+    delta_score = chosen_scores - rejected_scores
+    n = mask.sum(-1).to(acc).clamp(min=1.0)
+    e = label_smoothing
+    logsig = F.logsigmoid
+
+    loss_types = [loss_type] if isinstance(loss_type, str) else list(loss_type)
+    loss_weights = [1.0] * len(loss_types) if loss_weights is None else list(loss_weights)
+    loss = torch.zeros((), dtype=acc)
+    for lt, lw in zip(loss_types, loss_weights):
+        if lt == "sigmoid":
+            losses = -(1 - e) * logsig(beta * delta_score) - e * logsig(-beta * delta_score)
+        elif lt == "hinge":
+            losses = torch.relu(1 - beta * delta_score)
+        elif lt == "ipo":
+            losses = (chosen_scores / n[:B] - rejected_scores / n[B:] - 1 / (2 * beta)) ** 2
+        elif lt == "exo_pair":
+            eps = torch.tensor(e, dtype=acc)
+            losses = (torch.sigmoid(beta * delta_score) * (logsig(beta * delta_score) - torch.log1p(-eps))
+                      + torch.sigmoid(-beta * delta_score) * (logsig(-beta * delta_score) - torch.log(eps)))
+        elif lt == "nca_pair":
+            rc, rr = beta * chosen_logratios, beta * rejected_logratios
+            losses = -logsig(rc) - 0.5 * logsig(-rc) - 0.5 * logsig(-rr)
+        elif lt == "robust":
+            losses = (-(1 - e) * logsig(beta * delta_score) + e * logsig(-beta * delta_score)) / (1 - 2 * e)
+        elif lt == "bco_pair":
+            losses = -logsig(beta * chosen_logratios) - logsig(-beta * rejected_logratios)
+        elif lt == "sppo_hard":
+            losses = (chosen_logratios - 0.5 / beta) ** 2 + (rejected_logratios + 0.5 / beta) ** 2
+        elif lt == "aot":
+            d = torch.sort(chosen_logps - rejected_logps)[0] - torch.sort(ref_c - ref_r)[0]
+            losses = -(1 - e) * logsig(beta * d) - e * logsig(-beta * d)
+        elif lt == "aot_unpaired":
+            d = torch.sort(chosen_logratios)[0] - torch.sort(rejected_logratios)[0]
+            losses = -(1 - e) * logsig(beta * d) - e * logsig(-beta * d)
+        elif lt == "apo_zero":
+            losses = 1 - torch.sigmoid(beta * chosen_logratios) + torch.sigmoid(beta * rejected_logratios)
+        elif lt == "apo_down":
+            losses = torch.sigmoid(beta * chosen_logratios) + 1 - torch.sigmoid(beta * (chosen_logratios
+                                                                                         - rejected_logratios))
+        elif lt == "discopop":
+            x = beta * delta_score
+            mod = torch.sigmoid(x / discopop_tau)
+            losses = -logsig(x) * (1 - mod) + torch.exp(-x) * mod
+        elif lt == "sft":
+            losses = (-per_token_logps[:B].sum() / max(1, int(mask[:B].sum()))).expand(B)
+        elif lt == "sigmoid_norm":
+            losses = -logsig(beta * (chosen_scores / n[:B] - rejected_scores / n[B:]))
+        else:
+            raise ValueError(f"unknown DPO loss_type {lt!r}")
+        if use_weighting:  # WPO: the pair's length-normalised probabilities, aligned to the policy's own
+            with torch.no_grad():
+                log_sum_sq = torch.logsumexp(2 * logq, dim=-1).reshape(mask.shape)
+                aligned = torch.where(mask, per_token_logps - log_sum_sq, torch.zeros_like(log_sum_sq))
+                weights = torch.exp(aligned.sum(-1) / mask.sum(-1).clamp(min=1))
+            losses = losses * weights[:B] * weights[B:]
+        loss = loss + (losses.mean() if B else losses.sum()) * lw
     if not return_details:
         return loss
-    return loss, DPODetails(
-        chosen_logps=chosen,
-        rejected_logps=rejected,
-        chosen_rewards=(beta * u_c).detach(),
-        rejected_rewards=(beta * u_r).detach(),
-    )
+    return loss, DPODetails(chosen_logps=chosen_logps, rejected_logps=rejected_logps,
+                            chosen_rewards=(beta * chosen_logratios).detach(),
+                            rejected_rewards=(beta * rejected_logratios).detach())
+
+
+# kto_loss
+
+
+def kto_loss(hidden, weight, labels, preference_labels, ref_logps, *, kl_hidden=None, kl_labels=None,
+             ref_kl_logps=None, kl=None, beta=0.1, loss_type="kto", desirable_weight=1.0, undesirable_weight=1.0,
+             bias=None, temperature=1.0, logit_scale=1.0, softcap=None, ignore_index=-100, return_details=False):
+    """TRL 1.16 ``KTOTrainer._compute_loss`` with precomputed reference log-probs, one process."""
+    kw = dict(bias=bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index)
+    logps = _sequence_logps(hidden, weight, labels, **kw)[0].sum(-1)
+    acc = logps.dtype
+    if loss_type == "apo_zero_unpaired":
+        z0 = torch.zeros((), dtype=acc)
+    elif kl is not None:
+        z0 = torch.as_tensor(kl, dtype=acc).reshape(()).detach()
+    else:
+        with torch.no_grad():  # the KL term is estimated from mismatched pairs without gradient
+            kl_logps = _sequence_logps(kl_hidden, weight, kl_labels, **kw)[0].sum(-1)
+            z0 = (kl_logps - ref_kl_logps.to(acc)).mean().clamp(min=0)
+    desirable = preference_labels.bool()
+    logratios = logps - ref_logps.to(acc)
+    if loss_type == "kto":
+        chosen = 1 - torch.sigmoid(beta * (logratios - z0))
+        rejected = 1 - torch.sigmoid(beta * (z0 - logratios))
+    elif loss_type == "apo_zero_unpaired":
+        chosen = 1 - torch.sigmoid(beta * logratios)
+        rejected = torch.sigmoid(beta * logratios)
+    else:
+        raise ValueError(f"unknown KTO loss_type {loss_type!r}")
+    losses = torch.where(desirable, desirable_weight * chosen, undesirable_weight * rejected)
+    loss = losses.mean() if losses.numel() else losses.sum()
+    if not return_details:
+        return loss
+    return loss, KTODetails(logps=logps, rewards=(beta * logratios).detach(), kl=z0.detach())
+
+
+# orpo_loss
+
+
+def orpo_loss(hidden, weight, labels, *, beta=0.1, nll_labels=None, bias=None, temperature=1.0, logit_scale=1.0,
+              softcap=None, ignore_index=-100, return_details=False):
+    """TRL 1.16 experimental ``ORPOTrainer.get_batch_loss_metrics``: NLL of the chosen completions minus
+    beta times the mean log-sigmoid of the log odds ratio of the mean token log-probs."""
+    kw = dict(bias=bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index)
+    per_token, valid = _sequence_logps(hidden, weight, labels, **kw)
+    avg = per_token.sum(-1) / valid.sum(-1).clamp(min=1)
+    B = avg.shape[0] // 2
+    chosen, rejected = avg[:B], avg[B:]
+    nll = _chosen_nll(*(_sequence_logps(hidden, weight, nll_labels, **kw) if nll_labels is not None
+                        else (per_token, valid)))
+    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
+    ratio = F.logsigmoid(log_odds)
+    loss = nll - beta * (ratio.mean() if B else ratio.sum())
+    if not return_details:
+        return loss
+    def mean(x):
+        return x.mean() if B else x.sum()
+
+    return loss, ORPODetails(chosen_logps=chosen, rejected_logps=rejected, chosen_rewards=(beta * chosen).detach(),
+                             rejected_rewards=(beta * rejected).detach(), log_odds_ratio=mean(ratio).detach(),
+                             log_odds_chosen=mean(log_odds).detach(), nll_loss=nll.detach())
+
+
+# cpo_loss
+
+
+def cpo_loss(hidden, weight, labels, *, beta=0.1, loss_type="sigmoid", label_smoothing=0.0, cpo_alpha=1.0,
+             simpo_gamma=0.5, alpha=0.0, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
+             ignore_index=-100, return_details=False):
+    """TRL 1.16 experimental ``CPOTrainer.get_batch_loss_metrics`` (SimPO is ``loss_type="simpo"``; AlphaPO
+    is ``alpha != 0``)."""
+    kw = dict(bias=bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index)
+    per_token, valid = _sequence_logps(hidden, weight, labels, **kw)
+    logps = per_token.sum(-1)
+    if loss_type in ("ipo", "simpo"):
+        logps = logps / valid.sum(-1).clamp(min=1)
+    B = logps.shape[0] // 2
+    chosen, rejected = logps[:B], logps[B:]
+    if alpha != 0.0:
+        chosen_r = (1 - torch.exp(chosen).pow(-alpha)) / alpha
+        rejected_r = (1 - torch.exp(rejected).pow(-alpha)) / alpha
+    else:
+        chosen_r, rejected_r = chosen, rejected
+    x = chosen_r - rejected_r
+    e = label_smoothing
+    if loss_type in ("sigmoid", "simpo"):
+        if loss_type == "simpo":
+            x = x - simpo_gamma / beta
+        losses = -F.logsigmoid(beta * x) * (1 - e) - F.logsigmoid(-beta * x) * e
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * x)
+    elif loss_type == "ipo":
+        losses = (x - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown CPO loss_type {loss_type!r}")
+    nll = _chosen_nll(per_token, valid) if cpo_alpha != 0 else torch.zeros((), dtype=logps.dtype)
+    loss = (losses.mean() if B else losses.sum()) + cpo_alpha * nll
+    if not return_details:
+        return loss
+    return loss, CPODetails(chosen_logps=chosen, rejected_logps=rejected, chosen_rewards=(beta * chosen_r).detach(),
+                            rejected_rewards=(beta * rejected_r).detach(), nll_loss=nll.detach())
 
 
 # --------------------------------------------------------------------------------------------------

@@ -1,4 +1,8 @@
-"""Result types shared by the public API and ``fusedloss.reference``."""
+"""Result types shared by the public API and ``fusedloss.reference``.
+
+Per-sequence fields are ``[B]`` (one per pair, or per example for KTO); scalars are 0-d tensors. Fields named
+``*_logps`` stay differentiable; rewards and metrics are detached. All are fp32, or float64 for float64 inputs.
+"""
 
 from __future__ import annotations
 
@@ -8,19 +12,50 @@ import torch
 
 
 class GRPODetails(NamedTuple):
-    logprobs: torch.Tensor  # [B, C] fp32, differentiable
-    entropy: torch.Tensor  # [B, C] detached
-    kl: Optional[torch.Tensor]  # masked mean of the per-token KL penalty, None when beta == 0
-    clip_ratio_low: torch.Tensor
-    clip_ratio_high: torch.Tensor
-    clip_ratio_region: torch.Tensor
+    """What TRL 1.16's GRPOTrainer logs, computed from the same statistics as the loss."""
+
+    logprobs: torch.Tensor  # [B, C], differentiable
+    entropy: torch.Tensor  # [B, C], detached; its masked mean is TRL's "entropy"
+    kl: Optional[torch.Tensor]  # masked mean of the KL term as it enters the loss (times the ratio with
+    # use_bias_correction_kl); None when beta == 0
+    clip_ratio_low: Optional[torch.Tensor]  # TRL's clip_ratio/low_mean; None for sapo and vespo
+    clip_ratio_high: Optional[torch.Tensor]  # clip_ratio/high_mean; cispo: its cispo_clip_ratio
+    clip_ratio_region: Optional[torch.Tensor]  # clip_ratio/region_mean
+    clip_ratio_low_min: Optional[torch.Tensor] = None  # clip_ratio/low_min (grpo family only)
+    clip_ratio_high_max: Optional[torch.Tensor] = None  # clip_ratio/high_max (grpo family only)
+    vespo_phi_seq_mean: Optional[torch.Tensor] = None  # vespo/phi_seq_mean (vespo only)
+    policy_loss: Optional[torch.Tensor] = None  # the loss before the entropy bonus (TRL's policy_loss)
 
 
 class DPODetails(NamedTuple):
-    chosen_logps: torch.Tensor  # [B], differentiable
+    chosen_logps: torch.Tensor  # [B], differentiable (LD-DPO weighted when ld_alpha is set)
     rejected_logps: torch.Tensor  # [B], differentiable
     chosen_rewards: torch.Tensor  # [B], detached, beta * (chosen_logps - ref_chosen_logps)
     rejected_rewards: torch.Tensor  # [B], detached
+
+
+class KTODetails(NamedTuple):
+    logps: torch.Tensor  # [B] sequence log-probs, differentiable
+    rewards: torch.Tensor  # [B] beta * (logps - ref_logps), detached
+    kl: torch.Tensor  # the KL reference point z0 the loss used (0-d, detached; 0 for apo_zero_unpaired)
+
+
+class ORPODetails(NamedTuple):
+    chosen_logps: torch.Tensor  # [B] mean token log-prob of each chosen completion, differentiable
+    rejected_logps: torch.Tensor  # [B], differentiable
+    chosen_rewards: torch.Tensor  # [B] beta * chosen_logps, detached
+    rejected_rewards: torch.Tensor  # [B], detached
+    log_odds_ratio: torch.Tensor  # mean of log sigmoid(log odds), detached (TRL's log_odds_ratio)
+    log_odds_chosen: torch.Tensor  # mean log odds, detached (TRL's log_odds_chosen)
+    nll_loss: torch.Tensor  # the chosen completions' NLL term, detached
+
+
+class CPODetails(NamedTuple):
+    chosen_logps: torch.Tensor  # [B] summed (sigmoid, hinge) or mean (ipo, simpo) token log-probs, differentiable
+    rejected_logps: torch.Tensor  # [B], differentiable
+    chosen_rewards: torch.Tensor  # [B] beta * reward (the AlphaPO transform when alpha != 0), detached
+    rejected_rewards: torch.Tensor  # [B], detached
+    nll_loss: torch.Tensor  # the chosen completions' NLL term (0 when cpo_alpha == 0), detached
 
 
 class GroupAdvantages(NamedTuple):

@@ -19,7 +19,7 @@ from conftest import cotangent_like, rel_err
 
 # The LM-head tensors take the dtype under test; other float inputs (advantages, old log-probs, ...)
 # take the accumulation dtype (fp32, or float64 for float64 runs), as a trainer would pass them.
-HEAD = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias")
+HEAD = ("hidden", "weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias", "kl_hidden")
 DIFFERENTIABLE = ("hidden", "weight", "bias")
 
 POSITIONAL = {
@@ -28,6 +28,9 @@ POSITIONAL = {
     "distillation_loss": ("hidden", "weight", "teacher_hidden", "teacher_weight", "targets"),
     "grpo_loss": ("hidden", "weight", "completion_ids", "advantages", "completion_mask"),
     "dpo_loss": ("hidden", "weight", "labels", "ref_chosen_logps", "ref_rejected_logps"),
+    "kto_loss": ("hidden", "weight", "labels", "preference_labels", "ref_logps"),
+    "orpo_loss": ("hidden", "weight", "labels"),
+    "cpo_loss": ("hidden", "weight", "labels"),
 }
 
 

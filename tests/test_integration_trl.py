@@ -150,7 +150,8 @@ def _common_args(tmp_path):
                 gradient_checkpointing=False)
 
 
-@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.0), ("dapo", 0.05), ("grpo", 0.1)])
+@pytest.mark.parametrize("loss_type,beta", [("dapo", 0.0), ("grpo", 0.0), ("dapo", 0.05), ("grpo", 0.1),
+                                            ("sapo", 0.05)])
 def test_grpo_matches_trl(loss_type, beta, saved_model, tokenizer, tmp_path, monkeypatch):
     from trl import GRPOConfig, GRPOTrainer
 
@@ -169,8 +170,12 @@ def test_grpo_matches_trl(loss_type, beta, saved_model, tokenizer, tmp_path, mon
     assert "entropy" in logs[0]
 
 
-@pytest.mark.parametrize("use_weighting", [False, True])
-def test_dpo_matches_trl(use_weighting, tokenizer, tmp_path, monkeypatch):
+MPO = dict(loss_type=["sigmoid", "bco_pair"], loss_weights=[0.8, 0.2])
+
+
+@pytest.mark.parametrize("use_weighting, loss", [(False, {}), (True, {}), (False, MPO)],
+                         ids=["sigmoid", "sigmoid-wpo", "mpo"])
+def test_dpo_matches_trl(use_weighting, loss, tokenizer, tmp_path, monkeypatch):
     from trl import DPOConfig, DPOTrainer
 
     rows = [("1+2=", "3", "4"), ("3+4=", "7", "1"), ("5+1=", "6", "9"), ("2+2=", "4", "5"),
@@ -178,7 +183,7 @@ def test_dpo_matches_trl(use_weighting, tokenizer, tmp_path, monkeypatch):
     dataset = Dataset.from_dict({"prompt": [r[0] for r in rows], "chosen": [r[1] + " ok" for r in rows],
                                  "rejected": [r[2] + " no!" for r in rows]})
     args = DPOConfig(**_common_args(tmp_path), per_device_train_batch_size=4, beta=0.5,
-                     use_weighting=use_weighting)
+                     use_weighting=use_weighting, **loss)
 
     def make():
         return DPOTrainer(model=tiny_model(len(tokenizer)), ref_model=tiny_model(len(tokenizer)), args=args,

@@ -16,6 +16,9 @@ PAIRS = [
     (fnn.DistillationLoss, fusedloss.distillation_loss),
     (fnn.GRPOLoss, fusedloss.grpo_loss),
     (fnn.DPOLoss, fusedloss.dpo_loss),
+    (fnn.KTOLoss, fusedloss.kto_loss),
+    (fnn.ORPOLoss, fusedloss.orpo_loss),
+    (fnn.CPOLoss, fusedloss.cpo_loss),
 ]
 
 
@@ -92,12 +95,48 @@ def test_grpo():
     _same(got, fusedloss.grpo_loss(hidden, weight, ids, adv, mask, old_logprobs=old, ref_logprobs=ref, **opts))
 
 
+def test_grpo_catalogue_options():
+    g, hidden, weight, _, targets = _data(5)
+    ids, mask = targets.clamp(min=0), targets >= 0
+    adv = torch.randn(3, generator=g, dtype=torch.float64)
+    old = torch.randn(3, 5, generator=g, dtype=torch.float64) * 0.1 - 3.5
+    sampling = old + 0.1
+    for opts in (dict(loss_type="sapo", sapo_temperature_neg=2.0, entropy_coef=0.01),
+                 dict(loss_type="vespo", vespo_k_pos=1.5, return_details=True),
+                 dict(loss_type="luspo", importance_sampling_level="sequence", off_policy_mask_threshold=0.05,
+                      top_entropy_quantile=0.5)):
+        opts["backend"] = "torch"
+        got = fnn.GRPOLoss(**opts)(hidden, weight, ids, adv, mask, old_logprobs=old, sampling_logprobs=sampling)
+        _same(got, fusedloss.grpo_loss(hidden, weight, ids, adv, mask, old_logprobs=old, sampling_logprobs=sampling,
+                                       **opts))
+
+
 def test_dpo():
     g, hidden, weight, _, labels = _data(3, b=4)
     ref_c, ref_r = torch.randn(2, generator=g, dtype=torch.float64), torch.randn(2, generator=g, dtype=torch.float64)
     opts = dict(beta=0.2, loss_type="ipo", return_details=True, backend="torch")
     _same(fnn.DPOLoss(**opts)(hidden, weight, labels, ref_c, ref_r),
           fusedloss.dpo_loss(hidden, weight, labels, ref_c, ref_r, **opts))
+    opts = dict(beta=0.2, loss_type=["sigmoid", "bco_pair"], loss_weights=[0.8, 0.2], ld_alpha=0.5,
+                use_weighting=True, backend="torch")
+    _same(fnn.DPOLoss(**opts)(hidden, weight, labels, ref_c, ref_r),
+          fusedloss.dpo_loss(hidden, weight, labels, ref_c, ref_r, **opts))
+
+
+def test_kto_orpo_cpo():
+    g, hidden, weight, bias, labels = _data(4, b=4)
+    pref = torch.tensor([True, False, False, True])
+    ref = torch.randn(4, generator=g, dtype=torch.float64) - 15
+    opts = dict(beta=0.3, desirable_weight=1.2, return_details=True, backend="torch")
+    _same(fnn.KTOLoss(**opts)(hidden, weight, labels, pref, ref, kl_hidden=hidden.flip(0), kl_labels=labels,
+                              ref_kl_logps=ref - 1, bias=bias),
+          fusedloss.kto_loss(hidden, weight, labels, pref, ref, kl_hidden=hidden.flip(0), kl_labels=labels,
+                             ref_kl_logps=ref - 1, bias=bias, **opts))
+    nll = torch.where(labels >= 0, labels, torch.zeros_like(labels))
+    _same(fnn.ORPOLoss(beta=0.2, backend="torch")(hidden, weight, labels, nll_labels=nll),
+          fusedloss.orpo_loss(hidden, weight, labels, nll_labels=nll, beta=0.2, backend="torch"))
+    opts = dict(loss_type="simpo", cpo_alpha=0.0, simpo_gamma=0.7, return_details=True, backend="torch")
+    _same(fnn.CPOLoss(**opts)(hidden, weight, labels), fusedloss.cpo_loss(hidden, weight, labels, **opts))
 
 
 def test_bad_option_reaches_the_function_error():

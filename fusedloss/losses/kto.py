@@ -1,0 +1,114 @@
+"""Kahneman-Tversky Optimization, as TRL 1.16's ``KTOTrainer._compute_loss`` computes it (reference
+log-probs passed in, as with ``precompute_ref_log_probs``).
+
+Unpaired batch: rows are independent completions, each desirable or not (``preference_labels``, TRL's
+``label`` column). Per row, with sequence log-prob logp = sum_t lp_t and u = logp - ref::
+
+    kto                desirable: w_d (1 - sig(b (u - z0)))     undesirable: w_u (1 - sig(b (z0 - u)))
+    apo_zero_unpaired  desirable: w_d (1 - sig(b u))            undesirable: w_u sig(b u)
+
+and the loss is the mean over rows. z0 is the KL reference point, detached: TRL estimates it from
+mismatched (prompt, completion) pairs, ``max(0, mean(logp_KL - ref_KL))`` with the policy's log-probs
+taken without gradient (``kl_hidden``/``kl_labels``/``ref_kl_logps`` here), or ``kl`` passes it directly
+(after a cross-process mean, as TRL gathers it). Everything after the statistics pass is a few operations
+on ``[B]`` vectors, written once in Python for every backend (docs/design.md, "Losses as per-token math").
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional, Union
+
+import torch
+
+from .. import _validation as v
+from ..types import KTODetails
+from . import sequences
+from .implicit_logits import implicit_logits
+
+LOSS_TYPES = ("kto", "apo_zero_unpaired")
+
+
+def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, preference_labels: torch.Tensor,
+             ref_logps: torch.Tensor, *, kl_hidden: Optional[torch.Tensor] = None,
+             kl_labels: Optional[torch.Tensor] = None, ref_kl_logps: Optional[torch.Tensor] = None,
+             kl=None, beta: float = 0.1, loss_type: Literal["kto", "apo_zero_unpaired"] = "kto",
+             desirable_weight: float = 1.0, undesirable_weight: float = 1.0, bias: Optional[torch.Tensor] = None,
+             temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
+             ignore_index: int = -100, return_details: bool = False,
+             backend: str = "auto") -> Union[torch.Tensor, tuple[torch.Tensor, KTODetails]]:
+    """TRL 1.16 KTOTrainer's loss from the hidden states (option names and defaults are KTOConfig's).
+
+    Args:
+        hidden: ``[B, T, D]``, one completion per row; position t predicts ``labels[:, t]``.
+        weight: ``[V, D]`` lm_head weight. bias: ``[V]`` or None.
+        labels: ``[B, T]`` token ids, ``ignore_index`` outside the completion.
+        preference_labels: ``[B]`` bool (or 0/1): True for a desirable completion (TRL's ``label``).
+        ref_logps: ``[B]`` reference sequence log-probs.
+        kl_hidden, kl_labels, ref_kl_logps: the mismatched pairs of TRL's KL estimate: ``[B', T', D]`` policy
+            hidden states, their ``[B', T']`` labels and ``[B']`` reference log-probs (no gradient flows).
+        kl: the reference point z0 itself (a number or 0-d tensor, used as given) instead of the pairs.
+            ``loss_type="kto"`` needs one of the two (``kl=0.0`` for none).
+        beta: the KTO temperature. loss_type: ``"kto"`` or ``"apo_zero_unpaired"`` (no z0).
+        desirable_weight, undesirable_weight: weights of the two kinds of rows.
+        temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.
+        ignore_index: the label of tokens that are not scored.
+        return_details: also return a ``KTODetails``. backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``.
+
+    Returns:
+        The scalar loss, or ``(loss, KTODetails)``: sequence log-probs (differentiable), rewards ``beta * u``
+        and the z0 used (detached).
+    """
+    v.require_choice("loss_type", loss_type, LOSS_TYPES)
+    v.require_real("beta", beta, positive=True)
+    v.require_real("desirable_weight", desirable_weight)
+    v.require_real("undesirable_weight", undesirable_weight)
+    pairs_given = [t is not None for t in (kl_hidden, kl_labels, ref_kl_logps)]
+    if kl is not None and any(pairs_given):
+        raise ValueError("pass either kl or the mismatched pairs (kl_hidden, kl_labels, ref_kl_logps), not both")
+    if any(pairs_given) and not all(pairs_given):
+        given = ", ".join(n for n, g in zip(("kl_hidden", "kl_labels", "ref_kl_logps"), pairs_given) if g)
+        raise ValueError(f"kl_hidden, kl_labels and ref_kl_logps go together (TRL's mismatched pairs); got {given}")
+    if loss_type == "kto" and kl is None and not any(pairs_given):
+        raise ValueError("loss_type='kto' needs the KL reference point: pass kl_hidden, kl_labels and ref_kl_logps "
+                         "(TRL's mismatched pairs), or kl (kl=0.0 for none)")
+    if kl is not None and not isinstance(kl, torch.Tensor):
+        v.require_real("kl", kl)
+    logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
+                             softcap=softcap, backend=backend)
+    rows = sequences.require_rows(logits, paired=False)
+    desirable = v.require_mask("preference_labels", preference_labels, (rows,)) != 0
+    v.require_tensor("ref_logps", ref_logps, floating=True)
+    v.require_shape("ref_logps", ref_logps, (rows,), "one value per row")
+    v.require_same_device(hidden=hidden, preference_labels=preference_labels, ref_logps=ref_logps)
+    logps = sequences.token_logps(logits, labels, ignore_index).sums()
+    acc = logps.dtype
+    z0 = torch.zeros((), dtype=acc, device=logps.device)
+    if loss_type == "kto":
+        z0 = _reference_point(kl, kl_hidden, kl_labels, ref_kl_logps, weight, bias, acc, ignore_index,
+                              dict(temperature=temperature, logit_scale=logit_scale, softcap=softcap, backend=backend))
+    u = logps - ref_logps.to(acc)
+    if loss_type == "kto":
+        gain, loss_ = 1 - torch.sigmoid(beta * (u - z0)), 1 - torch.sigmoid(beta * (z0 - u))
+    else:
+        gain, loss_ = 1 - torch.sigmoid(beta * u), torch.sigmoid(beta * u)
+    per_row = torch.where(desirable, desirable_weight * gain, undesirable_weight * loss_)
+    loss = per_row.mean() if rows else per_row.sum()
+    if not return_details:
+        return loss
+    return loss, KTODetails(logps=logps, rewards=(beta * u).detach(), kl=z0.detach())
+
+
+def _reference_point(kl, kl_hidden, kl_labels, ref_kl_logps, weight, bias, acc, ignore_index, head) -> torch.Tensor:
+    """z0: ``kl`` as given, or TRL's ``max(0, mean(logp_KL - ref_KL))`` from the mismatched pairs, without
+    gradient (TRL computes the policy's KL log-probs under no_grad)."""
+    if kl is not None:
+        return torch.as_tensor(kl, dtype=acc, device=weight.device).detach().reshape(())
+    with torch.no_grad():
+        logits = implicit_logits(kl_hidden, weight, bias, hidden_name="kl_hidden", **head)
+        rows = sequences.require_rows(logits, paired=False)
+        v.require_tensor("ref_kl_logps", ref_kl_logps, floating=True)
+        v.require_shape("ref_kl_logps", ref_kl_logps, (rows,), "one value per row of kl_hidden")
+        kl_logps = sequences.token_logps(logits, kl_labels, ignore_index).sums().to(acc)
+        if rows == 0:
+            return torch.zeros((), dtype=acc, device=kl_logps.device)
+        return (kl_logps - ref_kl_logps.to(acc)).mean().clamp(min=0)
