@@ -224,8 +224,8 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
 
     # Per-token advantages and weights outside the mask are never read: with a per-sequence (GSPO) ratio, a
     # NaN there would reach the shared ratio through the gradient of a discarded torch.where branch.
-    A = advantages.to(acc)
-    A = A.unsqueeze(1) if A.dim() == 1 else torch.where(mask, A, zero)
+    A_given = advantages.to(acc).reshape(B, -1)  # the clip metrics read it as TRL does
+    A = torch.where(mask, A_given, zero) if A_given.shape[1] == C else A_given
     old = logp.detach() if old_logprobs is None else old_logprobs.to(acc)
 
     log_ratio = torch.where(mask, logp - old, zero)
@@ -285,11 +285,11 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     r_d = r.detach()  # TRL measures clipping on coef_1, i.e. after the delta cap
     if loss_type == "cispo":
         # TRL tracks only the upper clip for CISPO (its cispo_clip_ratio).
-        high = (r_d > epsilon_high) & (A > 0)
+        high = (r_d > epsilon_high) & (A_given > 0)
         low = torch.zeros_like(high)
     else:
-        low = (r_d < 1.0 - epsilon_low) & (A < 0)
-        high = (r_d > 1.0 + epsilon_high) & (A > 0)
+        low = (r_d < 1.0 - epsilon_low) & (A_given < 0)
+        high = (r_d > 1.0 + epsilon_high) & (A_given > 0)
     details = GRPODetails(
         logprobs=logp,
         entropy=entropy.detach(),
