@@ -70,16 +70,38 @@ def _gather(logq: torch.Tensor, targets: torch.Tensor, valid: torch.Tensor) -> t
     return torch.where(valid, picked, torch.zeros_like(picked))
 
 
+# Masked vocabulary entries (log q = -inf) need care with autograd: torch.where sends a zero gradient to the
+# branch it discards, but that branch's own backward still runs, and 0 * inf there is NaN. So the entries
+# that a formula leaves out are first replaced by a harmless 0 (``_safe``) before any arithmetic.
+
+
+def _safe(x: torch.Tensor, dead: torch.Tensor) -> torch.Tensor:
+    return torch.where(dead, torch.zeros_like(x), x)
+
+
 def _entropy(logq: torch.Tensor) -> torch.Tensor:
     """-sum_v q_v log q_v, with 0 log 0 = 0."""
-    q = logq.exp()
-    return -torch.where(q == 0, torch.zeros_like(q), q * logq).sum(-1)  # a NaN q stays NaN
+    dead = torch.isneginf(logq)
+    logq = _safe(logq, dead)
+    return -torch.where(dead, torch.zeros_like(logq), logq.exp() * logq).sum(-1)  # a NaN q stays NaN
 
 
 def _kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
-    """KL(a || b) = sum_v a_v (log a_v - log b_v), over the last dimension, with 0 log 0 = 0."""
-    a = log_a.exp()
-    return torch.where(a == 0, torch.zeros_like(a), a * (log_a - log_b)).sum(-1)  # a NaN a stays NaN
+    """KL(a || b) = sum_v a_v (log a_v - log b_v), over the last dimension, with 0 log 0 = 0, and +inf
+    where some a_v > 0 meets b_v = 0 (log a_v finite, log b_v = -inf), even if exp(log a_v) underflows:
+    the answer of the mathematics, whatever the scale the probabilities are formed at."""
+    a_zero, b_zero = torch.isneginf(log_a), torch.isneginf(log_b)
+    log_a, log_b = _safe(log_a, a_zero | b_zero), _safe(log_b, a_zero | b_zero)
+    terms = torch.where(b_zero, torch.full_like(log_a, math.inf), log_a.exp() * (log_a - log_b))
+    return torch.where(a_zero, torch.zeros_like(terms), terms).sum(-1)  # a NaN a stays NaN
+
+
+def _log_mixture(logq: torch.Tensor, logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """log m with m = (1 - beta) q + beta p (-inf where both are 0)."""
+    dead = torch.isneginf(logq) & torch.isneginf(logp)
+    logm = torch.logsumexp(torch.stack((_safe(logq, dead) + math.log(1.0 - beta),
+                                        _safe(logp, dead) + math.log(beta))), dim=0)
+    return torch.where(dead, torch.full_like(logm, -math.inf), logm)
 
 
 def _as_float(x: Number) -> float:
@@ -166,7 +188,7 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
     elif beta == 1:
         soft = _kl(logq, logp)
     else:
-        logm = torch.logsumexp(torch.stack((logq + math.log(1.0 - beta), logp + math.log(beta))), dim=0)
+        logm = _log_mixture(logq, logp, beta)
         soft = beta * _kl(logp, logm) + (1.0 - beta) * _kl(logq, logm)
     per_token = soft_weight * soft * (temperature ** 2 if t_squared else 1.0)
     if targets is None:
@@ -337,7 +359,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         details = GRPODetails(
             logprobs=logp,
             entropy=entropy.detach(),
-            kl=None if per_token_kl is None else global_masked_mean(per_token_kl.detach()),
+            kl=None if per_token_kl is None else (per_token_kl.detach() * m).sum() / m.sum().clamp(min=1.0),
             clip_ratio_low=low, clip_ratio_high=high, clip_ratio_region=region,
             clip_ratio_low_min=low_min, clip_ratio_high_max=high_max,
             vespo_phi_seq_mean=None if phi_seq is None else global_masked_mean(phi_seq),

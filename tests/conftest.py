@@ -198,3 +198,38 @@ def leaf(t: Optional[torch.Tensor], dtype: torch.dtype, device, requires_grad: b
 def cotangent_like(t: torch.Tensor, seed: int) -> torch.Tensor:
     """A fixed random cotangent in float64 on the CPU, to weight a tensor output in a scalar objective."""
     return torch.randn(t.shape, generator=generator(seed), dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------------------------------
+# Every backend's kernel math on this machine
+
+
+def engine_params() -> list:
+    """torch; triton (its interpreter without a GPU); cuda (its host twins on CPU tensors when the extension
+    is built but no GPU is visible). Each is skipped, with the reason, where it cannot run."""
+    import fusedloss
+
+    status = fusedloss.backend_status()
+    cuda_ok = status["cuda"] == "available" or status["cuda"].startswith("built")
+    return [
+        pytest.param("torch", id="torch"),
+        pytest.param("triton", id="triton", marks=pytest.mark.skipif(
+            status["triton"] != "available", reason=f"triton: {status['triton']}")),
+        pytest.param("cuda", id="cuda", marks=pytest.mark.skipif(not cuda_ok, reason=f"cuda: {status['cuda']}")),
+    ]
+
+
+@pytest.fixture(params=engine_params())
+def any_engine(request, monkeypatch):
+    """(backend name, device) for each backend whose kernel math can run here. Without a GPU the CUDA backend
+    runs its host twins on CPU tensors: the public API refuses backend='cuda' for CPU tensors, so its
+    resolution is patched for the test."""
+    from fusedloss.core import backends
+
+    name = request.param
+    if name != "torch" and torch.cuda.is_available():
+        return name, torch.device("cuda")
+    if name == "cuda":
+        original = backends.resolve
+        monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    return name, torch.device("cpu")

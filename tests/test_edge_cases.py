@@ -229,3 +229,253 @@ def test_grpo_kl_metric_is_a_masked_mean_even_for_one_token_completions(backend)
     _, want = reference.grpo_loss(h, w, ids, torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
                                   ref_logprobs=ref_lp, beta=0.1, return_details=True)
     assert _rel(det.kl, want.kl) < 1e-12
+
+
+# --------------------------------------------------------------------------------------------------
+# Exactness under adversarial inputs: each test reproduces a defect found by differential fuzzing against
+# the float64 oracle of tests/oracle.py. The kernel-math ones run on every backend here (any_engine).
+
+import oracle  # noqa: E402
+from conftest import rel_err  # noqa: E402
+
+F64 = torch.float64
+INF = math.inf
+
+
+def _leaf(t, dtype, device):
+    return t.detach().to(device=device, dtype=dtype).requires_grad_(True)
+
+
+def _grads(loss, leaves):
+    return torch.autograd.grad(loss, leaves, allow_unused=True)
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_a_rows_gradient_does_not_depend_on_which_other_rows_carry_gradient(any_engine, dtype, monkeypatch):
+    """The backward must recompute the forward's logits to the last bit: a product of another shape (the rows
+    that carry gradient only) rounds differently, and on a confident row (1 - q ~ 1e-7) that last bit of z
+    became the leading digit of 1 - q: d hidden off by 3e-8 relative in float64, 3e-3 in fp32."""
+    backend, device = any_engine
+    monkeypatch.setenv("FUSEDLOSS_EAGER", "0")
+    g = torch.Generator().manual_seed(284)
+    h = torch.randn(2, 8, generator=g, dtype=F64)
+    w = torch.zeros(2, 8, dtype=F64)
+    w[0] = h[1] / h[1].norm() ** 2 * 16  # row 1: z = (16, 0) up to rounding, confident
+    h, w = h.to(dtype).to(F64), w.to(dtype).to(F64)
+    y = torch.tensor([0, 0])
+    hh = _leaf(h, dtype, device)
+    lp = fusedloss.token_logprobs(hh, w.to(device, dtype), y.to(device), backend=backend)
+    (alone,) = torch.autograd.grad(lp[1], [hh], retain_graph=True)
+    (together,) = _grads((lp * torch.tensor([1e-30, 1.0], dtype=lp.dtype, device=device)).sum(), [hh])
+    assert torch.equal(alone[1], together[1]), (alone[1], together[1])
+    h64 = h.clone().requires_grad_(True)
+    (want,) = _grads(oracle.token_logprobs(h64, w, y)[1], [h64])
+    assert rel_err(alone, want) <= (1e-10 if dtype == F64 else 1e-5)
+
+
+def test_confident_rows_next_to_ignored_rows_keep_fp32_accuracy(any_engine, monkeypatch):
+    """Ignored rows (every SFT batch has them) must not change the products a valid row's logits come from
+    (the CUDA forward kept them, its backward dropped them): confident fp32 rows stay within 1e-5."""
+    backend, device = any_engine
+    monkeypatch.setenv("FUSEDLOSS_EAGER", "0")
+    g = torch.Generator().manual_seed(3)
+    v, d = 37, 16
+    w = (torch.randn(v, d, generator=g, dtype=F64) / 4).float().double()
+    h = torch.randn(6, d, generator=g, dtype=F64)
+    y = torch.tensor([-100, 5, -100, 11, 7, -100])
+    for i in (1, 3, 4):  # 1 - q_y about 1e-4: z_y about 9 above the rest
+        h[i] += w[y[i]] / w[y[i]].norm() ** 2 * 9.0
+    h = h.float().double()
+    hh, ww = _leaf(h, torch.float32, device), _leaf(w, torch.float32, device)
+    loss = fusedloss.cross_entropy(hh, ww, y.to(device), reduction="sum", backend=backend)
+    got = _grads(loss, [hh, ww])
+    h64, w64 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    want = _grads(oracle.cross_entropy(h64, w64, y, reduction="sum"), [h64, w64])
+    for name, a, e in zip(("d hidden", "d weight"), got, want):
+        assert rel_err(a, e) <= 1e-5, name
+
+
+def test_target_column_gradient_keeps_its_digits(any_engine):
+    """``(a + inner) + inner expm1(log q_y)`` is exact only where a = -inner; for an improbable target with an
+    entropy (or KL) term it loses q_y inner: 3.5e-9 in float64 (naive autograd: exact), 1e-5 in fp32."""
+    backend, device = any_engine
+    if backend != "cuda":  # the CUDA backend hands float64 problems to the torch backend
+        h, w, y = torch.tensor([[1.0]], dtype=F64), torch.tensor([[20.0], [0.0], [1.0]], dtype=F64), torch.tensor([1])
+        ww = _leaf(w, F64, device)
+        _, ent = fusedloss.token_logprobs(h.to(device), ww, y.to(device), return_entropy=True, backend=backend)
+        (got,) = _grads(ent.sum(), [ww])
+        w64 = w.clone().requires_grad_(True)
+        (want,) = _grads(oracle.token_logprobs(h, w64, y, return_entropy=True)[1].sum(), [w64])
+        assert rel_err(got, want) <= 1e-12
+    # fp32: an entropy bonus on an improbable target
+    h, w, y = torch.tensor([[1.541]]), torch.tensor([[-0.2934], [-54.4697]]), torch.tensor([1])
+    hh = _leaf(h, torch.float32, device)
+    logp, ent = fusedloss.token_logprobs(hh, w.to(device), y.to(device), return_entropy=True, backend=backend)
+    (got,) = _grads(0.0461 * logp.sum() + 0.4024 * ent.sum(), [hh])
+    h64 = h.double().requires_grad_(True)
+    lp64, ent64 = oracle.token_logprobs(h64, w.double(), y, return_entropy=True)
+    (want,) = _grads(0.0461 * lp64.sum() + 0.4024 * ent64.sum(), [h64])
+    assert rel_err(got, want) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_masked_teacher_entry_gives_finite_gradients(any_engine, beta, dtype):
+    """A teacher that masks a vocabulary entry (-inf: padded rows, banned tokens) with forward KL or JSD: the
+    loss is finite and so must be the gradient. The dz kernels formed c2 log p with c2 = 0: 0 * -inf = NaN."""
+    backend, device = any_engine
+    if backend == "cuda" and dtype == F64:
+        pytest.skip("the CUDA backend hands float64 problems to the torch backend")
+    h, w = torch.tensor([[1.541]], dtype=F64), torch.tensor([[-0.2934], [-2.1788]], dtype=F64)
+    ht, wt = torch.tensor([[0.6127]], dtype=F64), torch.tensor([[-1.1754], [-0.7646]], dtype=F64)
+    tb = torch.tensor([-INF, 0.0], dtype=F64)
+    h, w, ht, wt = (t.to(dtype).to(F64) for t in (h, w, ht, wt))
+    hh, ww = _leaf(h, dtype, device), _leaf(w, dtype, device)
+    loss = fusedloss.distillation_loss(hh, ww, ht.to(device, dtype), wt.to(device, dtype), beta=beta,
+                                       teacher_bias=tb.to(device, dtype), backend=backend)
+    got = _grads(loss, [hh, ww])
+    h64, w64 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    want_loss = oracle.distillation_loss(h64, w64, ht, wt, beta=beta, teacher_bias=tb)
+    want = _grads(want_loss, [h64, w64])
+    tol = 1e-9 if dtype == F64 else 1e-5
+    assert rel_err(loss, want_loss) <= tol
+    for name, a, e in zip(("d hidden", "d weight"), got, want):
+        assert torch.isfinite(a).all(), name
+        assert rel_err(a, e) <= tol, name
+
+
+def test_a_label_on_a_masked_student_entry_gives_finite_gradients(any_engine):
+    """TRL-style distillation passes labels only to mark ignored tokens; a label on an entry the student
+    masks gives a finite loss, and the target column must then contribute exactly its coefficient
+    (0 log 0 -> 0 as on every other column), not 0 * inf = NaN."""
+    backend, device = any_engine
+    h, w = torch.tensor([[1.541]]), torch.tensor([[-0.2934], [-2.1788]])
+    ht, wt = torch.tensor([[0.6127]]), torch.tensor([[-1.1754], [-0.7646]])
+    b, y = torch.tensor([0.2842, -INF]), torch.tensor([1])
+    for objective in ("reverse_kl", "jsd", "entropy"):
+        hh, ww = _leaf(h, torch.float32, device), _leaf(w, torch.float32, device)
+        h64, w64 = h.double().requires_grad_(True), w.double().requires_grad_(True)
+        if objective == "entropy":
+            loss = fusedloss.token_logprobs(hh, ww, y.to(device), bias=b.to(device), return_entropy=True,
+                                            backend=backend)[1].sum()
+            want_loss = oracle.token_logprobs(h64, w64, y, bias=b.double(), return_entropy=True)[1].sum()
+        else:
+            beta = 1.0 if objective == "reverse_kl" else 0.5
+            loss = fusedloss.distillation_loss(hh, ww, ht.to(device), wt.to(device), y.to(device), beta=beta,
+                                               bias=b.to(device), backend=backend)
+            want_loss = oracle.distillation_loss(h64, w64, ht.double(), wt.double(), y, beta=beta, bias=b.double())
+        got, want = _grads(loss, [hh, ww]), _grads(want_loss, [h64, w64])
+        assert rel_err(loss, want_loss) <= 1e-5, objective
+        for name, a, e in zip(("d hidden", "d weight"), got, want):
+            assert torch.isfinite(a).all(), (objective, name, a)
+            assert rel_err(a, e) <= 1e-5, (objective, name)
+
+
+def test_forward_kl_against_a_masked_student_entry_is_inf_on_every_backend(any_engine):
+    """Teacher mass where the student has none: KL(p || q) = +inf (not NaN, on every backend)."""
+    backend, device = any_engine
+    h, w = torch.tensor([[1.541]]), torch.tensor([[-0.2934], [-2.1788]])
+    ht, wt = torch.tensor([[0.6127]]), torch.tensor([[-1.1754], [-0.7646]])
+    b = torch.tensor([0.2842, -INF])
+    loss = fusedloss.distillation_loss(h.to(device), w.to(device), ht.to(device), wt.to(device), beta=0.0,
+                                       bias=b.to(device), backend=backend)
+    assert float(loss) == INF
+
+
+@pytest.mark.parametrize("eager", ["0", "1"])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_kl_next_to_a_masked_entry_does_not_depend_on_the_tiling(beta, eager, monkeypatch):
+    """A probability that underflows only at the row's scale (logit -490 against a maximum of 688) facing a
+    masked (-inf) entry on the other side: the KL is +inf (mass where the other side has none), whatever the
+    vocabulary tile; it was 1.79, inf or NaN depending on VOCAB_TILE."""
+    from fusedloss.core import torch_backend
+
+    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    v = 7
+    h, w = torch.ones(1, 1, dtype=F64), torch.zeros(v, 1, dtype=F64)
+    finite = torch.zeros(v, dtype=F64)
+    finite[0], finite[5], finite[6] = 688.0, -490.0, -480.0
+    masked = torch.zeros(v, dtype=F64)
+    masked[5] = -INF
+    # reverse KL: the student has the tiny mass, the teacher masks; forward KL: the other way round
+    b, tb = (finite, masked) if beta == 1.0 else (masked, finite)
+    assert float(oracle.distillation_loss(h, w, h, w, beta=beta, bias=b, teacher_bias=tb)) == INF
+    for tile in (4096, 3, 2, 1):
+        monkeypatch.setattr(torch_backend, "VOCAB_TILE", tile)
+        hh = h.clone().requires_grad_(True)
+        loss = fusedloss.distillation_loss(hh, w, h, w, beta=beta, bias=b, teacher_bias=tb, backend="torch")
+        assert float(loss) == INF, tile
+
+
+@pytest.mark.parametrize("eager", ["1", "0"])
+def test_create_graph_is_refused_clearly(eager, monkeypatch):
+    """Second-order gradients are not implemented: differentiating a gradient must raise, never treat the
+    gradient as a constant (a gradient penalty was silently off by 60%)."""
+    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(3, 4, generator=g, dtype=F64, requires_grad=True)
+    w, ht = torch.randn(5, 4, generator=g, dtype=F64), torch.randn(3, 4, generator=g, dtype=F64)
+    with pytest.raises(RuntimeError, match="first-order gradients only"):
+        loss = fusedloss.distillation_loss(h, w, ht, w, backend="torch")
+        (grad,) = torch.autograd.grad(loss, h, create_graph=True)
+        (loss + (grad ** 2).sum()).backward()
+
+
+@pytest.mark.parametrize("eager", ["1", "0"])
+def test_backward_twice_without_retain_graph_raises_like_pytorch(eager, monkeypatch):
+    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    g = torch.Generator().manual_seed(1)
+    h = torch.randn(3, 4, generator=g, dtype=F64, requires_grad=True)
+    w, ht = torch.randn(5, 4, generator=g, dtype=F64), torch.randn(3, 4, generator=g, dtype=F64)
+    loss = fusedloss.distillation_loss(h, w, ht, w, backend="torch")
+    loss.backward()
+    with pytest.raises(RuntimeError, match="second time"):
+        loss.backward()
+    first = h.grad.clone()
+    h.grad = None
+    loss = fusedloss.distillation_loss(h, w, ht, w, backend="torch")
+    loss.backward(retain_graph=True)
+    loss.backward()
+    assert torch.allclose(h.grad, 2 * first, rtol=1e-14, atol=0)
+
+
+@pytest.mark.parametrize("fn", ["distillation_loss", "cross_entropy"])
+def test_meta_tensors_on_the_eager_path(fn, monkeypatch):
+    """Shape-only (meta) tensors give a meta loss whatever path the policy picks (FUSEDLOSS_EAGER=1 forces the
+    eager one for every row-local loss), as the composable op does."""
+    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    h = torch.empty(2, 3, 4, device="meta", requires_grad=True)
+    w = torch.empty(11, 4, device="meta", requires_grad=True)
+    y = torch.empty(2, 3, dtype=torch.long, device="meta")
+    if fn == "cross_entropy":
+        loss = fusedloss.cross_entropy(h, w, y, backend="torch")
+    else:
+        loss = fusedloss.distillation_loss(h, w, torch.empty(2, 3, 4, device="meta"), w.detach(), y,
+                                           backend="torch")
+    assert loss.device.type == "meta" and loss.shape == () and loss.requires_grad
+
+
+@pytest.mark.parametrize("eager", ["1", "0"])
+def test_num_items_in_batch_is_the_divisor(eager, monkeypatch):
+    """The loss is sum / num_items_in_batch (transformers divides by it; so does the reference): 0.5 gives
+    twice the sum, not the sum; a number or tensor that is not > 0 is a ValueError, not a silent 1."""
+    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    g = torch.Generator().manual_seed(2)
+    h = torch.randn(4, 5, generator=g, dtype=F64, requires_grad=True)
+    w, ht = torch.randn(7, 5, generator=g, dtype=F64), torch.randn(4, 5, generator=g, dtype=F64)
+    y = torch.tensor([1, -100, 3, 6])
+    calls = {
+        "cross_entropy": lambda m, n: m.cross_entropy(h, w, y, num_items_in_batch=n),
+        "distillation_loss": lambda m, n: m.distillation_loss(h, w, ht, w, y, num_items_in_batch=n),
+    }
+    for name, call in calls.items():
+        for n in (0.5, 3, torch.tensor(2.5), torch.tensor([4])):
+            got, want = call(fusedloss, n), call(reference, n)
+            assert _rel(got, want) < 1e-12, (name, n)
+            assert _rel(torch.autograd.grad(got, h)[0], torch.autograd.grad(want, h)[0]) < 1e-12, (name, n)
+        summed = call(fusedloss, None) if name == "distillation_loss" else None
+        if summed is not None:
+            assert _rel(call(fusedloss, 0.5), 2 * fusedloss.distillation_loss(h, w, ht, w, y, reduction="sum")) < 1e-12
+        for bad in (0, -1, 0.0, torch.tensor(-3.0), torch.tensor(0), torch.tensor(math.nan)):
+            with pytest.raises(ValueError, match="num_items_in_batch"):
+                call(fusedloss, bad)

@@ -381,3 +381,112 @@ def test_reference_distillation_matches_kl_div(beta):
     assert rel_err(got, per_all.sum() / valid.sum()) < 1e-12
     got = reference.distillation_loss(h, w, ht, wt, None, beta=beta, temperature=T)
     assert rel_err(got, per.mean()) < 1e-12
+
+
+# --------------------------------------------------------------------------------------------------
+# The reference against the independent oracle (tests/oracle.py), where the executable specification must
+# hold: masked vocabularies, garbage outside a GRPO mask. Its autograd is the plain log-softmax one, so
+# moderate (not peaked) rows; the oracle's stable backward is checked on peaked rows by the properties.
+
+import oracle  # noqa: E402
+
+
+def _masked_case(seed=0, v=11):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(5, 4, generator=g, dtype=torch.float64)
+    w = torch.randn(v, 4, generator=g, dtype=torch.float64)
+    b = torch.randn(v, generator=g, dtype=torch.float64)
+    b[[2, 7]] = -math.inf
+    ht = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    wt = torch.randn(v, 3, generator=g, dtype=torch.float64)
+    tb = torch.randn(v, generator=g, dtype=torch.float64)
+    tb[[2, 7]] = -math.inf  # the same entries: a vocabulary both heads mask
+    y = torch.tensor([1, 7, -100, 3, 2])  # labels on masked entries only mark valid tokens
+    return h, w, b, ht, wt, tb, y
+
+
+@pytest.mark.parametrize("beta", [0.0, 1.0, 0.5])
+def test_reference_gradients_with_masked_entries_are_finite(beta):
+    """A -inf bias masks vocabulary entries: 0 log 0 -> 0 in the KL and the entropy, and the gradients the
+    reference gives are finite and right (its torch.where guards used to send 0 * inf = NaN into them)."""
+    h, w, b, ht, wt, tb, y = _masked_case()
+    for fn in ("distillation", "entropy"):
+        leaves = [h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
+        o_leaves = [h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
+        if fn == "distillation":
+            got = reference.distillation_loss(leaves[0], leaves[1], ht, wt, y, beta=beta, bias=leaves[2],
+                                              teacher_bias=tb)
+            want = oracle.distillation_loss(o_leaves[0], o_leaves[1], ht, wt, y, beta=beta, bias=o_leaves[2],
+                                            teacher_bias=tb)
+        else:
+            got = reference.token_logprobs(leaves[0], leaves[1], y, bias=leaves[2], return_entropy=True)[1].sum()
+            want = oracle.token_logprobs(o_leaves[0], o_leaves[1], y, bias=o_leaves[2], return_entropy=True)[1].sum()
+        assert rel_err(got, want) < 1e-12, fn
+        for a, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, o_leaves)):
+            assert torch.isfinite(a).all(), fn
+            assert rel_err(a, e) < 1e-10, fn
+
+
+def test_reference_kl_is_inf_where_mass_meets_a_masked_entry():
+    """The reference follows the mathematics (and every backend): +inf, whatever exp underflows to."""
+    h, w, b, ht, wt, tb, y = _masked_case()
+    tb = tb.clone()
+    tb[4] = -math.inf  # masked by the teacher only
+    assert reference.distillation_loss(h, w, ht, wt, y, beta=1.0, bias=b, teacher_bias=tb).item() == math.inf
+    assert reference.distillation_loss(h, w, ht, wt, y, beta=0.0, bias=tb, teacher_bias=b).item() == math.inf
+    assert math.isfinite(reference.distillation_loss(h, w, ht, wt, y, beta=0.5, bias=b, teacher_bias=tb).item())
+
+
+@pytest.mark.parametrize("garbage", ["advantages", "importance_weights"])
+def test_reference_gspo_garbage_outside_the_mask_stays_out_of_the_gradient(garbage):
+    """Per-token inputs outside the completion mask are never read, in the gradient either: with a
+    per-sequence ratio a NaN there reached the shared ratio through a discarded torch.where branch."""
+    h = torch.tensor([[[1.541], [-0.2934], [-2.1788]]], dtype=torch.float64, requires_grad=True)
+    w = torch.tensor([[0.5684], [0.1]], dtype=torch.float64, requires_grad=True)
+    ids, mask = torch.tensor([[0, 1, 0]]), torch.tensor([[True, True, False]])
+    adv = torch.tensor([[1.0012, -0.0573, 0.3]], dtype=torch.float64)
+    weights = torch.tensor([[0.9, 1.2, 1.0]], dtype=torch.float64)
+    clean = dict(advantages=adv, importance_weights=weights)
+    dirty = dict(clean)
+    dirty[garbage] = torch.where(mask, clean[garbage], torch.full_like(clean[garbage], math.nan))
+    results = []
+    for kw in (clean, dirty):
+        for fn in (reference.grpo_loss, oracle.grpo_loss):
+            loss = fn(h, w, ids, kw["advantages"], mask, loss_type="grpo",
+                      importance_sampling_level="sequence", importance_weights=kw["importance_weights"])
+            results.append((loss,) + torch.autograd.grad(loss, [h, w]))
+    for got in results[1:]:
+        for a, e in zip(got, results[0]):
+            assert torch.isfinite(a).all()
+            assert rel_err(a, e) < 1e-12
+
+
+@pytest.mark.parametrize("case", ["token_logprobs", "cross_entropy", "distillation", "grpo", "dpo"])
+def test_reference_matches_the_oracle(case):
+    """Two independent writings of the same formulas agree (moderate logits, masked entries, ignored rows)."""
+    h, w, b, ht, wt, tb, y = _masked_case(seed=4)
+    leaves = [h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
+    o_leaves = [h.clone().requires_grad_(), w.clone().requires_grad_(), b.clone().requires_grad_()]
+    y_ok = torch.tensor([1, 5, -100, 3, 0])  # labels on unmasked entries (a masked one makes the CE inf)
+    ids, mask = y_ok.clamp(min=0).reshape(1, 5), (y_ok >= 0).reshape(1, 5)
+    old = torch.full((1, 5), -2.5, dtype=torch.float64)
+
+    def run(m, hh, ww, bb):
+        if case == "token_logprobs":
+            lp, ent = m.token_logprobs(hh, ww, y_ok, bias=bb, temperature=0.7, return_entropy=True)
+            return (lp * torch.linspace(-1, 1, 5, dtype=lp.dtype)).sum() + ent.sum()
+        if case == "cross_entropy":
+            return m.cross_entropy(hh, ww, y_ok, bias=bb, label_smoothing=0.1, z_loss=1e-3, softcap=3.0)
+        if case == "distillation":
+            return m.distillation_loss(hh, ww, ht, wt, y, beta=0.3, temperature=1.5, bias=bb, teacher_bias=tb)
+        if case == "grpo":
+            return m.grpo_loss(hh.reshape(1, 5, 4), ww, ids, torch.tensor([0.7], dtype=torch.float64), mask,
+                               old_logprobs=old, ref_logprobs=old + 0.1, beta=0.04, bias=bb, loss_type="bnpo")
+        labels = torch.tensor([[1, 5], [3, -100]])
+        return m.dpo_loss(hh[:4].reshape(2, 2, 4), ww, labels, torch.tensor([-3.0], dtype=torch.float64),
+                          torch.tensor([-4.0], dtype=torch.float64), bias=bb, beta=0.5)
+
+    got, want = run(reference, *leaves), run(oracle, *o_leaves)
+    assert rel_err(got, want) < 1e-12
+    for a, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, o_leaves)):
+        assert rel_err(a, e) < 1e-10

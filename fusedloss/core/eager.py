@@ -25,7 +25,7 @@ import torch
 from .. import config
 from . import backends
 from .problem import GradientNeeds, Statistics, StatsProblem
-from .statistics import dz_coefficients
+from .statistics import SECOND_ORDER_MESSAGE, autocast_off, dz_coefficients
 
 RowLoss = Callable[[Statistics, "slice | torch.Tensor"], torch.Tensor]
 """``row_loss(stats_of_rows, rows) -> scalar``: the loss contribution of those rows of the flattened batch;
@@ -53,18 +53,24 @@ class _EagerLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, problem: StatsProblem, backend_name: str, row_loss: RowLoss,
                 needs: GradientNeeds):
         device = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
-        with device:
+        with device, autocast_off(hidden.device):
             loss, grads = backends.get(backend_name).eager_gradients(problem, _chunk_function(row_loss, problem),
                                                                       needs)
-        ctx.grads = grads
+        # Saved (not kept on ctx) so that autograd frees them after the backward, and a second backward
+        # without retain_graph=True raises as it does for any PyTorch graph.
+        ctx.save_for_backward(*grads)
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss.to(problem.acc_dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
+        if torch.is_grad_enabled():
+            # create_graph=True: the stored gradients are constants here, so a gradient of them would be
+            # silently wrong. (The composable op raises when its gradient is differentiated.)
+            raise RuntimeError(SECOND_ORDER_MESSAGE)
         # Gradients were kept in fp32 (float64): scale, then round once to the parameter's dtype.
         dh, dw, db = (None if g is None else (g * grad_loss.to(g.dtype)).to(dtype)
-                      for g, dtype in zip(ctx.grads, ctx.dtypes))
+                      for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
         return dh, dw, db, None, None, None, None
 
 
@@ -92,6 +98,8 @@ def pays(backend_name: str, problem: StatsProblem) -> bool:
 def want_eager(backend_name: str, hidden: torch.Tensor, weight: torch.Tensor, bias) -> bool:
     """The eager path can apply: a gradient will be asked for and the backend has one (``pays`` decides)."""
     if torch.compiler.is_compiling() or not torch.is_grad_enabled() or config.from_environment().eager is False:
+        return False
+    if hidden.device.type == "meta":  # no data to compute on: the composable op's fake gives the shapes
         return False
     wants_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     return wants_grad and supports_eager(backend_name)

@@ -55,6 +55,12 @@ def _rebase(m: torch.Tensor):
     return mx, f, dm
 
 
+def _keep_inf(part: torch.Tensor, rebased: torch.Tensor) -> torch.Tensor:
+    """A KL partial of +inf (mass where the other side has none) stays +inf whatever its piece's factor
+    (0 * inf would be NaN where the piece's maximum underflows against the row's)."""
+    return torch.where(torch.isposinf(part), part, rebased)
+
+
 def merge(pieces: dict) -> dict:
     """Merge partials stacked along dim 0 (``[pieces, rows]`` per field) into ``[rows]``. Exact up to
     rounding and independent of how the columns were cut; pieces missing a field contribute nothing to it."""
@@ -72,8 +78,8 @@ def merge(pieces: dict) -> dict:
         s2=(f * f * pieces["s2"]).sum(0),
         sz=pieces["sz"].sum(0),
         mt=mt, st=(g * pieces["st"]).sum(0),
-        a=(f * (pieces["a"] + s * (dm - dmt))).sum(0),
-        b=(g * (pieces["b"] + pieces["st"] * (dmt - dm))).sum(0),
+        a=_keep_inf(pieces["a"], f * (pieces["a"] + s * (dm - dmt))).sum(0),
+        b=_keep_inf(pieces["b"], g * (pieces["b"] + pieces["st"] * (dmt - dm))).sum(0),
         zy=pieces["zy"].sum(0),
         mb=pieces["mb"].amax(0),
     )

@@ -28,6 +28,34 @@ def _on_device_of(t: torch.Tensor):
 
 
 # ------------------------------------------------------------------------------------------------
+# Autocast and higher-order gradients, decided once for every backend and device.
+# ------------------------------------------------------------------------------------------------
+def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
+    """The dtype autocast would run a linear layer in on ``device``, or None when autocast is off there."""
+    try:
+        if torch.is_autocast_enabled(device.type):
+            return torch.get_autocast_dtype(device.type)
+    except RuntimeError:  # a device type autocast does not know (meta)
+        pass
+    return None
+
+
+def autocast_off(device: torch.device):
+    """Inside the op (statistics, gradients, the eager path) autocast is off: the inputs were already cast as
+    a linear layer would cast them (``losses/implicit_logits.py``), the logits are formed in fp32 from them,
+    and the backward, which runs outside any autocast region, recomputes exactly the forward's logits."""
+    if autocast_dtype(device) is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, enabled=False)
+
+
+SECOND_ORDER_MESSAGE = (
+    "fusedloss computes first-order gradients only: differentiating a gradient of a fusedloss loss again "
+    "(create_graph=True for a gradient penalty, a Hessian-vector product, meta-learning) is not supported; "
+    "compute such a loss on materialised logits (fusedloss.reference has the same functions)")
+
+
+# ------------------------------------------------------------------------------------------------
 # The op's arguments, generated from StatsProblem's fields (the one table): each field becomes one or
 # more schema arguments, and ``_flatten`` / ``_unflatten`` convert between a problem and the op's flat
 # argument list. A LogitTransform field becomes three (temperature, logit_scale, softcap).
@@ -82,7 +110,7 @@ _NEEDS = ("need_hidden", "need_weight", "need_bias")
 def _statistics_op(*args) -> torch.Tensor:
     *flat, backend = args
     problem = _unflatten(flat)
-    with _on_device_of(problem.hidden):
+    with _on_device_of(problem.hidden), autocast_off(problem.hidden.device):
         return torch.stack(tuple(backends.get(backend).forward_statistics(problem)))
 
 
@@ -99,7 +127,7 @@ def _statistics_backward_op(*args) -> tuple:
     *flat, backend, stats, coeffs, need_hidden, need_weight, need_bias = args
     problem = _unflatten(flat)
     needs = GradientNeeds(need_hidden, need_weight, need_bias and problem.bias is not None)
-    with _on_device_of(problem.hidden):
+    with _on_device_of(problem.hidden), autocast_off(problem.hidden.device):
         grads = backends.get(backend).backward_gradients(problem, Statistics(*stats.unbind(0)), coeffs, needs)
     # custom ops cannot return None: an unneeded gradient travels as an empty tensor.
     return tuple(g if g is not None else problem.hidden.new_empty(0) for g in grads)
@@ -170,6 +198,16 @@ def _backward(ctx, grad_stats):
 
 
 _statistics_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _second_order(ctx, *grads):
+    raise RuntimeError(SECOND_ORDER_MESSAGE)
+
+
+# The gradients depend on hidden and weight, but their own derivatives are not implemented: with
+# create_graph=True they stay attached to the graph, and differentiating them raises this clear error
+# instead of treating them as constants.
+_statistics_backward_op.register_autograd(_second_order, setup_context=lambda ctx, inputs, output: None)
 
 
 class TeacherHead(NamedTuple):

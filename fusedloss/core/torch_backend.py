@@ -81,6 +81,15 @@ def _xlogy_terms(prob, log_ratio):
     return torch.where(prob == 0, torch.zeros_like(prob), prob * log_ratio)
 
 
+def _kl_terms(prob, log_own, log_other):
+    """The columns of a KL sum, prob * (log_own - log_other) with prob = e^log_own at some scale (a tile's
+    maximum): 0 where log_own = -inf (0 log 0), and +inf where log_own is finite but log_other = -inf (mass
+    where the other side has none), whatever exp underflows to at that scale. So the KL does not depend on
+    how the vocabulary was cut into tiles, splits or ranks (docs/design.md, "Numerical doctrine")."""
+    terms = _xlogy_terms(prob, log_own - log_other)
+    return torch.where(torch.isneginf(log_other) & torch.isfinite(log_own), math.inf, terms)
+
+
 def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem, tgt, v0: int, v1: int) -> dict:
     """The partial statistics (core/partials.py) of one tile of student (and teacher) logits."""
     rows = z.shape[0]
@@ -103,8 +112,7 @@ def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem,
         mt = zt.amax(dim=1)
         ztc = zt - _finite_or_zero(mt)[:, None]
         ezt = torch.exp(ztc)
-        diff = zc - ztc
-        part.update(mt=mt, st=ezt.sum(1), a=_xlogy_terms(ez, diff).sum(1), b=_xlogy_terms(ezt, -diff).sum(1))
+        part.update(mt=mt, st=ezt.sum(1), a=_kl_terms(ez, zc, ztc).sum(1), b=_kl_terms(ezt, ztc, zc).sum(1))
     if tgt is not None:
         part["zy"] = _gather_target(z, tgt, v0, v1)
         if p.want_extras:
@@ -166,21 +174,18 @@ def _zero_ignored(p: StatsProblem, out: dict, rows: slice) -> None:
 
 
 def forward_statistics(p: StatsProblem) -> Statistics:
-    # Ignored rows (padding, prompt tokens) cost nothing: run on the valid rows only.
-    if p.targets is not None:
-        valid = p.targets >= 0
-        if not bool(valid.all()):
-            rows = torch.nonzero(valid).squeeze(1)
-            sub = dataclasses.replace(
-                p, hidden=p.hidden.index_select(0, rows), targets=p.targets.index_select(0, rows),
-                teacher_hidden=None if p.teacher_hidden is None else p.teacher_hidden.index_select(0, rows))
-            stats = _forward_rows(sub) if rows.numel() else None
-            full = torch.zeros((len(Statistics._fields), p.hidden.shape[0]), device=p.hidden.device,
-                               dtype=p.acc_dtype)
-            if stats is not None:
-                full.index_copy_(1, rows, torch.stack(tuple(stats)))
-            return Statistics(*full.unbind(0))
-    return _forward_rows(p)
+    # Ignored rows (padding, prompt tokens) cost nothing: run on the valid rows only. backward_gradients
+    # recomputes the logits in these same row blocks.
+    rows = _valid_rows(p)
+    if rows is None:
+        return _forward_rows(p)
+    full = torch.zeros((len(Statistics._fields), p.hidden.shape[0]), device=p.hidden.device, dtype=p.acc_dtype)
+    if rows.numel():
+        sub = dataclasses.replace(
+            p, hidden=p.hidden.index_select(0, rows), targets=p.targets.index_select(0, rows),
+            teacher_hidden=None if p.teacher_hidden is None else p.teacher_hidden.index_select(0, rows))
+        full.index_copy_(1, rows, torch.stack(tuple(_forward_rows(sub))))
+    return Statistics(*full.unbind(0))
 
 
 def _forward_rows(p: StatsProblem) -> Statistics:
@@ -215,6 +220,25 @@ def _forward_rows(p: StatsProblem) -> Statistics:
     return Statistics(**out)
 
 
+LOG_HALF = -math.log(2.0)
+
+
+def target_column(a, inner_y, q_y, logq_y):
+    """``a + q_y inner_y``, the target column's dz before the teacher and uniform terms, per row.
+
+    * q_y == 0 (a label on a masked, -inf, logit): exactly ``a``, as 0 log 0 -> 0 on every other column
+      (inner_y holds c1 log 0 = -inf there, and 0 * inf would be NaN).
+    * q_y > 1/2 (log q_y > -ln 2): ``(a + inner_y) + inner_y expm1(log q_y)``. For log-probability terms
+      a + inner cancels exactly (a = -c0), so a confident row keeps the digits of 1 - q_y (1e-4 in fp32
+      would otherwise carry q's rounding, 6e-8, as 6e-4 relative).
+    * otherwise ``a + q_y inner_y``: for an improbable target the expm1 form would compute
+      inner + inner (q_y - 1) and lose q_y inner to cancellation when a != -inner (entropy or KL terms).
+    The Triton and CUDA kernels apply the same three cases (docs/design.md, "The dz formula")."""
+    confident = (a + inner_y) + inner_y * torch.expm1(logq_y)
+    plain = a + q_y * inner_y
+    return torch.where(q_y == 0, a, torch.where(logq_y > LOG_HALF, confident, plain))
+
+
 def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0, v1):
     """dx for one tile: the generic dz of problem.py, then the chain rule through temperature,
     soft-cap and logit_scale. Shared by the eager and the recompute paths. ``lse`` and ``lse_t`` are
@@ -247,12 +271,8 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0,
     else:  # 0 * (c1 * log 0) would be NaN: q_j log q_j -> 0
         dz = _xlogy_terms(dz, inner)
     if tgt is not None:
-        # The target column: a + q inner = (a + inner) + inner (q - 1) with q - 1 = expm1(log q), exact to
-        # rounding. For log-probability terms a + inner cancels exactly (a = -c0), so a confident row keeps
-        # the digits of 1 - q_y (1e-4 in fp32 would otherwise carry q's rounding, 6e-8, as 6e-4 relative).
-        a = coeffs[COEF_ONEHOT]
-        at_y = torch.where(q_y != 0, (a + inner_y) + inner_y * torch.expm1(logq_y), q_y * inner_y + a)
-        dz.scatter_(1, idx, torch.where(inside, at_y, dz.gather(1, idx).squeeze(1))[:, None])
+        dz.scatter_(1, idx, torch.where(inside, target_column(coeffs[COEF_ONEHOT], inner_y, q_y, logq_y),
+                                        dz.gather(1, idx).squeeze(1))[:, None])
     if logpt is not None and p.want_kl_fwd:
         dz.add_(coef[COEF_TEACHER_PROB] * torch.exp(logpt))
     if p.want_mean_logit:
@@ -264,27 +284,33 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0,
     return dz.mul_(scale) if scale != 1.0 else dz
 
 
+def _valid_rows(p: StatsProblem) -> Optional[torch.Tensor]:
+    """The rows the forward computes, as an index tensor (None: every row): those with a target >= 0."""
+    if p.targets is None:
+        return None
+    valid = p.targets >= 0
+    return None if bool(valid.all()) else torch.nonzero(valid).squeeze(1)
+
+
 def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds):
     """(d hidden, d weight, d bias), each None when not needed. Accumulates in fp32 (float64):
     d hidden in an [N, D] accumulator, d weight one vocabulary tile at a time over all row chunks,
-    so no full-size fp32 [V, D] buffer is ever held (only the [VOCAB_TILE, D] one of the current tile)."""
+    so no full-size fp32 [V, D] buffer is ever held (only the [VOCAB_TILE, D] one of the current tile).
+
+    The logits are recomputed in exactly the row blocks the forward formed them in (its valid rows, gathered
+    the same way, cut by ROW_CHUNK, times the same vocabulary tiles): a product's rounding depends on its
+    shape, and ``log q = (z - lse) - lse_lo`` needs z to be the forward's to the last bit, or a confident
+    row's 1 - q takes the difference as its leading digit. So a row's gradient never depends on which other
+    rows carry gradient (docs/design.md, "Numerical doctrine"). Rows whose coefficients are all zero still
+    ride in their block; their dz is set to exactly 0 (their logits may overflow, or be NaN padding), and a
+    block with no gradient at all is skipped."""
     acc = p.acc_dtype
     h_all, w = p.hidden, p.weight
     v = w.shape[0]
     dh = torch.zeros(h_all.shape, device=h_all.device, dtype=acc) if needs.hidden else None
-    dw = torch.empty_like(w) if needs.weight else None
-    db = torch.empty_like(p.bias) if needs.bias else None
-    # Rows with all-zero coefficients (ignored targets, masked tokens) contribute nothing: skip them.
-    active = (coeffs != 0).any(dim=0)
-    rows = torch.nonzero(active).squeeze(1) if not bool(active.all()) else None
-    if rows is not None and rows.numel() == 0:
-        if dh is not None:
-            dh = dh.to(h_all.dtype)
-        if dw is not None:
-            dw.zero_()
-        if db is not None:
-            db.zero_()
-        return dh, dw, db
+    dw = torch.zeros_like(w) if needs.weight else None
+    db = torch.zeros_like(p.bias) if needs.bias else None
+    rows = _valid_rows(p)
 
     def pick(t):
         return t if rows is None or t is None else t.index_select(0, rows)
@@ -295,6 +321,12 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     lse_act = torch.stack((pick(saved.lse), pick(saved.lse_lo)))
     lset_act = torch.stack((pick(saved.lse_t), pick(saved.lse_t_lo)))
     n_act = h_act.shape[0]
+    carries = (coeffs_act != 0).any(dim=0)  # [n_act]: rows whose dz is not identically zero
+    chunks = [(r0, min(n_act, r0 + ROW_CHUNK)) for r0 in range(0, n_act, ROW_CHUNK)]
+    live = torch.stack([carries[r0:r1].any() for r0, r1 in chunks]).tolist() if chunks else []
+    chunks = [(r0, r1) for (r0, r1), keep in zip(chunks, live) if keep]
+    if not chunks:
+        return (None if dh is None else dh.to(h_all.dtype)), dw, db
     dh_act = torch.zeros((n_act, h_all.shape[1]), device=h_all.device, dtype=acc) if needs.hidden else None
     for v0 in range(0, v, VOCAB_TILE):
         v1 = min(v, v0 + VOCAB_TILE)
@@ -303,8 +335,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         w_acc = w_tile.to(acc)
         dw_tile = torch.zeros(w_tile.shape, device=w.device, dtype=acc) if needs.weight else None
         db_tile = torch.zeros(v1 - v0, device=w.device, dtype=acc) if needs.bias else None
-        for r0 in range(0, n_act, ROW_CHUNK):
-            r1 = min(n_act, r0 + ROW_CHUNK)
+        for r0, r1 in chunks:
             h = h_act[r0:r1]
             z, c = _logits_tile(h, w_tile, b_tile, p.transform, acc)
             zt = None
@@ -314,6 +345,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
             tgt = None if tgt_act is None else tgt_act[r0:r1]
             dx = logits_gradient_tile(p, z, c, zt, coeffs_act[:, r0:r1], lse_act[:, r0:r1].unbind(0),
                                       lset_act[:, r0:r1].unbind(0), tgt, v0, v1)
+            dx.masked_fill_(~carries[r0:r1, None], 0.0)
             if dh_act is not None:
                 dh_act[r0:r1] += dx @ w_acc
             if dw_tile is not None:

@@ -233,7 +233,7 @@ class _Completions(NamedTuple):
     valid: torch.Tensor  # [B, C] bool
     m: torch.Tensor  # [B, C] the mask as TRL multiplies by it
     adv: torch.Tensor
-    adv_seq: Optional[torch.Tensor]  # [B, 1] as given, when the advantages are per completion (TRL's shapes)
+    adv_seq: Optional[torch.Tensor]  # [B, 1] as given, when TRL's advantages are [B, 1] (see ``of``)
     old: Optional[torch.Tensor]
     ref: Optional[torch.Tensor]
     sampling: Optional[torch.Tensor]
@@ -260,7 +260,9 @@ class _Completions(NamedTuple):
             t = (t.unsqueeze(1) if t.dim() == 1 else t).expand(b, c)
             return torch.where(valid, t, torch.full_like(t, value))
 
-        adv_seq = advantages.to(acc).unsqueeze(1) if advantages.dim() == 1 else None
+        # TRL's [B, 1] advantages (given per completion, or per token with C == 1) are read as given by its
+        # plain-mean clip metrics, masked entries included.
+        adv_seq = advantages.to(acc).reshape(b, -1) if advantages.dim() == 1 or c == 1 else None
         return cls(ids=ids, valid=valid, m=mask.to(acc), adv=neutral(advantages), adv_seq=adv_seq,
                    old=neutral(old_logprobs), ref=neutral(ref_logprobs), sampling=neutral(sampling_logprobs),
                    weights=neutral(importance_weights, 1.0))
@@ -438,7 +440,9 @@ def _details(logp, entropy, kl, ratio, phi, policy_loss, t: _Completions, opts: 
         return GRPODetails(
             logprobs=logp,
             entropy=entropy.detach(),
-            kl=None if kl is None else _batch_mean(kl.detach(), t),
+            # A per-token value: always a masked mean (TRL's plain-mean branch for [B, 1] tensors would count
+            # masked tokens when C == 1).
+            kl=None if kl is None else (kl.detach() * t.m).sum() / count_or_one(t.m.sum()),
             clip_ratio_low=clip[0], clip_ratio_high=clip[1], clip_ratio_region=clip[2],
             clip_ratio_low_min=clip[3], clip_ratio_high_max=clip[4],
             vespo_phi_seq_mean=None if phi is None else _batch_mean(phi, t),
@@ -482,7 +486,8 @@ def _sequence_extreme(x, t: _Completions, reduce):
         per_seq, present = x[:, 0], torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
     else:
         count = t.m.sum(-1)
-        per_seq, present = (x * t.m).sum(-1) / count_or_one(count), count != 0
+        present = count != 0  # TRL divides by the mask sum itself (a fractional mask may sum below 1)
+        per_seq = (x * t.m).sum(-1) / torch.where(present, count, torch.ones_like(count))
     skip = torch.inf if reduce is torch.amin else -torch.inf
     extreme = reduce(torch.where(present, per_seq, torch.full_like(per_seq, skip)), dim=0) if x.numel() else None
     if extreme is None:

@@ -16,7 +16,7 @@ import torch
 
 from .. import _validation as v
 from ..core import LogitTransform, Statistics, TeacherHead, backends, eager, token_statistics
-from ..core.statistics import build_problem
+from ..core.statistics import autocast_dtype, build_problem
 
 
 @dataclass
@@ -99,12 +99,26 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, one of {backends.BACKEND_NAMES}, got {backend!r}")
     name = backends.resolve(backend, device)
+    cast = autocast_dtype(device)
+    if cast is not None:
+        # Under autocast the head is a linear layer like any other: hidden, weight and bias are cast to the
+        # autocast dtype as F.linear would cast them, and the op itself runs with autocast off, so that the
+        # logits are formed in fp32 from those values in the forward and again in the backward (which runs
+        # outside the autocast region). One behaviour for every backend and device.
+        hidden, weight, bias = (_autocast(t, cast) for t in (hidden, weight, bias))
     lead = tuple(hidden.shape[:-1])
     return ImplicitLogits(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])), weight=_rows_contiguous(weight),
                   bias=None if bias is None else bias.contiguous(),
                   transform=LogitTransform(float(temperature), float(logit_scale),
                                            None if softcap is None else float(softcap)),
                   lead_shape=lead, backend=name)
+
+
+def _autocast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
+    """Autocast's own rule: floating tensors other than float64 take the autocast dtype."""
+    if t is None or t.dtype == dtype or t.dtype == torch.float64:
+        return t
+    return t.to(dtype)
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -117,12 +131,22 @@ def count_or_one(count: torch.Tensor) -> torch.Tensor:
     return count.clamp(min=1)
 
 
-def items_divisor(num_items_in_batch, like: torch.Tensor) -> torch.Tensor:
-    """``num_items_in_batch`` (int or tensor, as trainers pass it) as a tensor on ``like``'s device."""
+def items_divisor(num_items_in_batch, like: torch.Tensor, *, positive: bool = False) -> torch.Tensor:
+    """``num_items_in_batch`` (int or tensor, as trainers pass it) as a tensor on ``like``'s device.
+
+    ``positive``: the loss is ``sum / num_items_in_batch`` itself (cross-entropy, distillation: what
+    transformers computes), so a value that is not > 0 is refused with a ValueError, a tensor's too, rather
+    than silently clamped (0.5 must give 2 * sum, as the reference does) or turned into inf / NaN. The
+    tensor's value is checked outside torch.compile only (it needs a host synchronisation)."""
     if isinstance(num_items_in_batch, torch.Tensor):
-        if num_items_in_batch.numel() != 1 or num_items_in_batch.is_complex():
+        if (num_items_in_batch.numel() != 1 or num_items_in_batch.is_complex()
+                or num_items_in_batch.dtype == torch.bool):
             raise ValueError("num_items_in_batch must be a number or a one-element real tensor, got "
                              f"shape {tuple(num_items_in_batch.shape)} ({num_items_in_batch.dtype})")
+        if (positive and not torch.compiler.is_compiling() and num_items_in_batch.device.type != "meta"
+                and not bool(num_items_in_batch.reshape(()) > 0)):
+            raise ValueError("num_items_in_batch must be > 0 (the loss is sum / num_items_in_batch), got "
+                             f"{num_items_in_batch.reshape(()).item()!r}")
         return num_items_in_batch.reshape(()).to(device=like.device, dtype=like.dtype)
-    v.require_real("num_items_in_batch", num_items_in_batch, nonnegative=True)
+    v.require_real("num_items_in_batch", num_items_in_batch, nonnegative=True, positive=positive)
     return torch.tensor(float(num_items_in_batch), device=like.device, dtype=like.dtype)

@@ -14,14 +14,14 @@ def reduced_token_loss(logits: ImplicitLogits, per_token, valid: torch.Tensor, r
 
     ``mean_name`` ("mean" or "batchmean"): sum / max(1, valid tokens); "sum"; "none": the per-token tensor
     with the leading shape of hidden. With ``num_items_in_batch`` a reduced loss is sum / num_items_in_batch
-    (gradient accumulation over micro-batches, as transformers passes it). A reduced loss is a weighted sum
-    of per-row terms, so it may take the eager 3-product path unless ``row_local`` is False (a per-token
-    term that also depends on another statistics pass)."""
+    (gradient accumulation over micro-batches, as transformers passes it and divides by it); it must be > 0.
+    A reduced loss is a weighted sum of per-row terms, so it may take the eager 3-product path unless
+    ``row_local`` is False (a per-token term that also depends on another statistics pass)."""
     v.require_choice("reduction", reduction, (mean_name, "sum", "none"))
     if reduction == "none":
         return logits.unflatten(per_token(logits.statistics(**wants), slice(None)))
     if num_items_in_batch is not None:
-        scale = 1.0 / count_or_one(items_divisor(num_items_in_batch, valid.new_zeros((), dtype=torch.float64)))
+        scale = 1.0 / items_divisor(num_items_in_batch, valid.new_zeros((), dtype=torch.float64), positive=True)
     elif reduction == mean_name:
         scale = 1.0 / count_or_one(valid.sum()).double()
     else:
