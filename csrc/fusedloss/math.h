@@ -257,7 +257,7 @@ FL_HD RowState state_merge(const RowState& r, const RowState& p) {
 // Per-row outputs, in the order of the fields of problem.Statistics.
 enum Output : int {
   kLse = 0, kLogp, kEntropy, kKlRev, kKlFwd, kJsd, kLseT, kKlQm, kMeanLogit, kLogSumSqProbs, kIsTop1, kLseLo, kLseTLo,
-  kNumOutputs
+  kRowMax, kNumOutputs
 };
 
 // (m - lse) + log s: what rounding lse = m + log s dropped (m - lse is exact); 0 where not finite.
@@ -280,6 +280,7 @@ FL_HD void finalize_row(const RowState& r, float zy, const Wants& w, float out[k
   const float lse = r.m + log_s;
   out[kLse] = lse;
   out[kLseLo] = rounding_residual(lse, r.m, log_s);
+  out[kRowMax] = r.m;
   if (w.targets) out[kLogp] = (zy - r.m) - log_s;  // not zy - lse: see problem.py on the _lo terms
   if (w.entropy) out[kEntropy] = log_s - r.e / r.s;
   if (w.mean_logit) out[kMeanLogit] = r.sz / w.vocab;

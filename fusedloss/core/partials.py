@@ -105,7 +105,7 @@ def finalize(state: dict, p: StatsProblem, vocab: int, *, has_targets: Optional[
     has_targets = p.targets is not None if has_targets is None else has_targets
     ls = log_s(state)
     lse = state["m"] + ls
-    out = {"lse": lse, "lse_lo": rounding_residual(lse, state["m"], ls)}
+    out = {"lse": lse, "lse_lo": rounding_residual(lse, state["m"], ls), "row_max": state["m"]}
     if has_targets:
         # (z_y - m) - log s, not z_y - lse: for a confident row z_y ~ m ~ lse ~ 30 and logp ~ -0.01, and
         # subtracting the rounded lse would cost the digits that z_y - m (exact near the max) keeps.

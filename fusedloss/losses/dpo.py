@@ -23,12 +23,14 @@ LOSS_TYPES = ("sigmoid", "ipo", "hinge", "robust")
 
 def dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, *, beta=0.1, loss_type="sigmoid",
              label_smoothing=0.0, bias=None, temperature=1.0, logit_scale=1.0, softcap=None, ignore_index=-100,
-             return_details=False, backend="auto"):
+             return_details=False, backend="auto", process_group=None, reduce_hidden_grad=True, vocab_start=None,
+             vocab_size=None, fsdp_vocab_parallel=False):
     v.require_choice("loss_type", loss_type, LOSS_TYPES)
     v.require_real("beta", beta, positive=True)
     v.require_real("label_smoothing", label_smoothing, nonnegative=True, below=0.5 if loss_type == "robust" else 1.0)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                   backend=backend)
+                   backend=backend, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+                   vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
     if len(logits.lead_shape) != 2 or logits.lead_shape[0] % 2:
         raise ValueError("hidden must be [2B, T, D], chosen rows then rejected rows, with an even first dimension; "
                          f"got shape {tuple(hidden.shape)}")

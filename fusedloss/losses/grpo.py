@@ -28,7 +28,8 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
               bias=None, temperature=1.0, logit_scale=1.0, softcap=None, loss_type="dapo", epsilon_low=0.2,
               epsilon_high=None, delta=None, beta=0.0, importance_sampling_level="token", max_completion_length=None,
               num_items_in_batch=None, num_processes=1, importance_weights=None, return_details=False,
-              backend="auto"):
+              backend="auto", process_group=None, reduce_hidden_grad=True, vocab_start=None, vocab_size=None,
+              fsdp_vocab_parallel=False):
     v.require_choice("loss_type", loss_type, LOSS_TYPES)
     v.require_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
     v.require_real("epsilon_low", epsilon_low, nonnegative=True)
@@ -42,7 +43,8 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
                                               max_completion_length < 1):
         raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                   backend=backend)
+                   backend=backend, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+                   vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
     if len(logits.lead_shape) != 2:
         raise ValueError(f"hidden must be [B, C, D] (row t predicts completion_ids[:, t]), got shape "
                          f"{tuple(hidden.shape)}")

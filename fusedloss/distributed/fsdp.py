@@ -1,0 +1,7 @@
+"""FSDP2 heads (placeholder)."""
+
+from __future__ import annotations
+
+
+def prepare(*args, **kwargs):
+    raise NotImplementedError

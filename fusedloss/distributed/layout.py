@@ -1,0 +1,106 @@
+"""Which rows of the full head each rank holds, agreed once per group and shard shape.
+
+A vocabulary-parallel head is any partition of the rows into contiguous shards in rank order: equal
+(Megatron), ceil-div with a short or empty last rank (``torch.chunk``, DTensor ``Shard(0)``), balanced, or
+64-granular. Each rank knows its own row count; ``vocab_start`` may be given (explicitly or from a
+DTensor) or derived. One tiny all-gather of ``(rows, vocab_start, vocab_size)`` per (group, shape) gives
+every rank the whole table; it is checked on every rank from the same table, so a bad layout raises the
+same ``ValueError`` on every rank instead of hanging the ones that would have gone on. The result is cached:
+a training step pays no collective and no host synchronisation for it.
+
+Rows at or past ``vocab_size`` (the logical vocabulary) are padding (Megatron's
+``make_vocab_size_divisible_by``, tokenizers padded to 64): each rank drops its padded tail before any
+statistic is formed (``real_rows``), so they never enter a softmax and get zero gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+from . import _comm
+
+
+@dataclass(frozen=True)
+class VocabLayout:
+    group_name: str
+    rank: int
+    starts: tuple  # global id of each rank's first row
+    rows: tuple  # weight rows each rank holds, padding included
+    vocab_size: int  # the logical vocabulary: rows at or past it are padding
+
+    @property
+    def world(self) -> int:
+        return len(self.rows)
+
+    @property
+    def real_rows(self) -> tuple:
+        """Rows of each rank that are real tokens (its rows below ``vocab_size``)."""
+        return tuple(max(0, min(n, self.vocab_size - s)) for s, n in zip(self.starts, self.rows))
+
+    @property
+    def start(self) -> int:
+        return self.starts[self.rank]
+
+    @property
+    def local_real_rows(self) -> int:
+        return self.real_rows[self.rank]
+
+
+def resolve(group, local_rows: int, vocab_start: Optional[int], vocab_size: Optional[int],
+            device: torch.device) -> VocabLayout:
+    """The layout of a head sharded over ``group``, of which this rank holds ``local_rows`` rows."""
+    name = _comm.name_of(group)
+    table = _gathered_table(name, int(local_rows), -1 if vocab_start is None else int(vocab_start),
+                            -1 if vocab_size is None else int(vocab_size), device.type)
+    return _checked_layout(name, table)
+
+
+@torch.compiler.assume_constant_result
+def _gathered_table(group_name: str, local_rows: int, vocab_start: int, vocab_size: int, device_type: str) -> tuple:
+    """``((rows, vocab_start, vocab_size), ...)`` of every rank, in rank order (-1: not given). Constant for
+    a process and its arguments: torch.compile takes it at trace time, as eager takes it from the cache."""
+    return _gathered_table_cached(group_name, local_rows, vocab_start, vocab_size, device_type)
+
+
+@lru_cache(maxsize=256)
+def _gathered_table_cached(group_name: str, local_rows: int, vocab_start: int, vocab_size: int,
+                           device_type: str) -> tuple:
+    group = _comm.resolve(group_name)
+    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+    mine = torch.tensor([local_rows, vocab_start, vocab_size], dtype=torch.int64, device=device)
+    rank = _comm.rank(group)
+    table = tuple(tuple(int(x) for x in row) for row in _comm.all_gather(mine, group).cpu().tolist())
+    return (rank,) + table
+
+
+def _checked_layout(group_name: str, gathered: tuple) -> VocabLayout:
+    rank, table = gathered[0], gathered[1:]
+    rows = tuple(r[0] for r in table)
+    given = [r[1] for r in table]
+    sizes = {r[2] for r in table}
+    described = ", ".join(f"rank {i}: {n} rows" + (f" from {s}" if s >= 0 else "")
+                          for i, (n, s, _) in enumerate(table))
+    if len(sizes) > 1:
+        raise ValueError(f"vocab_size differs between the ranks of the process group ({sorted(sizes)}): every "
+                         "rank must pass the same logical vocabulary size, or none")
+    if any(s >= 0 for s in given) and not all(s >= 0 for s in given):
+        raise ValueError("vocab_start must be given on every rank of the process group or on none "
+                         f"({described})")
+    derived = tuple(sum(rows[:i]) for i in range(len(rows)))
+    if given[0] >= 0 and tuple(given) != derived:
+        raise ValueError("the vocabulary shards do not add up: each rank's weight must hold contiguous rows of "
+                         f"the full head, in rank order, starting at 0 ({described})")
+    total = sum(rows)
+    vocab_size = sizes.pop()
+    if vocab_size < 0:
+        vocab_size = total
+    if vocab_size > total:
+        raise ValueError(f"vocab_size={vocab_size} but the shards of the process group hold {total} rows in "
+                         f"total ({described})")
+    if vocab_size == 0:
+        raise ValueError(f"the head has no vocabulary rows on any rank ({described})")
+    return VocabLayout(group_name=group_name, rank=rank, starts=derived, rows=rows, vocab_size=vocab_size)
