@@ -109,10 +109,13 @@ def padded_prefix(weight, bias, vocab_size: Optional[int], weight_name: str = "w
 
 
 def check_same_rows(student, teacher) -> None:
-    """A teacher head must be spread over the ranks exactly as the student's (the merge pairs each rank's
-    columns of both). Raised alike on every rank: the layouts come from the same gathered tables."""
+    """A teacher head must be spread over the ranks exactly as the student's when the statistics are merged
+    across ranks (each rank pairs its columns of both); a head gathered whole (FSDP2, ZeRO-3) also takes a
+    whole teacher. Raised alike on every rank: the layouts come from the same gathered tables."""
     s, t = student.distributed, teacher.distributed
     if s is None and t is None:
+        return
+    if t is None and getattr(s, "takes_whole_teacher", False):
         return
     if s is None or t is None or not s.same_rows(t):
         raise ValueError("teacher_weight must be sharded exactly as weight (the same process group and the same "

@@ -16,7 +16,6 @@ statistic is formed (``real_rows``), so they never enter a softmax and get zero 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 import torch
@@ -54,44 +53,46 @@ def resolve(group, local_rows: int, vocab_start: Optional[int], vocab_size: Opti
             device: torch.device) -> VocabLayout:
     """The layout of a head sharded over ``group``, of which this rank holds ``local_rows`` rows."""
     name = _comm.name_of(group)
-    table = _gathered_table(name, int(local_rows), -1 if vocab_start is None else int(vocab_start),
-                            -1 if vocab_size is None else int(vocab_size), device.type)
-    return _checked_layout(name, table)
+    rank, starts, rows, size = _layout(name, int(local_rows), -1 if vocab_start is None else int(vocab_start),
+                                       -1 if vocab_size is None else int(vocab_size), device.type)
+    return VocabLayout(group_name=name, rank=rank, starts=starts, rows=rows, vocab_size=size)
+
+
+_CACHE: dict = {}
 
 
 @torch.compiler.assume_constant_result
-def _gathered_table(group_name: str, local_rows: int, vocab_start: int, vocab_size: int, device_type: str) -> tuple:
-    """``((rows, vocab_start, vocab_size), ...)`` of every rank, in rank order (-1: not given). Constant for
-    a process and its arguments: torch.compile takes it at trace time, as eager takes it from the cache."""
-    return _gathered_table_cached(group_name, local_rows, vocab_start, vocab_size, device_type)
+def _layout(group_name: str, local_rows: int, vocab_start: int, vocab_size: int, device_type: str) -> tuple:
+    """``(rank, starts, rows, vocab_size)`` (-1: not given). Constant for a process and its arguments:
+    torch.compile takes it at trace time, as eager takes it from the cache. Only layouts that passed the
+    checks are cached: after a misuse raised on every rank, no rank may skip the collective of the next call
+    while another enters it."""
+    key = (group_name, local_rows, vocab_start, vocab_size, device_type)
+    if key not in _CACHE:
+        group = _comm.resolve(group_name)
+        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+        mine = torch.tensor([local_rows, vocab_start, vocab_size], dtype=torch.int64, device=device)
+        table = [tuple(int(x) for x in row) for row in _comm.all_gather(mine, group).cpu().tolist()]
+        _CACHE[key] = (_comm.rank(group),) + _checked(table)
+    return _CACHE[key]
 
 
-@lru_cache(maxsize=256)
-def _gathered_table_cached(group_name: str, local_rows: int, vocab_start: int, vocab_size: int,
-                           device_type: str) -> tuple:
-    group = _comm.resolve(group_name)
-    device = torch.device(device_type, torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
-    mine = torch.tensor([local_rows, vocab_start, vocab_size], dtype=torch.int64, device=device)
-    rank = _comm.rank(group)
-    table = tuple(tuple(int(x) for x in row) for row in _comm.all_gather(mine, group).cpu().tolist())
-    return (rank,) + table
-
-
-def _checked_layout(group_name: str, gathered: tuple) -> VocabLayout:
-    rank, table = gathered[0], gathered[1:]
+def _checked(table: list) -> tuple:
+    """``(starts, rows, vocab_size)`` from every rank's ``(rows, vocab_start, vocab_size)``, or the ValueError
+    that every rank raises alike (they all hold the same table)."""
     rows = tuple(r[0] for r in table)
     given = [r[1] for r in table]
     sizes = {r[2] for r in table}
     described = ", ".join(f"rank {i}: {n} rows" + (f" from {s}" if s >= 0 else "")
                           for i, (n, s, _) in enumerate(table))
     if len(sizes) > 1:
-        raise ValueError(f"vocab_size differs between the ranks of the process group ({sorted(sizes)}): every "
-                         "rank must pass the same logical vocabulary size, or none")
+        raise ValueError(f"vocab_size differs between the ranks of the process group ({sorted(sizes)}; -1: not "
+                         "given): every rank must pass the same logical vocabulary size, or none")
     if any(s >= 0 for s in given) and not all(s >= 0 for s in given):
         raise ValueError("vocab_start must be given on every rank of the process group or on none "
                          f"({described})")
-    derived = tuple(sum(rows[:i]) for i in range(len(rows)))
-    if given[0] >= 0 and tuple(given) != derived:
+    starts = tuple(sum(rows[:i]) for i in range(len(rows)))
+    if given[0] >= 0 and tuple(given) != starts:
         raise ValueError("the vocabulary shards do not add up: each rank's weight must hold contiguous rows of "
                          f"the full head, in rank order, starting at 0 ({described})")
     total = sum(rows)
@@ -103,4 +104,4 @@ def _checked_layout(group_name: str, gathered: tuple) -> VocabLayout:
                          f"total ({described})")
     if vocab_size == 0:
         raise ValueError(f"the head has no vocabulary rows on any rank ({described})")
-    return VocabLayout(group_name=group_name, rank=rank, starts=derived, rows=rows, vocab_size=vocab_size)
+    return starts, rows, vocab_size
