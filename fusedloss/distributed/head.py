@@ -79,7 +79,13 @@ def prepare_head(hidden, weight, bias, *, process_group=None, reduce_hidden_grad
         if process_group is not None or vocab_start is not None:
             raise ValueError(f"{weight_name} is a DeepSpeed ZeRO-3 parameter (its partitions are not rows of the "
                              "head): it is gathered, so process_group and vocab_start do not apply")
-        return hidden, weight, bias, zero3.Zero3Head(weight, bias, vocab_size)
+        if not weight.requires_grad:  # a frozen head (a teacher): gathered once, a plain tensor from here on
+            weight = zero3.frozen_copy(weight, hidden.dtype)
+            bias = None if bias is None else zero3.frozen_copy(bias, hidden.dtype)
+            weight, bias = padded_prefix(weight, bias, vocab_size, weight_name)
+            return hidden, weight, bias, None
+        head = zero3.Zero3Head(weight, bias, vocab_size)
+        return (hidden, *head.stand_ins(hidden), head)
     if process_group is not None:
         return vocab_parallel_head(hidden, weight, bias, process_group, vocab_start, vocab_size, reduce_hidden_grad)
     if vocab_start is not None:
