@@ -1,7 +1,9 @@
 """``torch.nn.Module`` wrappers of the functional API, for code that composes losses as modules.
 
 Each module takes the keyword options of its function in ``__init__`` and the tensors in ``forward``, and
-calls the function: no math lives here, so a module and its function can never disagree. Options that
+calls the function: no math lives here, so a module and its function can never disagree. The keyword arguments
+``process_group``, ``reduce_hidden_grad``, ``vocab_start``, ``vocab_size`` and ``fsdp_vocab_parallel`` say where
+the head's rows live, as for the functions (fusedloss/distributed). Options that
 change from batch to batch (``num_items_in_batch``, GRPO's ``old_logprobs``/``ref_logprobs``/
 ``importance_weights``) are ``forward`` arguments. The modules hold no parameters: pass the head's
 ``weight`` (and ``bias``) to ``forward``, e.g. ``loss_fn(hidden, model.lm_head.weight, labels)``.
@@ -37,14 +39,23 @@ class _FunctionalModule(torch.nn.Module):
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())
 
 
+def _sharding(process_group, reduce_hidden_grad, vocab_start, vocab_size, fsdp_vocab_parallel) -> dict:
+    """Where the head's rows live (fusedloss/distributed): the same keywords as every loss function."""
+    return dict(process_group=process_group, reduce_hidden_grad=reduce_hidden_grad, vocab_start=vocab_start,
+                vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
+
+
 class TokenLogProbs(_FunctionalModule):
     """``forward(hidden, weight, targets, bias=None)`` -> ``fusedloss.token_logprobs(...)``: per-token
     log p(targets) ``[...]``, or ``(logp, entropy)`` with ``return_entropy=True``."""
 
     def __init__(self, *, temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
-                 ignore_index: int = -100, return_entropy: bool = False, backend: str = "auto"):
+                 ignore_index: int = -100, return_entropy: bool = False, backend: str = "auto", process_group=None,
+                 reduce_hidden_grad: bool = True, vocab_start: Optional[int] = None,
+                 vocab_size: Optional[int] = None, fsdp_vocab_parallel: bool = False):
         super().__init__(temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                         ignore_index=ignore_index, return_entropy=return_entropy, backend=backend)
+                         ignore_index=ignore_index, return_entropy=return_entropy, backend=backend,
+                         **_sharding(process_group, reduce_hidden_grad, vocab_start, vocab_size, fsdp_vocab_parallel))
 
     def forward(self, hidden, weight, targets, bias=None):
         return fusedloss.token_logprobs(hidden, weight, targets, bias=bias, **self.options)
@@ -56,10 +67,13 @@ class LinearCrossEntropy(_FunctionalModule):
 
     def __init__(self, *, ignore_index: int = -100, reduction: str = "mean", label_smoothing: float = 0.0,
                  z_loss: float = 0.0, temperature: float = 1.0, logit_scale: float = 1.0,
-                 softcap: Optional[float] = None, backend: str = "auto"):
+                 softcap: Optional[float] = None, backend: str = "auto", process_group=None,
+                 reduce_hidden_grad: bool = True, vocab_start: Optional[int] = None,
+                 vocab_size: Optional[int] = None, fsdp_vocab_parallel: bool = False):
         super().__init__(ignore_index=ignore_index, reduction=reduction, label_smoothing=label_smoothing,
                          z_loss=z_loss, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                         backend=backend)
+                         backend=backend,
+                         **_sharding(process_group, reduce_hidden_grad, vocab_start, vocab_size, fsdp_vocab_parallel))
 
     def forward(self, hidden, weight, targets, bias=None, num_items_in_batch=None):
         return fusedloss.cross_entropy(hidden, weight, targets, bias=bias, num_items_in_batch=num_items_in_batch,
@@ -73,9 +87,12 @@ class DistillationLoss(_FunctionalModule):
 
     def __init__(self, *, beta: float = 1.0, temperature: float = 1.0, hard_weight: float = 0.0,
                  soft_weight: float = 1.0, t_squared: bool = False, ignore_index: int = -100,
-                 reduction: str = "batchmean", backend: str = "auto"):
+                 reduction: str = "batchmean", backend: str = "auto", process_group=None,
+                 reduce_hidden_grad: bool = True, vocab_start: Optional[int] = None,
+                 vocab_size: Optional[int] = None, fsdp_vocab_parallel: bool = False):
         super().__init__(beta=beta, temperature=temperature, hard_weight=hard_weight, soft_weight=soft_weight,
-                         t_squared=t_squared, ignore_index=ignore_index, reduction=reduction, backend=backend)
+                         t_squared=t_squared, ignore_index=ignore_index, reduction=reduction, backend=backend,
+                         **_sharding(process_group, reduce_hidden_grad, vocab_start, vocab_size, fsdp_vocab_parallel))
 
     def forward(self, hidden, weight, teacher_hidden, teacher_weight, targets=None, bias=None, teacher_bias=None,
                 num_items_in_batch=None):
@@ -93,12 +110,15 @@ class GRPOLoss(_FunctionalModule):
                  loss_type: str = "dapo", epsilon_low: float = 0.2, epsilon_high: Optional[float] = None,
                  delta: Optional[float] = None, beta: float = 0.0, importance_sampling_level: str = "token",
                  max_completion_length: Optional[int] = None, num_processes: int = 1, return_details: bool = False,
-                 backend: str = "auto"):
+                 backend: str = "auto", process_group=None,
+                 reduce_hidden_grad: bool = True, vocab_start: Optional[int] = None,
+                 vocab_size: Optional[int] = None, fsdp_vocab_parallel: bool = False):
         super().__init__(temperature=temperature, logit_scale=logit_scale, softcap=softcap, loss_type=loss_type,
                          epsilon_low=epsilon_low, epsilon_high=epsilon_high, delta=delta, beta=beta,
                          importance_sampling_level=importance_sampling_level,
                          max_completion_length=max_completion_length, num_processes=num_processes,
-                         return_details=return_details, backend=backend)
+                         return_details=return_details, backend=backend,
+                         **_sharding(process_group, reduce_hidden_grad, vocab_start, vocab_size, fsdp_vocab_parallel))
 
     def forward(self, hidden, weight, completion_ids, advantages, completion_mask, old_logprobs=None,
                 ref_logprobs=None, bias=None, num_items_in_batch=None, importance_weights=None):
@@ -114,10 +134,13 @@ class DPOLoss(_FunctionalModule):
 
     def __init__(self, *, beta: float = 0.1, loss_type: str = "sigmoid", label_smoothing: float = 0.0,
                  temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
-                 ignore_index: int = -100, return_details: bool = False, backend: str = "auto"):
+                 ignore_index: int = -100, return_details: bool = False, backend: str = "auto", process_group=None,
+                 reduce_hidden_grad: bool = True, vocab_start: Optional[int] = None,
+                 vocab_size: Optional[int] = None, fsdp_vocab_parallel: bool = False):
         super().__init__(beta=beta, loss_type=loss_type, label_smoothing=label_smoothing, temperature=temperature,
                          logit_scale=logit_scale, softcap=softcap, ignore_index=ignore_index,
-                         return_details=return_details, backend=backend)
+                         return_details=return_details, backend=backend,
+                         **_sharding(process_group, reduce_hidden_grad, vocab_start, vocab_size, fsdp_vocab_parallel))
 
     def forward(self, hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, bias=None):
         return fusedloss.dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, bias=bias,

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fusedloss.distributed.layout import forget as forget_layouts
+
 
 def run(world: int, checks: list, tmp, *, debug: bool = False, timeout: float = 60.0) -> list:
     tmp = str(tmp)
@@ -37,6 +39,9 @@ def _worker(rank: int, world: int, checks: list, tmp: str, debug: bool, timeout:
     results = {}
     try:
         for name, module, function, kwargs in checks:
+            # Checks shard heads in many ways over one group: each starts with no layout learnt (training has
+            # one sharding per group; fusedloss.distributed.layout explains why it caches).
+            forget_layouts()
             fn = getattr(importlib.import_module(module), function)
             try:
                 results[name] = {"value": fn(rank=rank, world=world, **kwargs)}

@@ -323,6 +323,20 @@ def check_compiled(rank, world):
     return {"err": {k: rel_err(a, e) for k, a, e in zip(("loss", "hidden.grad", "weight.grad"), compiled, eager)}}
 
 
+def check_module(rank, world):
+    """The nn modules take the same keywords and give the function's result."""
+    import fusedloss.nn
+
+    data = problem(6)
+    sizes = shard_sizes("balanced", V + PAD, world)
+    start = sum(sizes[:rank])
+    w = data["w"][start:start + sizes[rank]]
+    module = fusedloss.nn.LinearCrossEntropy(label_smoothing=0.1, process_group=dist.group.WORLD, vocab_size=V)
+    got = module(data["h"], w, data["y"])
+    return {"err": {"module": rel_err(got, fusedloss.cross_entropy(data["h"], data["w"][:V], data["y"],
+                                                                   label_smoothing=0.1))}}
+
+
 # ---------------------------------------------------------------------------------------------------
 # Spawns (one per configuration) and the tests that judge them
 
@@ -331,7 +345,7 @@ FAST = {
     3: [("empty_first", True, True), ("padding_rank", True, False)],
 }
 FAST_FP32 = ("cross_entropy", "distill_jsd", "grpo")
-BACKEND_CHECKS = {2: [("triton", torch.float32), ("cuda", torch.float32)], 3: [("triton", F64)]}
+BACKEND_CHECKS = {2: [("triton", torch.float32), ("cuda", torch.float32)], 3: [("triton", F64), ("cuda", torch.float32)]}
 MISUSE = ("target_in_padding", "shards_do_not_add_up", "vocab_size_too_large", "start_on_some_ranks",
           "teacher_sharded_differently")
 
@@ -352,6 +366,7 @@ def fast_checks(world: int) -> list:
         checks.append((f"misuse/{case}", MODULE, "check_misuse", dict(case=case)))
     checks.append(("after_misuse", MODULE, "check_after_misuse", {}))
     checks.append(("compiled", MODULE, "check_compiled", {}))
+    checks.append(("module", MODULE, "check_module", {}))
     for backend, dtype in BACKEND_CHECKS[world]:
         if fusedloss.backend_status()[backend] == "available" or backend == "cuda" and _cuda_host_twins():
             checks.append((f"backend/{backend}/{dtype}", MODULE, "check_backend", dict(backend=backend, dtype=dtype)))
@@ -440,12 +455,97 @@ def test_compiled_step_matches_eager(fast_run):
     judge(results, "compiled", world, 1e-13)
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
-def test_gpu_backends_on_shards(fast_run, backend):
+def test_nn_module_takes_the_sharding_keywords(fast_run):
+    world, _, results = fast_run
+    judge(results, "module", world, 1e-12)
+
+
+@pytest.mark.parametrize("kernels", ["triton", "cuda"])
+def test_gpu_backends_on_shards(fast_run, kernels):
     world, checks, results = fast_run
-    names = [c[0] for c in checks if c[0].startswith(f"backend/{backend}/")]
+    names = [c[0] for c in checks if c[0].startswith(f"backend/{kernels}/")]
     if not names:
-        pytest.skip(f"{backend}: {fusedloss.backend_status()[backend]}")
+        pytest.skip(f"{kernels}: {fusedloss.backend_status()[kernels]}")
     for name in names:
         judge(results, name, world, TOL[F64 if name.endswith("float64") else torch.float32])
         assert_equal_on_every_rank(results, name, world)
+
+
+# ---------------------------------------------------------------------------------------------------
+# One device: vocab_size without a process group (the weight's prefix; padding rows get zero gradient)
+
+
+@pytest.mark.parametrize("loss", LOSSES)
+def test_padded_vocabulary_on_one_device(loss):
+    data = problem(8)
+    rows = slice(0, V + PAD)
+    outs, (dh, dw, db) = run_case(loss, data, F64, rows, full=False, vocab_size=V)
+    ref, (rdh, rdw, rdb) = run_case(loss, data, F64, rows, full=True)
+    for o, r in zip(outs, ref):
+        assert torch.equal(o, r)
+    assert torch.equal(dh, rdh) and torch.equal(dw[:V], rdw) and torch.equal(db[:V], rdb)
+    assert not dw[V:].any() and not db[V:].any()
+
+
+def test_padded_vocabulary_errors_on_one_device():
+    data = problem(8)
+    h, w, y = data["h"], data["w"], data["y"].clone()
+    with pytest.raises(ValueError, match="vocab_size=17 but weight has only 16 rows"):
+        fusedloss.cross_entropy(h, w, y, vocab_size=V + PAD + 1)
+    with pytest.raises(ValueError, match="vocab_start=2 needs a process_group"):
+        fusedloss.cross_entropy(h, w, y, vocab_start=2)
+    with pytest.raises(ValueError, match="vocab_size must be an int >= 1"):
+        fusedloss.cross_entropy(h, w, y, vocab_size=0)
+    with pytest.raises(TypeError, match="reduce_hidden_grad must be a bool"):
+        fusedloss.cross_entropy(h, w, y, reduce_hidden_grad=1)
+    with pytest.raises(ValueError, match="fsdp_vocab_parallel=True needs weight to be an FSDP2-sharded DTensor"):
+        fusedloss.cross_entropy(h, w, y, fsdp_vocab_parallel=True)
+    y[0, 0] = V
+    with pytest.raises(ValueError, match=rf"targets contains {V}, outside \[0, {V}\)"):
+        fusedloss.cross_entropy(h, w, y, vocab_size=V)
+
+
+# ---------------------------------------------------------------------------------------------------
+# The full matrix (-m slow): P = 2, 3, 4 x every layout x padded or not x float64 and float32
+
+SLOW_LAYOUTS = ("ceil", "balanced", "empty_first", "padding_rank", "one_row")
+
+
+def slow_checks(world: int) -> list:
+    checks = []
+    for layout in SLOW_LAYOUTS:
+        for padded in (True, False):
+            if layout == "padding_rank" and not padded:
+                continue
+            for loss in LOSSES:
+                for dtype in (F64, torch.float32):
+                    explicit = (hash((layout, loss)) + world) % 2 == 1
+                    checks.append((f"{loss}/{layout}/{padded}/{dtype}", MODULE, "check_loss",
+                                   dict(loss=loss, layout=layout, padded=padded, dtype=dtype,
+                                        explicit_start=explicit, seed=world)))
+        checks.append((f"metrics/{layout}", MODULE, "check_metrics", dict(layout=layout)))
+    checks.append(("dtensor/padded", MODULE, "check_dtensor", dict(padded=True)))
+    checks.append(("dtensor/unpadded", MODULE, "check_dtensor", dict(padded=False)))
+    return checks
+
+
+@pytest.fixture(scope="module", params=(2, 3, 4))
+def slow_run(request, tmp_path_factory):
+    if "slow" not in (request.config.getoption("markexpr") or ""):
+        pytest.skip("the full distributed matrix runs with -m slow (the fast subset above runs by default)")
+    world = request.param
+    checks = slow_checks(world)
+    return world, checks, harness.run(world, checks, tmp_path_factory.mktemp(f"slow{world}"))
+
+
+@pytest.mark.slow
+def test_full_matrix(slow_run):
+    world, checks, results = slow_run
+    for name, _module, function, kwargs in checks:
+        tol = TOL[kwargs.get("dtype", F64)] if function == "check_loss" else (1e-12 if function == "check_metrics"
+                                                                             else TOL[F64])
+        judge(results, name, world, tol)
+        assert_equal_on_every_rank(results, name, world)
+        if function == "check_metrics":
+            got = harness.value(results, name, 0)
+            assert torch.equal(got["is_top1"], got["ref_is_top1"])

@@ -51,6 +51,20 @@ def global_offset(weight, dim: int) -> int:
     return int(offset[0])
 
 
+def layout_of(weight, dim: int, vocab_size, weight_name: str):
+    """Every rank's rows of a ``Shard(0)`` DTensor head (torch.chunk's split of its global rows), with no
+    collective; checked against this rank's own shard."""
+    from . import layout as layouts
+
+    layout = layouts.from_chunks(weight.device_mesh.get_group(dim), weight.shape[0], vocab_size)
+    mine = (global_offset(weight, dim), weight.to_local().shape[0])
+    if mine != (layout.start, layout.rows[layout.rank]):
+        raise ValueError(f"{weight_name} is {_describe(weight)} holding rows [{mine[0]}, {mine[0] + mine[1]}) on this "
+                         "rank, not torch.chunk's split of its rows: pass its local tensor with process_group= and "
+                         "vocab_start= instead")
+    return layout
+
+
 def local_bias(bias, weight, bias_name: str = "bias"):
     if bias is None or not is_dtensor(bias):
         if bias is not None:
@@ -90,8 +104,9 @@ def prepare(hidden, weight, bias, *, process_group, reduce_hidden_grad, vocab_st
     group = mesh.get_group(dim)
     if process_group is not None and process_group.group_name != group.group_name:
         raise ValueError(f"process_group is not the group of mesh dimension {dim} that {weight_name} is sharded on")
-    start = global_offset(weight, dim)
-    if vocab_start is not None and vocab_start != start:
-        raise ValueError(f"vocab_start={vocab_start} but {weight_name}'s DTensor places this rank's rows at {start}")
-    return vocab_parallel_head(hidden.to_local(), weight.to_local(), local_bias(bias, weight), group, start,
-                               vocab_size, reduce_hidden_grad)
+    layout = layout_of(weight, dim, vocab_size, weight_name)
+    if vocab_start is not None and vocab_start != layout.start:
+        raise ValueError(f"vocab_start={vocab_start} but {weight_name}'s DTensor places this rank's rows at "
+                         f"{layout.start}")
+    return vocab_parallel_head(hidden.to_local(), weight.to_local(), local_bias(bias, weight), layout,
+                               reduce_hidden_grad)

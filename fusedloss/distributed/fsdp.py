@@ -37,9 +37,8 @@ def prepare(hidden, weight, bias, *, dim: int, vocab_size, fsdp_vocab_parallel: 
         raise ValueError(f"{weight_name} is a DTensor on a {mesh.ndim}-D mesh with a plain hidden: only a 1-D FSDP2 "
                          "mesh is handled here (HSDP needs FSDP's own reduction: run the loss inside the head "
                          "module's forward with fusedloss.distributed.fsdp.call_in_forward)")
-    group = mesh.get_group(dim)
+    layout = dtensor.layout_of(weight, dim, vocab_size, weight_name)
     w_local = weight.to_local()
-    layout = layouts.resolve(group, w_local.shape[0], dtensor.global_offset(weight, dim), vocab_size, hidden.device)
     b_local = dtensor.local_bias(bias, weight)
     # The sharded parameter is FSDP's master copy (fp32 under a MixedPrecisionPolicy): compute in the
     # dtype of hidden, as FSDP's param_dtype cast would; the cast's backward returns the master's dtype.

@@ -87,7 +87,10 @@ def prepare_head(hidden, weight, bias, *, process_group=None, reduce_hidden_grad
         head = zero3.Zero3Head(weight, bias, vocab_size)
         return (hidden, *head.stand_ins(hidden), head)
     if process_group is not None:
-        return vocab_parallel_head(hidden, weight, bias, process_group, vocab_start, vocab_size, reduce_hidden_grad)
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ValueError(f"{weight_name} must be a 2-D tensor [rows of this rank, D], got {v._describe(weight)}")
+        layout = layouts.resolve(process_group, weight.shape[0], vocab_start, vocab_size, hidden.device)
+        return vocab_parallel_head(hidden, weight, bias, layout, reduce_hidden_grad)
     if vocab_start is not None:
         raise ValueError(f"vocab_start={vocab_start!r} needs a process_group (it places this rank's rows in a "
                          "vocabulary-parallel head)")
@@ -95,10 +98,8 @@ def prepare_head(hidden, weight, bias, *, process_group=None, reduce_hidden_grad
     return hidden, weight, bias, None
 
 
-def vocab_parallel_head(hidden, weight, bias, group, vocab_start, vocab_size, reduce_hidden_grad):
-    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"weight must be a 2-D tensor [rows of this rank, D], got {v._describe(weight)}")
-    layout = layouts.resolve(group, weight.shape[0], vocab_start, vocab_size, hidden.device)
+def vocab_parallel_head(hidden, weight, bias, layout: layouts.VocabLayout, reduce_hidden_grad: bool):
+    """This rank's real rows (its padded tail dropped) and the head that merges the ranks' statistics."""
     real = layout.local_real_rows
     weight = weight[:real]
     bias = None if bias is None else bias[:real]

@@ -2,11 +2,15 @@
 
 A vocabulary-parallel head is any partition of the rows into contiguous shards in rank order: equal
 (Megatron), ceil-div with a short or empty last rank (``torch.chunk``, DTensor ``Shard(0)``), balanced, or
-64-granular. Each rank knows its own row count; ``vocab_start`` may be given (explicitly or from a
-DTensor) or derived. One tiny all-gather of ``(rows, vocab_start, vocab_size)`` per (group, shape) gives
-every rank the whole table; it is checked on every rank from the same table, so a bad layout raises the
-same ``ValueError`` on every rank instead of hanging the ones that would have gone on. The result is cached:
-a training step pays no collective and no host synchronisation for it.
+64-granular. Each rank knows its own row count; ``vocab_start`` may be given or derived. One tiny
+all-gather of ``(rows, vocab_start, vocab_size)`` gives every rank the whole table; it is checked on every
+rank from the same table, so a bad layout raises the same ``ValueError`` on every rank instead of hanging
+the ones that would have gone on. The result is cached per (group, this rank's rows, vocab_start,
+vocab_size): a training step pays no collective and no host synchronisation for it. The cache assumes
+what training does, one sharding per group and shard shape: two heads sharded differently over one group
+whose shards coincide on some rank but not on another would make that rank skip the collective the others
+enter (``forget`` clears the cache, on every rank at the same point). A DTensor head needs no collective
+at all: its global shape and mesh give every rank's rows (``from_chunks``).
 
 Rows at or past ``vocab_size`` (the logical vocabulary) are padding (Megatron's
 ``make_vocab_size_divisible_by``, tokenizers padded to 64): each rank drops its padded tail before any
@@ -59,6 +63,23 @@ def resolve(group, local_rows: int, vocab_start: Optional[int], vocab_size: Opti
 
 
 _CACHE: dict = {}
+
+
+def forget() -> None:
+    """Clear the layouts learnt so far (call it on every rank of the group at the same point)."""
+    _CACHE.clear()
+
+
+def from_chunks(group, total_rows: int, vocab_size: Optional[int]) -> VocabLayout:
+    """The layout of a DTensor ``Shard(0)`` head of ``total_rows`` rows over ``group``: ``torch.chunk``'s
+    split (ceil-div rows per rank, the last ranks short or empty), known to every rank without a collective."""
+    world = _comm.size(group)
+    chunk = -(-total_rows // world)
+    rows = tuple(max(0, min(chunk, total_rows - r * chunk)) for r in range(world))
+    table = [(n, sum(rows[:r]), -1 if vocab_size is None else int(vocab_size)) for r, n in enumerate(rows)]
+    starts, rows, size = _checked(table)
+    return VocabLayout(group_name=_comm.name_of(group), rank=_comm.rank(group), starts=starts, rows=rows,
+                       vocab_size=size)
 
 
 @torch.compiler.assume_constant_result
