@@ -158,7 +158,14 @@ def check_loss(rank, world, *, loss, layout, dtype=F64, padded=True, explicit_st
     err["hidden.grad"] = rel_err(dh, rdh)
     err["weight.grad"] = rel_err(dw, padded_rows(rdw, rows))
     err["bias.grad"] = rel_err(db, padded_rows(rdb, rows))
-    return {"err": err, "outs": outs, "rows": sizes[rank]}
+    result = {"err": err, "outs": outs, "rows": sizes[rank]}
+    if dtype != F64:
+        # The single-process run in the same dtype: its own error bounds what sharding may be held to.
+        same_outs, same_grads = run_case(loss, data, dtype, rows, full=True)
+        single = [rel_err(o, r) for o, r in zip(same_outs, ref_outs)]
+        single += [rel_err(g, r) for g, r in zip(same_grads, (rdh, rdw, rdb))]
+        result["single_process_err"] = max(single)
+    return result
 
 
 def check_metrics(rank, world, *, layout, dtype=F64):
@@ -395,10 +402,13 @@ def assert_equal_on_every_rank(results, name, world):
 
 
 def judge(results, name, world, tol):
+    """Every relative error within ``tol``; in fp32, within 1.5x the single-process fp32 run's own error where
+    even that exceeds ``tol`` (the sharded run must not be worse than the one it replaces)."""
     for r in range(world):
-        err = harness.value(results, name, r)["err"]
-        bad = {k: e for k, e in err.items() if not e <= tol}
-        assert not bad, f"{name} rank {r}: relative errors above {tol:.0e}: {bad}"
+        got = harness.value(results, name, r)
+        bound = max(tol, 1.5 * got.get("single_process_err", 0.0))
+        bad = {k: e for k, e in got["err"].items() if not e <= bound}
+        assert not bad, f"{name} rank {r}: relative errors above {bound:.1e}: {bad}"
 
 
 def test_every_loss_matches_the_single_process_result(fast_run):
