@@ -31,6 +31,7 @@ the same fields and enters the same collective.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Optional, Sequence
 
 import torch
@@ -85,12 +86,17 @@ def local_targets(targets: torch.Tensor, start: int, rows: int) -> torch.Tensor:
 
 
 def owners(targets: torch.Tensor, starts: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
-    """``[N]``: the rank whose real rows hold each row's target, -1 for ignored rows."""
-    owner = torch.full_like(targets, -1)
-    for r, (s, n) in enumerate(zip(starts, rows)):
-        if n > 0:
-            owner = torch.where((targets >= s) & (targets < s + n), torch.full_like(targets, r), owner)
-    return owner
+    """``[N]``: the rank whose real rows hold each row's target, -1 for ignored rows. A rank owns y when the
+    shards before it end at or below y and its own does not; empty shards end where the previous one does."""
+    ends = _ends(tuple(s + n for s, n in zip(starts, rows)), targets.device)
+    owner = torch.searchsorted(ends, targets, right=True)
+    return torch.where(targets < 0, torch.full_like(owner, -1), owner)
+
+
+@lru_cache(maxsize=64)
+def _ends(ends: tuple, device: torch.device) -> torch.Tensor:
+    # Cached: building it copies from the host, which must not happen (and synchronise) every call.
+    return torch.tensor(ends, dtype=torch.int64, device=device)
 
 
 def merge(gathered: torch.Tensor, fields: Sequence[str], p: StatsProblem, rows: Sequence[int], vocab_size: int,
@@ -108,9 +114,7 @@ def merge(gathered: torch.Tensor, fields: Sequence[str], p: StatsProblem, rows: 
 
     t = where_some(torch.expm1(lo))
     s = where_some(1.0 + t)
-    pieces = dict(partials.empty(hi.shape[-1], hi.device, hi.dtype))
-    pieces = {k: v.expand_as(hi) for k, v in pieces.items()}
-    pieces.update(m=hi, s=s, t=t)
+    pieces = dict(m=hi, s=s, t=t)
     if "entropy" in x:
         pieces["e"] = where_some(s * (lo - x["entropy"]))
     if "log_sum_sq_probs" in x:
