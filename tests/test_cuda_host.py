@@ -86,6 +86,7 @@ def brute(p: StatsProblem) -> Statistics:
     zero = torch.zeros(n, dtype=F64)
     out = dict.fromkeys(Statistics._fields, zero)
     out["lse"] = lse
+    out["row_max"] = z.amax(1)
     y = p.targets
     if y is not None:
         out["logp"] = logq.gather(1, y.clamp_min(0)[:, None]).squeeze(1)

@@ -114,6 +114,7 @@ def brute_force(p: StatsProblem, dtype=torch.float64, h=None, w=None, b=None) ->
     logq = _log_softmax_log1p(z)
     q = logq.exp()
     out["lse"] = torch.logsumexp(z, dim=1)
+    out["row_max"] = z.amax(1)
     if p.targets is not None:
         out["logp"] = logq.gather(1, p.targets.clamp(min=0)[:, None]).squeeze(1)
     if p.want_entropy:

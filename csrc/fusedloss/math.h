@@ -281,7 +281,8 @@ FL_HD RowState state_merge(const RowState& r, const RowState& p) {
 #define FL_OUTPUTS(X)                                                                                     \
   X(kLse, "lse") X(kLogp, "logp") X(kEntropy, "entropy") X(kKlRev, "kl_rev") X(kKlFwd, "kl_fwd")          \
   X(kJsd, "jsd") X(kLseT, "lse_t") X(kKlQm, "kl_qm") X(kMeanLogit, "mean_logit")                          \
-  X(kLogSumSqProbs, "log_sum_sq_probs") X(kIsTop1, "is_top1") X(kLseLo, "lse_lo") X(kLseTLo, "lse_t_lo")
+  X(kLogSumSqProbs, "log_sum_sq_probs") X(kIsTop1, "is_top1") X(kLseLo, "lse_lo") X(kLseTLo, "lse_t_lo")     \
+  X(kRowMax, "row_max")
 #define FL_ENUM_ENTRY(id, name) id,
 enum Output : int { FL_OUTPUTS(FL_ENUM_ENTRY) kNumOutputs };
 
@@ -305,6 +306,7 @@ FL_HD void finalize_row(const RowState& r, float zy, const Wants& w, float out[k
   const float lse = r[kM] + log_s;
   out[kLse] = lse;
   out[kLseLo] = rounding_residual(lse, r[kM], log_s);
+  out[kRowMax] = r[kM];
   if (w.targets) out[kLogp] = (zy - r[kM]) - log_s;  // not zy - lse: see problem.py on the _lo terms
   if (w.entropy) out[kEntropy] = log_s - r[kE] / r[kS];
   if (w.mean_logit) out[kMeanLogit] = r[kSz] / w.vocab;

@@ -47,6 +47,20 @@ class EagerBackend(Protocol):
         """Whether the eager path is the faster one for this problem, by this backend's own plan."""
 
 
+class JsdBackend(Protocol):
+    """Optional: the generalized JSD's second sweep with given normalisers (a vocabulary-parallel head
+    forms them from every rank's statistics first; docs/design.md, "Distributed")."""
+
+    def jsd_sums(self, problem: StatsProblem, lse: tuple, lse_t: tuple) -> tuple:
+        """``(KL(q || m), KL(p || m))`` summed over the problem's columns, ``[N]`` each, q and p normalised by
+        the (hi, lo) pairs ``lse`` and ``lse_t`` (``[N]`` tensors each)."""
+
+
+def jsd_sums(name: str) -> Callable:
+    """The backend's ``jsd_sums``, or the torch backend's (plain tensor ops: it runs on any device)."""
+    return getattr(get(name), "jsd_sums", None) or get("torch").jsd_sums
+
+
 def has_eager_path(name: str) -> bool:
     return callable(getattr(get(name), "eager_gradients", None))
 

@@ -63,26 +63,35 @@ def _keep_inf(part: torch.Tensor, rebased: torch.Tensor) -> torch.Tensor:
 
 def merge(pieces: dict) -> dict:
     """Merge partials stacked along dim 0 (``[pieces, rows]`` per field) into ``[rows]``. Exact up to
-    rounding and independent of how the columns were cut; pieces missing a field contribute nothing to it."""
+    rounding and independent of how the columns were cut. Only the fields present are merged (``m``, ``s``
+    and ``t`` always; the teacher's with ``mt``): the ranks of a vocabulary-parallel head send only the
+    fields their call asks for, and each field merged is a few more kernels per call."""
     m, f, dm = _rebase(pieces["m"])
-    mt, g, dmt = _rebase(pieces["mt"])
     s = pieces["s"]
     # t without cancellation: the first piece holding the maximum keeps its t, every other piece adds all
     # of its columns, f (1 + t) (a piece tied at the maximum adds 1 + t; an empty one 0).
     holder = pieces["m"].argmax(0, keepdim=True)
     index = torch.arange(s.shape[0], device=s.device).reshape(-1, *([1] * (s.dim() - 1)))
     t = torch.where(index == holder, pieces["t"], f * (1.0 + pieces["t"])).sum(0)
-    return dict(
-        m=m, s=(f * s).sum(0), t=t,
-        e=(f * (pieces["e"] + s * dm)).sum(0),
-        s2=(f * f * pieces["s2"]).sum(0),
-        sz=pieces["sz"].sum(0),
-        mt=mt, st=(g * pieces["st"]).sum(0),
-        a=_keep_inf(pieces["a"], f * (pieces["a"] + s * (dm - dmt))).sum(0),
-        b=_keep_inf(pieces["b"], g * (pieces["b"] + pieces["st"] * (dmt - dm))).sum(0),
-        zy=pieces["zy"].sum(0),
-        mb=pieces["mb"].amax(0),
-    )
+    out = dict(m=m, s=(f * s).sum(0), t=t)
+    if "e" in pieces:
+        out["e"] = (f * (pieces["e"] + s * dm)).sum(0)
+    if "s2" in pieces:
+        out["s2"] = (f * f * pieces["s2"]).sum(0)
+    if "sz" in pieces:
+        out["sz"] = pieces["sz"].sum(0)
+    if "mt" in pieces:
+        mt, g, dmt = _rebase(pieces["mt"])
+        out.update(mt=mt, st=(g * pieces["st"]).sum(0))
+        if "a" in pieces:
+            out["a"] = _keep_inf(pieces["a"], f * (pieces["a"] + s * (dm - dmt))).sum(0)
+        if "b" in pieces:
+            out["b"] = _keep_inf(pieces["b"], g * (pieces["b"] + pieces["st"] * (dmt - dm))).sum(0)
+    if "zy" in pieces:
+        out["zy"] = pieces["zy"].sum(0)
+    if "mb" in pieces:
+        out["mb"] = pieces["mb"].amax(0)
+    return out
 
 
 def merge_pair(run: dict, part: dict) -> dict:
@@ -111,7 +120,7 @@ def finalize(state: dict, p: StatsProblem, vocab: int, *, has_targets: Optional[
     has_targets = p.targets is not None if has_targets is None else has_targets
     ls = log_s(state)
     lse = state["m"] + ls
-    out = {"lse": lse, "lse_lo": rounding_residual(lse, state["m"], ls)}
+    out = {"lse": lse, "lse_lo": rounding_residual(lse, state["m"], ls), "row_max": state["m"]}
     if has_targets:
         # (z_y - m) - log s, not z_y - lse: for a confident row z_y ~ m ~ lse ~ 30 and logp ~ -0.01, and
         # subtracting the rounded lse would cost the digits that z_y - m (exact near the max) keeps.

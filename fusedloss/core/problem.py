@@ -30,6 +30,8 @@ ignored rows, i.e. rows whose target is negative)::
                i.e. z_y >= max_v z_v and z_y > max_{v<y} z_v (argmax's rule on exact ties, as TRL)
     lse_lo     (m - lse) + log s: what rounding lse = m + log s dropped (always; forward only)
     lse_t_lo   the same for the teacher (with a teacher)
+    row_max    max_v z_v (always; forward only): with is_top1, what decides the first argmax across the shards
+               of a vocabulary-parallel head (docs/design.md, "Distributed")
 
 Why the ``_lo`` terms: in fp32 the lse of a confident row (~30) carries an absolute rounding error of
 1e-6, which ``log q = z - lse`` would pass on to ``1 - q_y ~ 1e-2`` as a 1e-4 relative error of the
@@ -144,6 +146,7 @@ class Statistics(NamedTuple):
     is_top1: torch.Tensor
     lse_lo: torch.Tensor
     lse_t_lo: torch.Tensor
+    row_max: torch.Tensor
 
 
 class GradientNeeds(NamedTuple):

@@ -205,17 +205,9 @@ def _forward_rows(p: StatsProblem) -> Statistics:
             out[name][rows] = value
     if p.jsd_beta is not None:
         # The mixture m needs both normalisers, so the generalized JSD takes a second sweep.
-        for r0 in range(0, n, ROW_CHUNK):
-            rows = slice(r0, min(n, r0 + ROW_CHUNK))
-            kl_qm = kl_pm = 0.0
-            for v0 in range(0, v, VOCAB_TILE):
-                v1 = min(v, v0 + VOCAB_TILE)
-                z, _ = _student_tile(p, rows, v0, v1)
-                qm, pm = _jsd_sums(z, _teacher_tile(p, rows, v0, v1), (out["lse"][rows], out["lse_lo"][rows]),
-                                   (out["lse_t"][rows], out["lse_t_lo"][rows]), p.jsd_beta)
-                kl_qm, kl_pm = kl_qm + qm, kl_pm + pm
-            out["kl_qm"][rows] = kl_qm
-            out["jsd"][rows] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * kl_qm
+        kl_qm, kl_pm = jsd_sums(p, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]))
+        out["kl_qm"] = kl_qm
+        out["jsd"] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * kl_qm
     _zero_ignored(p, out, slice(0, n))
     return Statistics(**out)
 
@@ -237,6 +229,25 @@ def target_column(a, inner_y, q_y, logq_y):
     confident = (a + inner_y) + inner_y * torch.expm1(logq_y)
     plain = a + q_y * inner_y
     return torch.where(q_y == 0, a, torch.where(logq_y > LOG_HALF, confident, plain))
+
+
+def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple) -> tuple:
+    """``(KL(q || m), KL(p || m))`` summed over this problem's columns, ``[N]`` each, with q and p normalised
+    by the given (hi, lo) log-sum-exps: the problem's own, or those of the full vocabulary when its columns are
+    one shard of a vocabulary-parallel head (docs/design.md, "Distributed")."""
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    kl_qm = torch.zeros(n, device=p.hidden.device, dtype=p.acc_dtype)
+    kl_pm = torch.zeros_like(kl_qm)
+    for r0 in range(0, n, ROW_CHUNK):
+        rows = slice(r0, min(n, r0 + ROW_CHUNK))
+        for v0 in range(0, v, VOCAB_TILE):
+            v1 = min(v, v0 + VOCAB_TILE)
+            z, _ = _student_tile(p, rows, v0, v1)
+            qm, pm = _jsd_sums(z, _teacher_tile(p, rows, v0, v1), (lse[0][rows], lse[1][rows]),
+                               (lse_t[0][rows], lse_t[1][rows]), p.jsd_beta)
+            kl_qm[rows] += qm
+            kl_pm[rows] += pm
+    return kl_qm, kl_pm
 
 
 def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0, v1):

@@ -19,8 +19,9 @@ per-token outputs, bool ``is_top1``) and the same differentiability (log_probs a
 gradients to hidden, weight and bias; the others are detached). ``chunk_size`` is accepted and ignored:
 fusedloss picks its own tiles.
 
-One case goes to TRL's own function, with a warning once: DeepSpeed ZeRO-3 (the head is gathered only
-around the forward call, and fusedloss's backward recomputes from the saved weight).
+DeepSpeed ZeRO-3 heads (TRL gathers them only around the forward call) are gathered again for fusedloss's
+backward, which recomputes the logits (``fusedloss.distributed.zero3``); a frozen ZeRO-3 teacher head is
+gathered once.
 
 Supported: ``trl>=1.16,<2``; ``enable()`` raises ``RuntimeError`` naming the version otherwise.
 """
@@ -29,13 +30,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-import warnings
 from typing import Optional
 
 import torch
 
 from ..core import LogitTransform, TeacherHead, token_statistics
 from ..core import backends as _backends
+from ..distributed import zero3
 
 __all__ = ["SUPPORTED_TRL", "FusedChunkedDivergenceFunction", "FusedChunkedLogProbFunction", "disable", "enable",
            "enabled", "is_enabled"]
@@ -56,7 +57,6 @@ _DIVERGENCE_SITES = (
 
 _originals: dict = {}  # (module, attribute) -> TRL's object, filled by the first enable()
 _state = {"backend": "auto", "enabled": False}
-_warned: set = set()
 
 
 def _check_trl_version():
@@ -125,26 +125,6 @@ def enabled(backend: str = "auto"):
             disable()
 
 
-def _trl_original(module_name: str, attr: str):
-    if (module_name, attr) in _originals:
-        return _originals[(module_name, attr)]
-    return getattr(importlib.import_module(module_name), attr)
-
-
-def _warn_once(key: str, message: str) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        warnings.warn(message, stacklevel=3)
-
-
-def _zero3() -> bool:
-    try:
-        from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
-    except ImportError:  # pragma: no cover
-        return False
-    return bool(is_deepspeed_zero3_enabled())
-
-
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     # TRL projects in the autocast dtype when autocast is on, else in the hidden states' dtype.
     device_type = hidden.device.type
@@ -152,7 +132,17 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 
 def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
-    return None if t is None else t.to(dtype)
+    # A ZeRO-3 parameter stays itself: fusedloss gathers it (and casts) wherever it is used.
+    return None if t is None or zero3.is_partitioned(t) else t.to(dtype)
+
+
+def _statistics(hidden, weight, *, bias, backend, **problem):
+    """``token_statistics`` in the dtype of ``hidden``; a ZeRO-3 head is gathered for the forward and again for
+    the backward."""
+    if zero3.is_partitioned(weight):
+        return zero3.token_statistics(hidden, weight, bias=bias, backend=backend, **problem)
+    return token_statistics(hidden, weight.to(hidden.dtype), bias=_cast(bias, hidden.dtype), backend=backend,
+                            **problem)
 
 
 class FusedChunkedLogProbFunction:
@@ -172,18 +162,12 @@ class FusedChunkedLogProbFunction:
     @staticmethod
     def apply(hidden, weight, bias, targets, temperature, chunk_size=None, final_logit_softcapping=None,
               logit_scale=1.0, outputs=_OPTIONAL_OUTPUTS):
-        if _zero3():
-            _warn_once("zero3-logprob", "fusedloss: DeepSpeed ZeRO-3 is enabled; TRL's ChunkedLogProbFunction "
-                                        "runs instead (it re-gathers the head in its backward)")
-            original = _trl_original("trl.kernels.chunked_logprob", "ChunkedLogProbFunction")
-            return original.apply(hidden, weight, bias, targets, temperature, chunk_size, final_logit_softcapping,
-                                  logit_scale, outputs)
         dtype = _compute_dtype(hidden)
         want = set(outputs)
         backend = _backends.resolve(_state["backend"], hidden.device)
         with torch.autocast(hidden.device.type, enabled=False):
-            stats = token_statistics(
-                hidden.to(dtype), weight.to(dtype), bias=_cast(bias, dtype),
+            stats = _statistics(
+                hidden.to(dtype), weight, bias=bias,
                 targets=torch.where(targets >= 0, targets, -1).long(),
                 transform=LogitTransform(float(temperature), float(logit_scale),
                                          None if final_logit_softcapping is None else float(final_logit_softcapping)),
@@ -213,26 +197,16 @@ class FusedChunkedDivergenceFunction:
     def apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight, teacher_bias, beta,
               temperature=1.0, student_logit_scale=1.0, student_final_logit_softcapping=None,
               teacher_logit_scale=1.0, teacher_final_logit_softcapping=None):
-        reason = None
-        if _zero3():
-            reason = "DeepSpeed ZeRO-3 is enabled"
-        if reason is not None:
-            _warn_once("divergence:" + reason, f"fusedloss: {reason}; TRL's ChunkedDivergenceFunction runs instead")
-            original = _trl_original("trl.kernels.chunked_divergence", "ChunkedDivergenceFunction")
-            return original.apply(student_hidden, student_weight, student_bias, teacher_hidden, teacher_weight,
-                                  teacher_bias, beta, temperature, student_logit_scale,
-                                  student_final_logit_softcapping, teacher_logit_scale,
-                                  teacher_final_logit_softcapping)
         s_dtype, t_dtype = _compute_dtype(student_hidden), _compute_dtype(teacher_hidden)
         beta = float(beta)
         backend = _backends.resolve(_state["backend"], student_hidden.device)
-        teacher = TeacherHead(teacher_hidden.to(t_dtype), teacher_weight.to(t_dtype), _cast(teacher_bias, t_dtype),
+        teacher = TeacherHead(teacher_hidden.to(t_dtype), _cast(teacher_weight, t_dtype), _cast(teacher_bias, t_dtype),
                               float(temperature), float(teacher_logit_scale),
                               None if teacher_final_logit_softcapping is None
                               else float(teacher_final_logit_softcapping))
         with torch.autocast(student_hidden.device.type, enabled=False):
-            stats = token_statistics(
-                student_hidden.to(s_dtype), student_weight.to(s_dtype), bias=_cast(student_bias, s_dtype),
+            stats = _statistics(
+                student_hidden.to(s_dtype), student_weight, bias=student_bias,
                 transform=LogitTransform(float(temperature), float(student_logit_scale),
                                          None if student_final_logit_softcapping is None
                                          else float(student_final_logit_softcapping)),

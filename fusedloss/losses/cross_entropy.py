@@ -11,7 +11,8 @@ from .reductions import reduced_token_loss
 
 def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
                   z_loss=0.0, temperature=1.0, logit_scale=1.0, softcap=None, num_items_in_batch=None,
-                  backend="auto"):
+                  backend="auto", process_group=None, reduce_hidden_grad=True, vocab_start=None, vocab_size=None,
+                  fsdp_vocab_parallel=False):
     """Per valid token::
 
         (1 - eps) * (lse - z_y) + eps * (lse - mean_v z_v) + z_loss * lse**2
@@ -24,7 +25,8 @@ def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, redu
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     v.require_real("z_loss", z_loss, nonnegative=True)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                   backend=backend)
+                   backend=backend, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+                   vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
     tgt = logits.targets("targets", targets, ignore_index)
     valid = tgt >= 0
     wants = dict(targets=tgt, want_mean_logit=label_smoothing > 0)

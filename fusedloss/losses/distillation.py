@@ -15,13 +15,16 @@ import torch
 
 from .. import _validation as v
 from ..core import LogitTransform, TeacherHead
+from ..distributed.head import check_same_rows
 from .implicit_logits import implicit_logits
 from .reductions import reduced_token_loss
 
 
 def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=None, *, beta=1.0, temperature=1.0,
                       hard_weight=0.0, soft_weight=1.0, t_squared=False, bias=None, teacher_bias=None,
-                      ignore_index=-100, reduction="batchmean", num_items_in_batch=None, backend="auto"):
+                      ignore_index=-100, reduction="batchmean", num_items_in_batch=None, backend="auto",
+                      process_group=None, reduce_hidden_grad=True, vocab_start=None, vocab_size=None,
+                      fsdp_vocab_parallel=False):
     v.require_real("beta", beta)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta!r}")
@@ -29,15 +32,19 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
     v.require_real("soft_weight", soft_weight)
     v.require_choice("reduction", reduction, ("batchmean", "sum", "none"))
     v.require_bool("t_squared", t_squared)
-    student = implicit_logits(hidden, weight, bias, temperature=temperature, backend=backend)
+    sharding = dict(process_group=process_group, vocab_start=vocab_start, vocab_size=vocab_size,
+                    fsdp_vocab_parallel=fsdp_vocab_parallel)
+    student = implicit_logits(hidden, weight, bias, temperature=temperature, backend=backend,
+                              reduce_hidden_grad=reduce_hidden_grad, **sharding)
     teacher = implicit_logits(teacher_hidden, teacher_weight, teacher_bias, temperature=temperature, backend="torch",
-                      hidden_name="teacher_hidden", weight_name="teacher_weight", bias_name="teacher_bias")
+                      hidden_name="teacher_hidden", weight_name="teacher_weight", bias_name="teacher_bias", **sharding)
     if teacher.lead_shape != student.lead_shape:
         raise ValueError(f"teacher_hidden must have the leading shape of hidden {student.lead_shape}, "
                          f"got {teacher.lead_shape}")
     if teacher.vocab_size != student.vocab_size:
         raise ValueError(f"teacher_weight has {teacher.vocab_size} vocabulary rows but weight has "
                          f"{student.vocab_size}: the vocabularies must match")
+    check_same_rows(student, teacher)
     v.require_same_device(hidden=hidden, teacher_hidden=teacher_hidden)
     if teacher_hidden.dtype != hidden.dtype:
         raise TypeError(f"teacher_hidden has dtype {teacher_hidden.dtype} but hidden has {hidden.dtype}: "

@@ -64,7 +64,9 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
              ld_alpha: Optional[float] = None, discopop_tau: float = 0.05, use_weighting: bool = False,
              bias: Optional[torch.Tensor] = None, temperature: float = 1.0, logit_scale: float = 1.0,
              softcap: Optional[float] = None, ignore_index: int = -100, return_details: bool = False,
-             backend: str = "auto") -> Union[torch.Tensor, tuple[torch.Tensor, DPODetails]]:
+             backend: str = "auto", process_group=None, reduce_hidden_grad: bool = True,
+             vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
+             fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, DPODetails]]:
     """TRL 1.16 DPOTrainer's loss from the hidden states (option names and defaults are DPOConfig's).
 
     Args:
@@ -95,7 +97,9 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
                    f_alpha_divergence_coef=f_alpha_divergence_coef, ld_alpha=ld_alpha, discopop_tau=discopop_tau,
                    use_weighting=use_weighting)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend)
+                             softcap=softcap, backend=backend, process_group=process_group,
+                             reduce_hidden_grad=reduce_hidden_grad, vocab_start=vocab_start, vocab_size=vocab_size,
+                             fsdp_vocab_parallel=fsdp_vocab_parallel)
     pairs = sequences.require_rows(logits, paired=True)
     sequences.require_pair_refs(pairs, hidden, ref_chosen_logps=ref_chosen_logps,
                                 ref_rejected_logps=ref_rejected_logps)

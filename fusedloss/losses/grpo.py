@@ -63,7 +63,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
               top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
               max_completion_length: Optional[int] = None, num_items_in_batch=None, num_processes: int = 1,
               importance_weights: Optional[torch.Tensor] = None, return_details: bool = False,
-              backend: str = "auto") -> Union[torch.Tensor, tuple[torch.Tensor, GRPODetails]]:
+              backend: str = "auto", process_group=None, reduce_hidden_grad: bool = True,
+             vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
+             fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, GRPODetails]]:
     """TRL 1.16 GRPOTrainer's loss (``_compute_loss``, gradient accumulation 1) from the hidden states.
 
     Option names and defaults are GRPOConfig's (``epsilon_low`` is its ``epsilon``).
@@ -120,7 +122,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
                        vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
                        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend)
+                             softcap=softcap, backend=backend, process_group=process_group,
+                             reduce_hidden_grad=reduce_hidden_grad, vocab_start=vocab_start, vocab_size=vocab_size,
+                             fsdp_vocab_parallel=fsdp_vocab_parallel)
     batch = _Completions.of(logits, opts, completion_ids, advantages, completion_mask, old_logprobs=old_logprobs,
                             ref_logprobs=ref_logprobs, sampling_logprobs=sampling_logprobs,
                             importance_weights=importance_weights)

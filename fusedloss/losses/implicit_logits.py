@@ -17,6 +17,7 @@ import torch
 from .. import _validation as v
 from ..core import LogitTransform, Statistics, TeacherHead, backends, eager, token_statistics
 from ..core.statistics import autocast_dtype, build_problem
+from ..distributed.head import prepare_head
 
 
 @dataclass
@@ -27,10 +28,13 @@ class ImplicitLogits:
     transform: LogitTransform
     lead_shape: tuple
     backend: str  # concrete: "torch", "triton" or "cuda"
+    # Rows spread over ranks (fusedloss/distributed/head.py): it computes the statistics; None on one device.
+    distributed: Optional[object] = None
 
     @property
     def vocab_size(self) -> int:
-        return self.weight.shape[0]
+        """The logical vocabulary (every rank's rows, padding excluded)."""
+        return self.weight.shape[0] if self.distributed is None else self.distributed.vocab_size
 
     @property
     def num_rows(self) -> int:
@@ -47,6 +51,9 @@ class ImplicitLogits:
 
     def statistics(self, *, targets=None, teacher: Optional[TeacherHead] = None, transform=None,
                    **wants) -> Statistics:
+        if self.distributed is not None:
+            return self.distributed.statistics(self, targets=targets, teacher=teacher,
+                                               transform=transform or self.transform, **wants)
         return token_statistics(self.hidden, self.weight, bias=self.bias, targets=targets,
                                 transform=transform or self.transform, teacher=teacher, backend=self.backend,
                                 **wants)
@@ -56,7 +63,8 @@ class ImplicitLogits:
         """``row_loss(stats[rows], rows)`` summed over all rows, for a loss that is a weighted sum of
         per-row terms. On the eager 3-product path when it applies (core/eager.py), else on the
         composable statistics op; both evaluate the same ``row_loss``."""
-        if eager.want_eager(self.backend, self.hidden, self.weight, self.bias):
+        # A head spread over ranks takes the composable op: an eager chunk would need its merged statistics.
+        if self.distributed is None and eager.want_eager(self.backend, self.hidden, self.weight, self.bias):
             problem = build_problem(self.hidden, self.weight, bias=self.bias, targets=targets,
                                     transform=self.transform, teacher=teacher, **wants)
             if eager.pays(self.backend, problem):
@@ -68,10 +76,16 @@ class ImplicitLogits:
 
 
 def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, softcap=None, backend="auto",
-            hidden_name="hidden", weight_name="weight", bias_name="bias", min_dims=1) -> ImplicitLogits:
-    """Check ``hidden [..., D]``, ``weight [V, D]``, ``bias [V]`` and the logit transform; pick the backend."""
+            hidden_name="hidden", weight_name="weight", bias_name="bias", min_dims=1, process_group=None,
+            reduce_hidden_grad=True, vocab_start=None, vocab_size=None, fsdp_vocab_parallel=False) -> ImplicitLogits:
+    """Check ``hidden [..., D]``, ``weight [V, D]``, ``bias [V]`` and the logit transform; pick the backend.
+    ``process_group``, ..., ``fsdp_vocab_parallel``: where the rows of the head live (fusedloss/distributed)."""
     v.require_tensor(hidden_name, hidden, floating=True)
     v.require_tensor(weight_name, weight, floating=True)
+    hidden, weight, bias, spread = prepare_head(
+        hidden, weight, bias, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+        vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel,
+        weight_name=weight_name)
     if hidden.dim() < min_dims + 1:
         raise ValueError(f"{hidden_name} must have at least {min_dims + 1} dimensions ([..., D]), "
                          f"got shape {tuple(hidden.shape)}")
@@ -82,7 +96,7 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
                          f"{hidden.shape[-1]} (last dimension): they must match")
     if hidden.shape[-1] == 0:
         raise ValueError(f"{hidden_name} must have a hidden size of at least 1, got shape {tuple(hidden.shape)}")
-    if weight.shape[0] == 0:
+    if weight.shape[0] == 0 and spread is None:  # a rank of a sharded head may hold no rows
         raise ValueError(f"{weight_name} must have at least one vocabulary row, got shape {tuple(weight.shape)}")
     if weight.dtype != hidden.dtype:
         raise TypeError(f"{weight_name} has dtype {weight.dtype} but {hidden_name} has {hidden.dtype}: "
@@ -111,7 +125,7 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
                   bias=None if bias is None else bias.contiguous(),
                   transform=LogitTransform(float(temperature), float(logit_scale),
                                            None if softcap is None else float(softcap)),
-                  lead_shape=lead, backend=name)
+                  lead_shape=lead, backend=name, distributed=spread)
 
 
 def _autocast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:

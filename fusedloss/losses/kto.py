@@ -35,7 +35,9 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
              desirable_weight: float = 1.0, undesirable_weight: float = 1.0, bias: Optional[torch.Tensor] = None,
              temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
              ignore_index: int = -100, return_details: bool = False,
-             backend: str = "auto") -> Union[torch.Tensor, tuple[torch.Tensor, KTODetails]]:
+             backend: str = "auto", process_group=None, reduce_hidden_grad: bool = True,
+             vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
+             fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, KTODetails]]:
     """TRL 1.16 KTOTrainer's loss from the hidden states (option names and defaults are KTOConfig's).
 
     Args:
@@ -74,7 +76,9 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
     if kl is not None and not isinstance(kl, torch.Tensor):
         v.require_real("kl", kl)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend)
+                             softcap=softcap, backend=backend, process_group=process_group,
+                             reduce_hidden_grad=reduce_hidden_grad, vocab_start=vocab_start, vocab_size=vocab_size,
+                             fsdp_vocab_parallel=fsdp_vocab_parallel)
     rows = sequences.require_rows(logits, paired=False)
     desirable = v.require_mask("preference_labels", preference_labels, (rows,)) != 0
     v.require_tensor("ref_logps", ref_logps, floating=True)
