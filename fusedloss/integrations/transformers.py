@@ -37,6 +37,12 @@ class LMHead(NamedTuple):
     logit_scale: float
     softcap: Optional[float]
 
+    @property
+    def options(self) -> dict:
+        """``bias``, ``logit_scale`` and ``softcap`` as keyword arguments of any fusedloss function:
+        ``fusedloss.cross_entropy(hidden, head.weight, labels, **head.options)``."""
+        return {"bias": self.bias, "logit_scale": self.logit_scale, "softcap": self.softcap}
+
 
 def logit_postprocessing(config) -> tuple[float, Optional[float]]:
     """``(logit_scale, softcap)`` of a model config, in the spellings TRL 1.16 reads (``add_fused_lm_head``):
