@@ -288,3 +288,24 @@ def test_trainer_run_matches_unpatched():
     moved = {n: params[n] - initial[n] for n in params}
     assert all(m.norm() > 1e-3 * initial[n].norm() for n, m in moved.items() if "norm" not in n), \
         "the run did not train: the comparison would be empty"
+
+
+@pytest.mark.slow
+def test_sft_trainer_example_on_matches_off():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+
+    def losses(flag):
+        out = subprocess.run([sys.executable, str(root / "examples" / "sft_trainer.py"), "--fusedloss", flag,
+                              "--steps", "3"], capture_output=True, text=True, env=env, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+        return [float(line.split()[-1]) for line in out.stdout.splitlines() if line.startswith("step")]
+
+    on, off = losses("on"), losses("off")
+    assert len(on) == len(off) == 3
+    assert on == pytest.approx(off, rel=1e-5)
