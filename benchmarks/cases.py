@@ -182,7 +182,7 @@ def _chunked_logp64(h: torch.Tensor, w: torch.Tensor, targets: torch.Tensor) -> 
 # ---------------------------------------------------------------------------------------------
 
 def call_op(fn: Callable, p: Problem, h: torch.Tensor, w: torch.Tensor, **extra):
-    """Call an op function with the signature of SPEC section 3 (``fn`` is e.g. ``fusedloss.grpo_loss``)."""
+    """Call an op function with its public signature (``fn`` is e.g. ``fusedloss.grpo_loss``)."""
     t = p.t
     if p.op == "token_logprobs":
         logp, ent = fn(h, w, t["targets"], return_entropy=True, **extra)
@@ -279,7 +279,7 @@ def reference64(p: Problem):
 
 
 def rel_err(x: Optional[torch.Tensor], ref: torch.Tensor) -> float:
-    """Norm-wise relative error ||x - ref|| / ||ref|| in float64 (SPEC section 6); NaN/inf give inf."""
+    """Norm-wise relative error ||x - ref|| / ||ref|| in float64 (docs/design.md, "Numerical doctrine"); NaN/inf give inf."""
     if x is None:
         return float("inf")
     x = x.detach().to(ref.device, torch.float64).reshape(ref.shape)

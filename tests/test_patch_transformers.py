@@ -155,6 +155,9 @@ def test_generation_is_unchanged_and_unpatch_restores():
     before = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     fl_hf.patch(model, backend="torch")
     assert {"forward", "_loss_function"} <= set(vars(model))
+    import inspect  # the Trainer keeps the dataset columns the forward's signature names
+
+    assert inspect.signature(model.forward) == inspect.signature(type(model).forward.__get__(model))
     assert torch.equal(model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0), before)
     input_ids, attention_mask, labels = batch(4)
     logits = model(input_ids, attention_mask=attention_mask).logits
@@ -309,3 +312,21 @@ def test_sft_trainer_example_on_matches_off():
     on, off = losses("on"), losses("off")
     assert len(on) == len(off) == 3
     assert on == pytest.approx(off, rel=1e-5)
+
+
+def test_a_deepcopy_of_a_patched_model_is_patched_and_runs_its_own_parameters():
+    """TRL makes reference models with copy.deepcopy: the copy must not call back into the original."""
+    import copy
+
+    model = fl_hf.patch(make_model("llama"), backend="torch")
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(0.5)
+        twin.model.layers[0].mlp.down_proj.weight.add_(0.1)
+    input_ids, attention_mask, labels = batch(9)
+    for m in (model, twin):
+        ref = hf_formula(m(input_ids, attention_mask=attention_mask).logits, labels)
+        out = m(input_ids, attention_mask=attention_mask, labels=labels)
+        assert out.logits is None and rel(out.loss, ref) < 1e-10
+    fl_hf.unpatch(twin)
+    assert "forward" not in vars(twin) and "forward" in vars(model)

@@ -250,8 +250,11 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.T
 #     ``fusedloss.cross_entropy``. Whatever the model does around its loss (an MoE router loss added to it,
 #     gradient checkpointing of its layers, accelerate's output casting) stays the model's own.
 #
-# Per-architecture code is not needed: every ``*ForCausalLM`` of transformers 5 calls ``self.lm_head`` once
-# and ``self.loss_function`` once. A model that does not is refused at the first labelled call, loudly.
+# The three are methods bound to their module, and the patch state lives in the modules' ``__dict__``: a
+# ``copy.deepcopy`` of a patched model (TRL's reference models are made that way) is a patched copy that
+# runs its own parameters. Per-architecture code is not needed: every ``*ForCausalLM`` of transformers 5
+# calls ``self.lm_head`` once and ``self.loss_function`` once. A model that does not is refused at the
+# first labelled call, loudly.
 
 _PATCH_ATTR = "_fusedloss_patch"
 
@@ -260,23 +263,29 @@ class _Patch:
     """What ``patch`` changed on one model, the capture of one labelled forward, and how to undo it."""
 
     def __init__(self, lm, head, backend: str):
+        import inspect
+
         self.lm, self.head, self.backend = lm, head, backend
         self.saved = {"lm.forward": lm.__dict__.get("forward"), "head.forward": head.__dict__.get("forward"),
                       "lm._loss_function": lm.__dict__.get("_loss_function")}
         self.had_loss_function = "_loss_function" in lm.__dict__
+        names = [q.name for q in inspect.signature(type(lm).forward).parameters.values()
+                 if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]  # without self
+        self.labels_at = names.index("labels") if "labels" in names else None
+        self.keep_at = names.index("logits_to_keep") if "logits_to_keep" in names else None
         self.armed = False
         self.hidden = None
         self.logits_to_keep = 0
         self.loss_calls = 0
 
+    def model_forward(self):
+        """The forward the patch wraps: an earlier instance attribute (e.g. accelerate's), else the class's."""
+        saved = self.saved["lm.forward"]
+        return saved if saved is not None else type(self.lm).forward.__get__(self.lm)
 
-def _labels_position(forward) -> Optional[int]:
-    import inspect
-
-    params = [p for p in inspect.signature(forward).parameters.values()
-              if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    names = [p.name for p in params]
-    return names.index("labels") if "labels" in names else None
+    def head_forward(self):
+        saved = self.saved["head.forward"]
+        return saved if saved is not None else type(self.head).forward.__get__(self.head)
 
 
 def _keep_positions(labels: torch.Tensor, logits_to_keep) -> torch.Tensor:
@@ -290,37 +299,76 @@ def _keep_positions(labels: torch.Tensor, logits_to_keep) -> torch.Tensor:
     return labels[:, logits_to_keep.to(labels.device)]
 
 
-def _fused_causal_lm_loss(state: _Patch):
-    def loss_function(logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
-                      shift_labels=None, **kwargs):
-        """transformers' ``ForCausalLMLoss`` computed from the hidden states the head received: the labels
-        shifted left by one (or ``shift_labels`` as given), ``ignore_index`` skipped, the mean over valid
-        tokens, or the sum / ``num_items_in_batch`` under gradient accumulation."""
-        hidden, state.hidden = state.hidden, None
-        if hidden is None:
-            raise RuntimeError("fusedloss patch: the model computed its loss before calling its LM head; "
-                               "this architecture is not supported by integrations.transformers.patch")
-        state.loss_calls += 1
-        if shift_labels is None:
-            shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-        targets = _keep_positions(shift_labels, state.logits_to_keep)
-        if tuple(targets.shape) != tuple(hidden.shape[:-1]):
-            raise ValueError(f"fusedloss patch: the head scored positions of shape {tuple(hidden.shape[:-1])} "
-                             f"but the labels give {tuple(targets.shape)}")
-        head = _read_head(state.lm, gather=False)  # a DTensor head goes to the core as it is
-        hidden = hidden.to(head.weight.device)
-        loss = fusedloss.cross_entropy(
-            hidden, head.weight, targets.to(hidden.device), bias=head.bias, ignore_index=ignore_index,
-            reduction="mean" if num_items_in_batch is None else "sum", logit_scale=head.logit_scale,
-            softcap=head.softcap, backend=state.backend)
-        if num_items_in_batch is not None:
-            # transformers divides the sum by num_items_in_batch as given (int or tensor), with no max(1, n)
-            if isinstance(num_items_in_batch, torch.Tensor):
-                num_items_in_batch = num_items_in_batch.to(loss.device)
-            loss = loss / num_items_in_batch
-        return loss
+def _patched_forward(lm, *args, **kwargs):
+    """``lm.forward`` of a patched model (bound to ``lm``)."""
+    state = lm.__dict__[_PATCH_ATTR]
+    forward = state.model_forward()
+    labels = kwargs.get("labels")
+    if labels is None and state.labels_at is not None and len(args) > state.labels_at:
+        labels = args[state.labels_at]
+    if labels is None:
+        return forward(*args, **kwargs)
+    keep = kwargs.get("logits_to_keep",
+                      args[state.keep_at] if state.keep_at is not None and len(args) > state.keep_at else 0)
+    return_dict = kwargs.pop("return_dict", None)
+    want_tuple = return_dict is False or (return_dict is None and getattr(lm.config, "return_dict", True) is False)
+    if want_tuple or return_dict is not None:
+        kwargs["return_dict"] = True  # the placeholder logits must not reach a tuple
+    state.armed, state.hidden, state.logits_to_keep, state.loss_calls = True, None, keep, 0
+    try:
+        out = forward(*args, **kwargs)
+    finally:
+        state.armed, state.hidden = False, None
+    if state.loss_calls != 1:
+        raise RuntimeError(f"fusedloss patch: {type(lm).__name__} did not compute its loss through "
+                           "self.loss_function; this architecture is not supported by "
+                           "integrations.transformers.patch")
+    # A new output without the field: a ModelOutput keeps a key once set, even when set to None.
+    out = type(out)(**{k: v for k, v in out.items() if k != "logits"})
+    return out.to_tuple() if want_tuple else out
 
-    return loss_function
+
+def _patched_head_forward(head, hidden, *args, **kwargs):
+    """``head.forward`` of a patched model's LM head (bound to the head)."""
+    state = head.__dict__[_PATCH_ATTR]
+    if not state.armed:
+        return state.head_forward()(hidden, *args, **kwargs)
+    if state.hidden is not None:
+        raise RuntimeError("fusedloss patch: the LM head ran twice in one forward; this architecture is not "
+                           "supported by integrations.transformers.patch")
+    state.hidden = hidden
+    return hidden.new_empty(*hidden.shape[:-1], 0)
+
+
+def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
+                          shift_labels=None, **kwargs):
+    """transformers' ``ForCausalLMLoss`` computed from the hidden states the head received: the labels
+    shifted left by one (or ``shift_labels`` as given), ``ignore_index`` skipped, the mean over valid
+    tokens, or the sum / ``num_items_in_batch`` under gradient accumulation (bound to ``lm``)."""
+    state = lm.__dict__[_PATCH_ATTR]
+    hidden, state.hidden = state.hidden, None
+    if hidden is None:
+        raise RuntimeError("fusedloss patch: the model computed its loss without calling its LM head first; "
+                           "this architecture is not supported by integrations.transformers.patch")
+    state.loss_calls += 1
+    if shift_labels is None:
+        shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = _keep_positions(shift_labels, state.logits_to_keep)
+    if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"fusedloss patch: the head scored positions of shape {tuple(hidden.shape[:-1])} "
+                         f"but the labels give {tuple(targets.shape)}")
+    head = _read_head(lm, gather=False)  # a DTensor head goes to the core as it is
+    hidden = hidden.to(head.weight.device)
+    loss = fusedloss.cross_entropy(
+        hidden, head.weight, targets.to(hidden.device), bias=head.bias, ignore_index=ignore_index,
+        reduction="mean" if num_items_in_batch is None else "sum", logit_scale=head.logit_scale,
+        softcap=head.softcap, backend=state.backend)
+    if num_items_in_batch is not None:
+        # transformers divides the sum by num_items_in_batch as given (int or tensor), with no max(1, n)
+        if isinstance(num_items_in_batch, torch.Tensor):
+            num_items_in_batch = num_items_in_batch.to(loss.device)
+        loss = loss / num_items_in_batch
+    return loss
 
 
 def patch(model, *, backend: str = "auto"):
@@ -334,26 +382,32 @@ def patch(model, *, backend: str = "auto"):
     head, ``final_logit_softcapping`` and logit scales included), and ``out.logits is None``. With
     ``logits_to_keep``, the loss covers the positions kept. A forward without labels (generation, evaluation
     that needs logits) is the model's own. Works with gradient checkpointing, ``torch.compile``, accelerate
-    and the HF ``Trainer``. Patch before wrapping the model (``torch.compile``, DDP, FSDP). Returns
-    ``model``; ``unpatch(model)`` restores it exactly. ``backend`` is passed to ``fusedloss.cross_entropy``.
+    and the HF ``Trainer``; a ``copy.deepcopy`` of a patched model is patched too. Patch before wrapping the
+    model (``torch.compile``, DDP, FSDP). Returns ``model``; ``unpatch(model)`` restores it exactly.
+    ``backend`` is passed to ``fusedloss.cross_entropy``.
 
     Example::
 
         model = fusedloss.integrations.transformers.patch(AutoModelForCausalLM.from_pretrained(name))
         loss = model(input_ids, attention_mask=attention_mask, labels=input_ids).loss
     """
+    import functools
+    import types
+
     from ..core import backends as _backends
 
     if backend not in _backends.BACKEND_NAMES:
         raise ValueError(f"backend must be one of {_backends.BACKEND_NAMES}, got {backend!r}")
     lm = _causal_lm(model)
-    if getattr(lm, _PATCH_ATTR, None) is not None:
+    if not (hasattr(lm, "get_output_embeddings") and hasattr(lm, "loss_function")):
+        raise ValueError(f"{type(lm).__name__} is not a transformers causal LM with an LM head "
+                         "(get_output_embeddings() and loss_function are needed)")
+    if _PATCH_ATTR in lm.__dict__:
         lm.__dict__[_PATCH_ATTR].backend = backend  # idempotent: a second patch only changes the backend
         return model
     head = lm.get_output_embeddings()
-    if head is None or not hasattr(lm, "loss_function"):
-        raise ValueError(f"{type(lm).__name__} is not a transformers causal LM with an LM head "
-                         "(get_output_embeddings() and loss_function are needed)")
+    if head is None:
+        raise ValueError(f"{type(lm).__name__} has no LM head (get_output_embeddings() returned None)")
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     if lm.loss_function is not ForCausalLMLoss:
@@ -362,57 +416,17 @@ def patch(model, *, backend: str = "auto"):
     _read_head(lm, gather=False)  # unsupported heads (LoRA variants, ...) are refused now, not mid-training
 
     state = _Patch(lm, head, backend)
-    orig_forward, orig_head_forward = lm.forward, head.forward
-    labels_at = _labels_position(orig_forward)
-    ltk_at = None
-    try:
-        import inspect
-
-        names = list(inspect.signature(orig_forward).parameters)
-        ltk_at = names.index("logits_to_keep") if "logits_to_keep" in names else None
-    except (TypeError, ValueError):
-        pass
-
-    def head_forward(hidden, *args, **kwargs):
-        if not state.armed:
-            return orig_head_forward(hidden, *args, **kwargs)
-        if state.hidden is not None:
-            raise RuntimeError("fusedloss patch: the LM head ran twice in one forward; this architecture is not "
-                               "supported by integrations.transformers.patch")
-        state.hidden = hidden
-        return hidden.new_empty(*hidden.shape[:-1], 0)
-
-    def forward(*args, **kwargs):
-        labels = kwargs.get("labels")
-        if labels is None and labels_at is not None and len(args) > labels_at:
-            labels = args[labels_at]
-        if labels is None:
-            return orig_forward(*args, **kwargs)
-        keep = kwargs.get("logits_to_keep", args[ltk_at] if ltk_at is not None and len(args) > ltk_at else 0)
-        return_dict = kwargs.pop("return_dict", None)
-        want_tuple = return_dict is False or (return_dict is None and getattr(lm.config, "return_dict", True) is False)
-        if want_tuple or return_dict is not None:
-            kwargs["return_dict"] = True  # the placeholder logits must not reach a tuple
-        state.armed, state.hidden, state.logits_to_keep, state.loss_calls = True, None, keep, 0
-        try:
-            out = orig_forward(*args, **kwargs)
-        finally:
-            state.armed, state.hidden = False, None
-        if state.loss_calls != 1:
-            raise RuntimeError(f"fusedloss patch: {type(lm).__name__} did not compute its loss through "
-                               "self.loss_function; this architecture is not supported by "
-                               "integrations.transformers.patch")
-        # A new output without the field: a ModelOutput keeps a key once set, even when set to None.
-        out = type(out)(**{k: v for k, v in out.items() if k != "logits"})
-        return out.to_tuple() if want_tuple else out
-
-    import functools
-
-    functools.update_wrapper(forward, orig_forward)  # the Trainer inspects the signature for **kwargs
-    lm.forward = forward
-    head.forward = head_forward
-    lm.loss_function = _fused_causal_lm_loss(state)
     lm.__dict__[_PATCH_ATTR] = state
+    head.__dict__[_PATCH_ATTR] = state
+    def forward(self, *args, **kwargs):
+        return _patched_forward(self, *args, **kwargs)
+
+    # The signature users and the Trainer see is the model's own (the Trainer keeps the dataset columns
+    # the forward names, and passes num_items_in_batch when it takes **kwargs).
+    functools.update_wrapper(forward, type(lm).forward)
+    lm.forward = types.MethodType(forward, lm)
+    head.forward = types.MethodType(_patched_head_forward, head)
+    lm.loss_function = types.MethodType(_fused_causal_lm_loss, lm)
     return model
 
 
@@ -424,6 +438,7 @@ def unpatch(model):
     state = lm.__dict__.pop(_PATCH_ATTR, None)
     if state is None:
         return model
+    state.head.__dict__.pop(_PATCH_ATTR, None)
     for obj, attr, key in ((lm, "forward", "lm.forward"), (state.head, "forward", "head.forward")):
         if state.saved[key] is None:
             obj.__dict__.pop(attr, None)
