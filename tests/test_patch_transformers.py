@@ -204,7 +204,10 @@ def test_gradient_checkpointing():
     input_ids, attention_mask, labels = batch(6)
     ref_loss = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels)
     ref = grads(model, ref_loss)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     model.config.attention_dropout = 0.0
     fl_hf.patch(model, backend="torch")
