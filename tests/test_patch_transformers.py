@@ -333,3 +333,15 @@ def test_a_deepcopy_of_a_patched_model_is_patched_and_runs_its_own_parameters():
         assert out.logits is None and rel(out.loss, ref) < 1e-10
     fl_hf.unpatch(twin)
     assert "forward" not in vars(twin) and "forward" in vars(model)
+
+
+def test_a_replaced_head_is_refused_until_patched_again():
+    model = fl_hf.patch(make_model("llama"), backend="torch")
+    input_ids, attention_mask, labels = batch(10)
+    model.resize_token_embeddings(V + 6)  # a new head module, not patched
+    with pytest.raises(RuntimeError, match="patch\\(model\\) again"):
+        model(input_ids, attention_mask=attention_mask, labels=labels)
+    fl_hf.patch(model, backend="torch")
+    logits = model(input_ids, attention_mask=attention_mask).logits
+    out = model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert out.logits is None and rel(out.loss, hf_formula(logits, labels)) < 1e-10

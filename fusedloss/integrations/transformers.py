@@ -348,8 +348,10 @@ def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_ite
     state = lm.__dict__[_PATCH_ATTR]
     hidden, state.hidden = state.hidden, None
     if hidden is None:
-        raise RuntimeError("fusedloss patch: the model computed its loss without calling its LM head first; "
-                           "this architecture is not supported by integrations.transformers.patch")
+        raise RuntimeError("fusedloss patch: the model computed its loss without calling its patched LM head "
+                           "first; if the head was replaced after patch() (resize_token_embeddings, ...), call "
+                           "patch(model) again, else this architecture is not supported by "
+                           "integrations.transformers.patch")
     state.loss_calls += 1
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
@@ -402,10 +404,12 @@ def patch(model, *, backend: str = "auto"):
     if not (hasattr(lm, "get_output_embeddings") and hasattr(lm, "loss_function")):
         raise ValueError(f"{type(lm).__name__} is not a transformers causal LM with an LM head "
                          "(get_output_embeddings() and loss_function are needed)")
-    if _PATCH_ATTR in lm.__dict__:
-        lm.__dict__[_PATCH_ATTR].backend = backend  # idempotent: a second patch only changes the backend
-        return model
     head = lm.get_output_embeddings()
+    if _PATCH_ATTR in lm.__dict__:
+        if lm.__dict__[_PATCH_ATTR].head is head:
+            lm.__dict__[_PATCH_ATTR].backend = backend  # idempotent: a second patch only changes the backend
+            return model
+        unpatch(model)  # the head was replaced since (resize_token_embeddings, ...): patch the new one
     if head is None:
         raise ValueError(f"{type(lm).__name__} has no LM head (get_output_embeddings() returned None)")
     from transformers.loss.loss_utils import ForCausalLMLoss
