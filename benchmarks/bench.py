@@ -59,6 +59,8 @@ ALL_IMPLS = ("reference", "reference+compile") + tuple(f"fusedloss:{b}" for b in
 OP_ORDER = ("token_logprobs", "cross_entropy", "grpo_loss", "dpo_loss", "distillation_loss")
 # relative cost of one call of an op (a teacher doubles the products): the progress estimate's weights
 OP_WEIGHT = {"distillation_loss": 2.0}
+# seconds past --budget-s after which a worker is stopped (its case in flight recorded as skipped)
+STOP_GRACE_S = 12.0
 MIB = float(1 << 20)
 
 
@@ -242,7 +244,12 @@ def run_group(spec: dict, emit) -> None:
     deadline = spec.get("deadline")
     p = ref_out = ref_grads = None
     shape = {}
+    budget_rec = {"status": "skipped", "reason": "time budget of the run exhausted"}
     for op, name in spec["tasks"]:
+        if deadline and time.time() > deadline:  # no problem is built for a case that will not run
+            emit({"kind": "result", "op": op, "impl": name, "N": spec["N"], "V": spec["V"], "D": spec["D"],
+                  "dtype": spec["dtype"], "device": device.type, **budget_rec})
+            continue
         if p is None or p.op != op:
             p = ref_out = ref_grads = None
             if device.type == "cuda":
@@ -259,7 +266,7 @@ def run_group(spec: dict, emit) -> None:
         rec = {"kind": "result", "op": op, "impl": name, **shape, "N_requested": spec["N"], "dtype": spec["dtype"],
                "device": device.type, "mem_method": mem.method}
         if deadline and time.time() > deadline:
-            emit({**rec, "status": "skipped", "reason": "time budget of the run exhausted"})
+            emit({**rec, **budget_rec})
             continue
         impl, why = make_impl(name, op, device, spec.get("compile_mode", "default"))
         if impl is None:
@@ -282,6 +289,8 @@ def run_group(spec: dict, emit) -> None:
             times, extras = [], []
             outs = grads = None
             for _ in range(reps):
+                if times and deadline and time.time() + times[-1] / 1e3 > deadline:
+                    break  # the run's budget: fewer repeats rather than a case cut off
                 outs = grads = None
                 ms, outs, grads, extra = _one_run(impl, p, device, mem)
                 times.append(ms)
@@ -339,7 +348,7 @@ def _failed(spec, op, impl, reason, status="failed"):
             "dtype": spec["dtype"], "device": spec["device"], "status": status, "reason": reason}
 
 
-def run_group_isolated(spec: dict, timeout_s: float, log, progress=None) -> list:
+def run_group_isolated(spec: dict, timeout_s: float, log, progress=None, budget_stop: bool = False) -> list:
     """Run a group's tasks in worker processes; on a crash or a timeout, record the task in flight as
     failed and restart the worker with the tasks left. ``progress(event, op, impl)`` hears each task
     start ("start") and end ("done")."""
@@ -412,7 +421,11 @@ def run_group_isolated(spec: dict, timeout_s: float, log, progress=None) -> list
             why = f"worker timed out after {timeout_s:.0f}s"
             hung = in_flight or left[0]
             for t in left:
-                rec = _failed(spec, *t, why) if t == hung else _failed(spec, *t, "not run: " + why, "skipped")
+                if budget_stop:
+                    rec = _failed(spec, *t, "time budget of the run exhausted"
+                                  + (" (stopped mid-case)" if t == hung else ""), "skipped")
+                else:
+                    rec = _failed(spec, *t, why) if t == hung else _failed(spec, *t, "not run: " + why, "skipped")
                 results.append(rec)
                 progress("done", *t)
                 log(_progress_line(rec))
@@ -647,7 +660,7 @@ def parse_args(argv=None):
     ap.add_argument("--group-timeout", type=float, default=None, help="seconds per worker group")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="whole run: cases that would start past it are recorded as skipped "
-                         "(default: 95 for the quick preset, none otherwise)")
+                         "(default: 90 for the quick preset, none otherwise; a case in flight is stopped 12 s past it)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the workers")
     ap.add_argument("--no-error", action="store_true", help="skip the float64 reference")
     ap.add_argument("--seed", type=int, default=0)
@@ -766,7 +779,7 @@ def main(argv=None) -> int:
     repeat = args.repeat if args.repeat is not None else (5 if gpu else 3)
     impl_budget = args.impl_budget_s if args.impl_budget_s is not None else (20.0 if gpu else 4.0 if quick else 15.0)
     group_timeout = args.group_timeout or (420.0 if gpu else 900.0)
-    budget_s = args.budget_s if args.budget_s is not None else (95.0 if quick else None)
+    budget_s = args.budget_s if args.budget_s is not None else (90.0 if quick else None)
 
     env = environment(device)
     out = Path(args.out)
@@ -827,9 +840,11 @@ def main(argv=None) -> int:
             records.extend(_failed(spec, op, i, "time budget of the run exhausted", "skipped") for op, i in tasks)
             progress.skip_group(n, tasks)
             continue
-        # a group may overrun the deadline by one task, not more (a time-boxed caller keeps a margin)
-        tmo = group_timeout if not deadline else max(20.0, min(group_timeout, deadline - time.time() + 30))
-        records.extend(run_group_isolated(spec, tmo, log, progress))
+        # A group stops at most STOP_GRACE_S after the deadline; the case in flight then is recorded as
+        # stopped by the budget (a time-boxed caller keeps a margin).
+        budget_stop = bool(deadline) and deadline + STOP_GRACE_S - time.time() < group_timeout
+        tmo = group_timeout if not budget_stop else max(10.0, deadline + STOP_GRACE_S - time.time())
+        records.extend(run_group_isolated(spec, tmo, log, progress, budget_stop=budget_stop))
         # checkpoint: a caller that kills this run still finds every finished record
         (out / f"{stem}.json").write_text(json.dumps(finalize(records, env, device, dtype), indent=1))
 
