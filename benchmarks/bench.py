@@ -577,12 +577,13 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
               ("mem", "extra memory / reference\n(lower is better)"),
               ("err", "max rel. error vs float64\n(lower is better)"))
     fig, axes = plt.subplots(3, len(ops), figsize=(3.6 * len(ops) + 1, 9), squeeze=False)
-    width = 0.8 / max(1, len(impls))
     for j, op in enumerate(ops):
         ns = sorted(set(r["N"] for r in ok if r["op"] == op))  # GRPO/DPO round N to whole sequences
+        op_impls = [i for i in impls if any(r["op"] == op and r["impl"] == i for r in ok)]
+        width = 0.8 / max(1, len(op_impls))
         for row, (field, label) in enumerate(panels):
             ax = axes[row][j]
-            for k, impl in enumerate(impls):
+            for k, impl in enumerate(op_impls):
                 xs, ys = [], []
                 for i, n in enumerate(ns):
                     r = next((r for r in ok if r["op"] == op and r["impl"] == impl and r["N"] == n), None)
@@ -599,7 +600,7 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
                         y = (r["extra_peak_mib"] / ref["extra_peak_mib"]
                              if ref.get("extra_peak_mib") and r.get("extra_peak_mib") is not None else None)
                     if y is not None and y > 0:
-                        xs.append(i + (k - (len(impls) - 1) / 2) * width)
+                        xs.append(i + (k - (len(op_impls) - 1) / 2) * width)
                         ys.append(y)
                 if xs:
                     bars = ax.bar(xs, ys, width, color=colors[impl], label=impl)
