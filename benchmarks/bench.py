@@ -1,6 +1,6 @@
 """fusedloss benchmark: forward+backward time, peak extra memory and error of every implementation.
 
-    python benchmarks/bench.py                   # CPU: every op at N=1024, V=32003, about a minute
+    python benchmarks/bench.py                   # CPU: every op at N=1024, V=32003, within 2 minutes
     python benchmarks/bench.py --shapes small    # CPU: N in {512, 2048}, a few minutes
     python benchmarks/bench.py --case headline   # the README's memory headline (N=4096, V=131072), ~3 min
     python benchmarks/bench.py --device cuda     # GPU: bf16, D=4096, V=151936, N in {4096, 16384}
@@ -643,7 +643,7 @@ def parse_args(argv=None):
                     help=f"subset of {', '.join(ALL_IMPLS)} (default: every one that can run here, with "
                          "fusedloss:auto folded into the backend it picks; reference+compile with --compile)")
     ap.add_argument("--shapes", choices=("tiny", "quick", "small", "llm", "headline", "acceptance"), default=None,
-                    help="default: quick on cpu (about a minute), llm on cuda")
+                    help="default: quick on cpu (time-boxed to 90 s of cases), llm on cuda")
     ap.add_argument("--N", nargs="+", type=int, default=None, help="override the preset's token counts")
     ap.add_argument("--V", type=int, default=None)
     ap.add_argument("--D", type=int, default=None)

@@ -25,7 +25,7 @@ OPS = ("token_logprobs", "cross_entropy", "grpo_loss", "dpo_loss", "distillation
 # (N list, V, D) per preset. V values are deliberately not multiples of any tile size on CPU.
 PRESETS = {
     "tiny": {"N": (64, 256), "V": 1009, "D": 64},            # dry runs, pytest-benchmark
-    # The default CPU run: every op once, about a minute on 2 cores. N x V large enough that the
+    # The default CPU run: every op once, time-boxed to 90 s of cases. N x V large enough that the
     # materialised logits dominate memory (the reference holds several [N, V] fp32 tensors).
     "quick": {"N": (1024,), "V": 32003, "D": 256},
     "small": {"N": (512, 2048), "V": 32003, "D": 256},       # two token counts, a few minutes on a CPU
