@@ -379,3 +379,38 @@ def test_accelerate_loop(mixed_precision):
             assert_close_rel(grads, ref_grads, 10 * tol)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def test_the_head_weight_reaches_fusedloss_unchanged(monkeypatch, tmp_path):
+    """The parameter itself, not a gathered or cast copy: an FSDP2 (DTensor) head is the core's to handle
+    (docs/design.md, "Distributed")."""
+    import torch.distributed as dist
+
+    import fusedloss
+
+    seen = []
+
+    def spy(hidden, weight, targets, **kwargs):
+        seen.append(weight)
+        return hidden.sum() * 0
+
+    monkeypatch.setattr(fusedloss, "cross_entropy", spy)
+    model = fl_hf.patch(make_model("qwen2-tied"), backend="torch")
+    input_ids, attention_mask, labels = batch(12)
+    model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert seen[-1] is model.get_input_embeddings().weight
+
+    if not dist.is_available():
+        return
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        untied = fl_hf.patch(make_model("llama"), backend="torch")
+        mesh = init_device_mesh("cpu", (1,))
+        untied.lm_head.weight = torch.nn.Parameter(distribute_tensor(untied.lm_head.weight.detach(), mesh, [Shard(0)]))
+        untied(input_ids, attention_mask=attention_mask, labels=labels)
+        assert isinstance(seen[-1], DTensor) and seen[-1] is untied.lm_head.weight
+    finally:
+        dist.destroy_process_group()
