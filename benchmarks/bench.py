@@ -1,15 +1,17 @@
 """fusedloss benchmark: forward+backward time, peak extra memory and error of every implementation.
 
-    python -m benchmarks.bench                              # CPU: fp32, the 'small' shapes, a few minutes
-    python -m benchmarks.bench --device cuda                # GPU: bf16, D=4096, V=151936, N in {4096, 16384}
-    python -m benchmarks.bench --case acceptance            # issue 2: CPU fp32 N=4096 V=131072 D=256
-    python -m benchmarks.bench --list                       # the plan and what is available, nothing run
+    python benchmarks/bench.py                   # CPU: every op at N=1024, V=32003, within 2 minutes
+    python benchmarks/bench.py --shapes small    # CPU: N in {512, 2048}, a few minutes
+    python benchmarks/bench.py --case headline   # the README's memory headline (N=4096, V=131072), ~3 min
+    python benchmarks/bench.py --device cuda     # GPU: bf16, D=4096, V=151936, N in {4096, 16384}
+    python benchmarks/bench.py --list            # the plan and what can run here; runs nothing
 
 For each op (token_logprobs with entropy, cross_entropy, grpo_loss (dapo, beta 0.04 with ref),
-dpo_loss, distillation_loss (beta 1)), each implementation and each shape, it measures:
+dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each shape, it measures:
 
-- ``fwd_bwd_ms``: median wall time of forward + backward (CUDA events on GPU), after a warm-up call;
-  ``first_call_ms`` is the first call (compilation, autotuning) and is not in the median.
+- ``fwd_bwd_ms``: median wall time of forward + backward (CUDA events on GPU) over the timed calls,
+  after an untimed first call; ``fwd_bwd_ms_min`` / ``fwd_bwd_ms_max`` bound them, and ``spread`` is
+  (max - min) / median. ``first_call_ms`` is the first call (compilation, autotuning).
 - ``extra_peak_mib``: peak memory during one forward + backward, minus what was allocated before it
   (the inputs) and minus the gradients it returns. GPU: ``torch.cuda.max_memory_allocated``. CPU:
   the process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs before each
@@ -19,15 +21,17 @@ dpo_loss, distillation_loss (beta 1)), each implementation and each shape, it me
   respect to hidden and weight, against ``fusedloss.reference`` in float64 on the same data
   (``errors`` has each one).
 
-Each (op, N) group runs in its own worker process (``--isolate group``): a crash or a hang in one
-implementation is recorded with its reason, and the group restarts for the implementations left.
-Implementations that are unavailable are recorded with the reason; nothing stops the run.
+Which implementations can run here is decided before any problem is built (one line says what cannot
+and why). Each group of cases runs in a worker process: a crash or a hang in one implementation is
+recorded with its reason, and the group restarts for the implementations left. The table, a JSON
+file and a PNG (matplotlib, in the ``bench`` extra) are written at the end, into ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -37,6 +41,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
+from typing import Optional
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,7 +55,12 @@ for _site in (os.environ.get("FUSEDLOSS_PEER_SITE"), str(ROOT / ".carry" / "peer
 
 FUSED_BACKENDS = ("torch", "triton", "cuda", "auto")
 ALL_IMPLS = ("reference", "reference+compile") + tuple(f"fusedloss:{b}" for b in FUSED_BACKENDS) + (
-    "trl", "liger", "cce")
+    "torch-lce", "trl", "liger", "cce")
+OP_ORDER = ("token_logprobs", "cross_entropy", "grpo_loss", "dpo_loss", "distillation_loss")
+# relative cost of one call of an op (a teacher doubles the products): the progress estimate's weights
+OP_WEIGHT = {"distillation_loss": 2.0}
+# seconds past --budget-s after which a worker is stopped (its case in flight recorded as skipped)
+STOP_GRACE_S = 12.0
 MIB = float(1 << 20)
 
 
@@ -234,7 +244,12 @@ def run_group(spec: dict, emit) -> None:
     deadline = spec.get("deadline")
     p = ref_out = ref_grads = None
     shape = {}
+    budget_rec = {"status": "skipped", "reason": "time budget of the run exhausted"}
     for op, name in spec["tasks"]:
+        if deadline and time.time() > deadline:  # no problem is built for a case that will not run
+            emit({"kind": "result", "op": op, "impl": name, "N": spec["N"], "V": spec["V"], "D": spec["D"],
+                  "dtype": spec["dtype"], "device": device.type, **budget_rec})
+            continue
         if p is None or p.op != op:
             p = ref_out = ref_grads = None
             if device.type == "cuda":
@@ -251,7 +266,7 @@ def run_group(spec: dict, emit) -> None:
         rec = {"kind": "result", "op": op, "impl": name, **shape, "N_requested": spec["N"], "dtype": spec["dtype"],
                "device": device.type, "mem_method": mem.method}
         if deadline and time.time() > deadline:
-            emit({**rec, "status": "skipped", "reason": "time budget of the run exhausted"})
+            emit({**rec, **budget_rec})
             continue
         impl, why = make_impl(name, op, device, spec.get("compile_mode", "default"))
         if impl is None:
@@ -262,26 +277,32 @@ def run_group(spec: dict, emit) -> None:
             os._exit(3)
         try:
             t1 = time.perf_counter()
-            first_ms, _, _, _ = _one_run(impl, p, device)
+            first_ms, outs, grads, first_extra = _one_run(impl, p, device, mem)
             rec["first_call_ms"] = round((time.perf_counter() - t1) * 1e3, 2)
             # repeats: as many as fit in the per-implementation time budget, at least one
             budget_ms = spec.get("impl_budget_s", 60) * 1e3
-            reps = max(1, min(spec["repeat"], int(budget_ms / max(first_ms, 1e-3))))
+            reps = max(spec.get("min_repeat", 1), min(spec["repeat"], int(budget_ms / max(first_ms, 1e-3))))
+            times, extras = [], []
+            if spec.get("count_slow_first") and first_ms * (1 + reps) > budget_ms:
+                # A time-boxed run and a slow call: the first call is one of the timed ones (nothing here
+                # compiles on a CPU; its extra cost is the first allocation of its buffers).
+                times, extras, reps = [first_ms], [first_extra], reps - 1
             for _ in range(max(0, spec["warmup"] - 1)):
                 if first_ms * reps > budget_ms:
                     break
                 _one_run(impl, p, device)
-            times, extras = [], []
-            outs = grads = None
             for _ in range(reps):
+                if times and deadline and time.time() + times[-1] / 1e3 > deadline:
+                    break  # the run's budget: fewer repeats rather than a case cut off
                 outs = grads = None
                 ms, outs, grads, extra = _one_run(impl, p, device, mem)
                 times.append(ms)
                 extras.append(extra)
             times.sort()
-            rec.update(status="ok", fwd_bwd_ms=round(times[len(times) // 2], 3),
-                       fwd_bwd_ms_min=round(times[0], 3), repeats=len(times),
-                       extra_peak_mib=round(max(extras) / MIB, 2) if extras else None)
+            median = times[len(times) // 2] if len(times) % 2 else 0.5 * sum(times[len(times) // 2 - 1:][:2])
+            rec.update(status="ok", fwd_bwd_ms=round(median, 3), fwd_bwd_ms_min=round(times[0], 3),
+                       fwd_bwd_ms_max=round(times[-1], 3), spread=round((times[-1] - times[0]) / median, 4) if len(times) > 1 else None,
+                       repeats=len(times), extra_peak_mib=round(max(extras) / MIB, 2) if extras else None)
             if ref_out is not None:
                 errs = {}
                 for k, ref in ref_out.items():
@@ -330,9 +351,11 @@ def _failed(spec, op, impl, reason, status="failed"):
             "dtype": spec["dtype"], "device": spec["device"], "status": status, "reason": reason}
 
 
-def run_group_isolated(spec: dict, timeout_s: float, log) -> list:
+def run_group_isolated(spec: dict, timeout_s: float, log, progress=None, budget_stop: bool = False) -> list:
     """Run a group's tasks in worker processes; on a crash or a timeout, record the task in flight as
-    failed and restart the worker with the tasks left."""
+    failed and restart the worker with the tasks left. ``progress(event, op, impl)`` hears each task
+    start ("start") and end ("done")."""
+    progress = progress or (lambda *a: None)
     results = []
     tasks = [tuple(t) for t in spec["tasks"]]
     tmp = Path(tempfile.mkdtemp(prefix="flbench-"))
@@ -364,12 +387,15 @@ def run_group_isolated(spec: dict, timeout_s: float, log) -> list:
                         continue
                     if obj["kind"] == "start":
                         in_flight = (obj["op"], obj["impl"])
+                        progress("start", obj["op"], obj["impl"])
                     elif obj["kind"] == "result":
                         done.add((obj["op"], obj["impl"]))
                         in_flight = None
                         results.append(obj)
+                        progress("done", obj["op"], obj["impl"])
                         log(_progress_line(obj))
                     elif obj["kind"] == "note":
+                        progress("note", obj.get("op"), None)
                         log(f"    [{obj.get('op')} N={spec['N']}] {obj['msg']}")
                     elif obj["kind"] == "group_failed":
                         log(f"    [N={spec['N']}] worker failed: {obj['reason']}")
@@ -388,6 +414,7 @@ def run_group_isolated(spec: dict, timeout_s: float, log) -> list:
             for t in tasks:
                 if t not in done:
                     results.append(_failed(spec, *t, "worker failed: " + failed_all))
+                    progress("done", *t)
             return results
         left = [t for t in tasks if t not in done]
         if not left:
@@ -397,13 +424,19 @@ def run_group_isolated(spec: dict, timeout_s: float, log) -> list:
             why = f"worker timed out after {timeout_s:.0f}s"
             hung = in_flight or left[0]
             for t in left:
-                rec = _failed(spec, *t, why) if t == hung else _failed(spec, *t, "not run: " + why, "skipped")
+                if budget_stop:
+                    rec = _failed(spec, *t, "time budget of the run exhausted"
+                                  + (" (stopped mid-case)" if t == hung else ""), "skipped")
+                else:
+                    rec = _failed(spec, *t, why) if t == hung else _failed(spec, *t, "not run: " + why, "skipped")
                 results.append(rec)
+                progress("done", *t)
                 log(_progress_line(rec))
             break
         crashed = in_flight or left[0]
         rec = _failed(spec, *crashed, f"worker died (rc={rc}): " + tail.strip()[-600:])
         results.append(rec)
+        progress("done", *crashed)
         log(_progress_line(rec))
         tasks = [t for t in left if t != crashed]
     return results
@@ -414,29 +447,93 @@ def _progress_line(r: dict) -> str:
     if r.get("status") != "ok":
         return f"{head} {r.get('status', '?').upper()}: {str(r.get('reason'))[:160]}"
     err = r.get("max_rel_err")
-    return (f"{head} {r['fwd_bwd_ms']:>10.1f} ms  {r['extra_peak_mib']:>9.1f} MiB extra  "
-            f"err {err if err is None else f'{err:.1e}'}  (first call {r.get('first_call_ms', 0):.0f} ms)")
+    spread = "-" if r.get("spread") is None else f"{100 * r['spread']:.0f}%"
+    return (f"{head} {r['fwd_bwd_ms']:>9.1f} ms (min {r['fwd_bwd_ms_min']:.1f}, spread {spread}, "
+            f"{r.get('repeats')} runs)  {r['extra_peak_mib']:>8.1f} MiB extra  "
+            f"err {err if err is None else f'{err:.1e}'}")
+
+
+class Progress:
+    """A text progress bar: which case runs, how many are done, and an estimate of the time left.
+
+    Each task (op, impl) weighs its op's relative cost (``OP_WEIGHT``); building an op's problem (inputs and
+    the float64 ground truth) weighs one task. The time left is the time per unit of weight so far times
+    the weight left, once something has finished."""
+
+    def __init__(self, groups, log, t_start):
+        self.log, self.t_start = log, t_start
+        self.left = {}
+        for g in groups:
+            for op, impl in g["tasks"]:
+                key = (g["N"], op, impl)
+                self.left[key] = OP_WEIGHT.get(op, 1.0)
+            for op in dict.fromkeys(op for op, _ in g["tasks"]):
+                self.left[(g["N"], op, None)] = OP_WEIGHT.get(op, 1.0)
+        self.total_weight = sum(self.left.values())
+        self.total_tasks = sum(1 for k in self.left if k[2] is not None)
+        self.done_weight = 0.0
+        self.done_tasks = 0
+        self.n = None
+
+    def _finish(self, key):
+        w = self.left.pop(key, None)
+        if w is not None:
+            self.done_weight += w
+            self.done_tasks += key[2] is not None
+
+    def __call__(self, event, op, impl):
+        if event == "note":  # a problem was built
+            self._finish((self.n, op, None))
+            return
+        if event == "done":
+            self._finish((self.n, op, impl))
+            return
+        elapsed = time.time() - self.t_start
+        if self.done_weight > 0:
+            eta = f"~{elapsed / self.done_weight * (self.total_weight - self.done_weight):.0f} s left"
+        else:
+            eta = "estimating time left"
+        width = 20
+        filled = int(round(width * self.done_weight / max(self.total_weight, 1e-9)))
+        self.log(f"[{'#' * filled}{'-' * (width - filled)}] {self.done_tasks}/{self.total_tasks}  "
+                 f"{elapsed:.0f} s, {eta} | measuring {op} N={self.n} {impl}")
+
+    def skip_group(self, n, tasks):
+        for op, impl in tasks:
+            self._finish((n, op, impl))
+            self._finish((n, op, None))
+
+
+def _ok(r):
+    return r.get("status") == "ok"
 
 
 def table(records: list) -> str:
-    rows = [("op", "N", "impl", "ms", "x ref", "extra MiB", "x ref", "max rel err", "status")]
+    """One row per measured case (what could not run here is summarised, not tabled): median time,
+    fastest run, spread, extra memory, each as a ratio to the reference where one was measured."""
+    rows = [("op", "N", "impl", "median ms", "min ms", "spread", "time/ref", "extra MiB", "mem/ref",
+             "max rel err", "status")]
     key = lambda r: (r["op"], r["N"])
-    refs = {key(r): r for r in records if r["impl"] == "reference" and r.get("status") == "ok"}
-    order = {op: i for i, op in enumerate(("token_logprobs", "cross_entropy", "grpo_loss", "dpo_loss",
-                                           "distillation_loss"))}
+    refs = {key(r): r for r in records if r["impl"] == "reference" and _ok(r)}
+    order = {op: i for i, op in enumerate(OP_ORDER)}
     rank = {impl: i for i, impl in enumerate(ALL_IMPLS)}
-    records = sorted(records, key=lambda r: (order.get(r["op"], 99), r["N"], rank.get(r["impl"], 99)))
-    for r in records:
+    shown = [r for r in records if r.get("status") != "unavailable"]
+    shown.sort(key=lambda r: (r["N"], order.get(r["op"], 99), rank.get(r["impl"], 99)))
+    for r in shown:
         ref = refs.get(key(r))
-        if r.get("status") == "ok":
+        if _ok(r):
             tr = f"{r['fwd_bwd_ms'] / ref['fwd_bwd_ms']:.2f}" if ref else "-"
             mr = (f"{r['extra_peak_mib'] / ref['extra_peak_mib']:.3f}"
-                  if ref and ref.get("extra_peak_mib") else "-")
+                  if ref and ref.get("extra_peak_mib") and r.get("extra_peak_mib") is not None else "-")
             err = r.get("max_rel_err")
-            rows.append((r["op"], str(r["N"]), r["impl"], f"{r['fwd_bwd_ms']:.1f}", tr,
-                         f"{r['extra_peak_mib']:.1f}", mr, "-" if err is None else f"{err:.2e}", "ok"))
+            spread = r.get("spread")
+            rows.append((r["op"], str(r["N"]), r["impl"], f"{r['fwd_bwd_ms']:.1f}",
+                         f"{r.get('fwd_bwd_ms_min', r['fwd_bwd_ms']):.1f}",
+                         "-" if spread is None else f"{100 * spread:.0f}%", tr,
+                         "-" if r.get("extra_peak_mib") is None else f"{r['extra_peak_mib']:.1f}", mr,
+                         "-" if err is None else f"{err:.2e}", "ok"))
         else:
-            rows.append((r["op"], str(r["N"]), r["impl"], "", "", "", "", "",
+            rows.append((r["op"], str(r["N"]), r["impl"], "", "", "", "", "", "", "",
                          f"{r.get('status')}: {str(r.get('reason'))[:70]}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     out = []
@@ -446,76 +543,128 @@ def table(records: list) -> str:
     return "\n".join(out)
 
 
-def plot(records: list, path: Path, title: str) -> bool:
+def unavailable_summary(records: list) -> str:
+    """One line: each implementation that could not run here, with its reason (once, not per op)."""
+    why = {}
+    for r in records:
+        if r.get("status") == "unavailable":
+            why.setdefault(r["impl"], str(r.get("reason")))
+    if not why:
+        return ""
+    return "not run here: " + "; ".join(f"{impl} ({reason})" for impl, reason in why.items())
+
+
+def plot(records: list, path: Path, title: str) -> Optional[str]:
+    """Three panels per op: time and extra memory as ratios to the materialised reference (linear axes,
+    1 = the reference, lower is better) and the error against float64 (log axis, lower is better).
+    Returns None when written, else why not."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except Exception:
-        return False
-    ok = [r for r in records if r.get("status") == "ok"]
+    except Exception as exc:
+        return (f"matplotlib is not importable ({type(exc).__name__}: {exc}); install it with "
+                "`pip install 'fusedloss[bench]'` (or `pip install matplotlib`), then redraw this run with "
+                f"`python benchmarks/bench.py --merge {path.with_suffix('.json')}`")
+    ok = [r for r in records if _ok(r)]
     if not ok:
-        return False
-    ops = [o for o in dict.fromkeys(r["op"] for r in ok)]
+        return "no implementation ran successfully: nothing to plot"
+    refs = {(r["op"], r["N"]): r for r in ok if r["impl"] == "reference"}
+    ops = [op for op in OP_ORDER if any(r["op"] == op for r in ok)]
+    ops += [op for op in dict.fromkeys(r["op"] for r in ok) if op not in ops]
     rank = {impl: i for i, impl in enumerate(ALL_IMPLS)}
     impls = sorted(dict.fromkeys(r["impl"] for r in ok), key=lambda i: rank.get(i, 99))
     colors = {impl: plt.get_cmap("tab10")(k % 10) for k, impl in enumerate(impls)}
-    fig, axes = plt.subplots(2, len(ops), figsize=(4.2 * len(ops), 7.5), squeeze=False)
-    width = 0.8 / max(1, len(impls))
+    panels = (("time", "time / reference\n(lower is better)"),
+              ("mem", "extra memory / reference\n(lower is better)"),
+              ("err", "max rel. error vs float64\n(lower is better)"))
+    fig, axes = plt.subplots(3, len(ops), figsize=(3.6 * len(ops) + 1, 9), squeeze=False)
     for j, op in enumerate(ops):
         ns = sorted(set(r["N"] for r in ok if r["op"] == op))  # GRPO/DPO round N to whole sequences
-        for row, (field, label) in enumerate((("fwd_bwd_ms", "fwd+bwd ms"), ("extra_peak_mib", "extra peak MiB"))):
+        op_impls = [i for i in impls if any(r["op"] == op and r["impl"] == i for r in ok)]
+        width = 0.8 / max(1, len(op_impls))
+        for row, (field, label) in enumerate(panels):
             ax = axes[row][j]
-            for k, impl in enumerate(impls):
+            for k, impl in enumerate(op_impls):
                 xs, ys = [], []
                 for i, n in enumerate(ns):
                     r = next((r for r in ok if r["op"] == op and r["impl"] == impl and r["N"] == n), None)
-                    if r is not None and r.get(field) is not None and r[field] > 0:
-                        xs.append(i + (k - (len(impls) - 1) / 2) * width)
-                        ys.append(r[field])
+                    ref = refs.get((op, n))
+                    if r is None:
+                        continue
+                    if field == "err":
+                        y = r.get("max_rel_err")
+                    elif ref is None:
+                        y = None
+                    elif field == "time":
+                        y = r["fwd_bwd_ms"] / ref["fwd_bwd_ms"]
+                    else:
+                        y = (r["extra_peak_mib"] / ref["extra_peak_mib"]
+                             if ref.get("extra_peak_mib") and r.get("extra_peak_mib") is not None else None)
+                    if y is not None and y > 0:
+                        xs.append(i + (k - (len(op_impls) - 1) / 2) * width)
+                        ys.append(y)
                 if xs:
-                    ax.bar(xs, ys, width, color=colors[impl], label=impl)
-            ax.set_yscale("log")
+                    bars = ax.bar(xs, ys, width, color=colors[impl], label=impl)
+                    fmt = "{:.1e}" if field == "err" else "{:.2f}"
+                    ax.bar_label(bars, labels=[fmt.format(y) for y in ys], fontsize=6, rotation=90, padding=2)
+            if field == "err":
+                ax.set_yscale("log")
+                heights = [b.get_height() for b in ax.patches if b.get_height() > 0]
+                if heights:  # whole decades, so that bars a few percent apart look a few percent apart
+                    lo, hi = math.floor(math.log10(min(heights))), math.ceil(math.log10(max(heights)))
+                    ax.set_ylim(10.0 ** (lo - 2), 10.0 ** (hi + 1))
+            else:
+                ax.axhline(1.0, color="black", lw=0.8, ls="--")
+                ax.set_ylim(0, max([1.25] + [b.get_height() * 1.25 for b in ax.patches]))
             ax.set_xticks(range(len(ns)))
             ax.set_xticklabels([f"N={n}" for n in ns])
-            ax.set_title(f"{op}" if row == 0 else "")
+            if row == 0:
+                ax.set_title(op)
             if j == 0:
                 ax.set_ylabel(label)
             ax.grid(axis="y", alpha=0.3, which="both")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[i]) for i in impls]
-    fig.legend(handles, impls, loc="lower center", ncol=min(len(impls), 9), fontsize=8)
-    fig.tight_layout(rect=(0, 0.05, 1, 0.96))
-    fig.suptitle(title, fontsize=10)
+    fig.legend(handles, impls, loc="lower center", ncol=min(len(impls), 8), fontsize=8)
+    fig.suptitle(title + "\ndashed line: the materialised reference (= 1); below it is better", fontsize=9)
+    fig.tight_layout(rect=(0, 0.04, 1, 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return True
+    return None
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python benchmarks/bench.py", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="Presets (--shapes): " + "; ".join(
+                                     f"{k}: N={v['N']}, V={v['V']}, D={v['D']}"
+                                     for k, v in _presets().items() if k != "acceptance"))
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    ap.add_argument("--ops", nargs="+", default=None, help="default: all five ops")
+    ap.add_argument("--ops", nargs="+", default=None, help=f"default: all of {', '.join(OP_ORDER)}")
     ap.add_argument("--impls", nargs="+", default=None,
-                    help=f"subset of {', '.join(ALL_IMPLS)} (default: all but reference+compile; "
-                         "add it with --compile)")
-    ap.add_argument("--shapes", choices=("tiny", "small", "llm", "acceptance"), default=None,
-                    help="default: small on cpu, llm on cuda")
+                    help=f"subset of {', '.join(ALL_IMPLS)} (default: every one that can run here, with "
+                         "fusedloss:auto folded into the backend it picks; reference+compile with --compile)")
+    ap.add_argument("--shapes", choices=("tiny", "quick", "small", "llm", "headline", "acceptance"), default=None,
+                    help="default: quick on cpu (time-boxed to 90 s of cases), llm on cuda")
     ap.add_argument("--N", nargs="+", type=int, default=None, help="override the preset's token counts")
     ap.add_argument("--V", type=int, default=None)
     ap.add_argument("--D", type=int, default=None)
     ap.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                     help="default: float32 on cpu, bfloat16 on cuda")
-    ap.add_argument("--case", choices=("acceptance",), default=None,
-                    help="acceptance: issue 2 (cpu, fp32, N=4096, V=131072, D=256, token_logprobs+entropy, "
-                         "reference vs fusedloss:torch)")
+    ap.add_argument("--case", choices=("headline", "acceptance"), default=None,
+                    help="headline: the memory case of the README (CPU, fp32, token_logprobs with entropy, "
+                         "N=4096, V=131072, D=256; the materialised reference against fusedloss's torch "
+                         "backend and TRL's chunked kernel); 'acceptance' is its older name")
     ap.add_argument("--compile", action="store_true", help="also time the reference under torch.compile")
     ap.add_argument("--compile-mode", default="default")
     ap.add_argument("--warmup", type=int, default=None, help="calls before timing (the first call included)")
-    ap.add_argument("--repeat", type=int, default=None, help="timed calls (median reported)")
+    ap.add_argument("--repeat", type=int, default=None, help="timed calls (median, min and spread reported)")
     ap.add_argument("--impl-budget-s", type=float, default=None, help="fewer repeats when a call is slow")
-    ap.add_argument("--group-timeout", type=float, default=None, help="seconds per (op, N) worker")
-    ap.add_argument("--budget-s", type=float, default=None, help="whole run: later cases skipped past it")
+    ap.add_argument("--group-timeout", type=float, default=None, help="seconds per worker group")
+    ap.add_argument("--budget-s", type=float, default=None,
+                    help="whole run: cases that would start past it are recorded as skipped "
+                         "(default: 90 for the quick preset, none otherwise; a case in flight is stopped 12 s past it)")
     ap.add_argument("--threads", type=int, default=None, help="torch.set_num_threads in the workers")
     ap.add_argument("--no-error", action="store_true", help="skip the float64 reference")
     ap.add_argument("--seed", type=int, default=0)
@@ -524,11 +673,54 @@ def parse_args(argv=None):
     ap.add_argument("--list", "--dry-run", dest="list", action="store_true",
                     help="print the plan and which implementations can run here; run nothing")
     ap.add_argument("--group-by", choices=("op", "n"), default=None,
-                    help="one worker per (op, N) ['op', cpu default] or per N ['n', cuda default]")
+                    help="one worker per (op, N) ['op': cleanest memory numbers] or per N for all ops "
+                         "['n': fewer process starts; the default]")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="combine earlier result files into one table, JSON and plot; run nothing")
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
+
+
+def _presets():
+    from . import cases
+
+    return cases.PRESETS
+
+
+def availability(name: str, op: str, device: str, compile_mode: str = "default") -> Optional[str]:
+    """None when ``name`` can be tried for ``op`` here, else why not. Decided without building a problem
+    or importing a peer, so that what cannot run costs nothing."""
+    from . import peers
+
+    if name in ("reference", "reference+compile"):
+        return None
+    if name.startswith("fusedloss:"):
+        import fusedloss
+
+        backend = name.split(":", 1)[1]
+        if backend == "auto":
+            return None
+        state = fusedloss.backend_status().get(backend)
+        if state != "available":
+            return f"{state}"
+        if backend == "cuda" and device != "cuda":
+            return "needs a CUDA device"
+        if backend == "triton" and device != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            return "needs a CUDA device"
+        return None
+    if name in peers.PEERS:
+        if op not in peers.PEER_OPS.get(name, ()):
+            return f"has no {op}"
+        return peers.availability(name, device)
+    return f"unknown implementation {name!r}"
+
+
+def resolve_auto(device: str) -> str:
+    from fusedloss.core import backends
+
+    import torch
+
+    return "fusedloss:" + backends.resolve("auto", torch.device(device))
 
 
 def main(argv=None) -> int:
@@ -557,18 +749,19 @@ def main(argv=None) -> int:
                       out, args.tag or "bench-merged", r0.get("device", "cpu"), r0.get("dtype"), r0.get("V"),
                       r0.get("D"), mlog, lines, time.time())
 
-    if args.case == "acceptance":
+    if args.case in ("headline", "acceptance"):
         args.device = args.device or "cpu"
-        args.shapes = "acceptance"
+        args.shapes = "headline"
         args.ops = args.ops or ["token_logprobs"]
-        args.impls = args.impls or ["reference", "fusedloss:torch"]
+        args.impls = args.impls or ["reference", "fusedloss:torch", "trl"]
         args.dtype = args.dtype or "float32"
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("--device cuda: no CUDA device visible", file=sys.stderr)
         return 2
     gpu = device == "cuda"
-    preset = cases.PRESETS[args.shapes or ("llm" if gpu else "small")]
+    shapes = args.shapes or ("llm" if gpu else "quick")
+    preset = cases.PRESETS[shapes]
     ns = args.N or list(preset["N"])
     V, D = args.V or preset["V"], args.D or preset["D"]
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
@@ -577,17 +770,20 @@ def main(argv=None) -> int:
         if op not in cases.OPS:
             print(f"unknown op {op!r}; expected some of {cases.OPS}", file=sys.stderr)
             return 2
-    impls = args.impls or [i for i in ALL_IMPLS if i != "reference+compile"]
+    explicit = args.impls is not None
+    impls = list(args.impls) if explicit else [i for i in ALL_IMPLS if i != "reference+compile"]
     if args.compile and "reference+compile" not in impls:
         impls.append("reference+compile")  # last in each group: it is the slowest to warm up
     for i in impls:
         if i not in ALL_IMPLS:
             print(f"unknown implementation {i!r}; expected some of {ALL_IMPLS}", file=sys.stderr)
             return 2
+    quick = shapes == "quick" and not args.N
     warmup = args.warmup if args.warmup is not None else (2 if gpu else 1)
     repeat = args.repeat if args.repeat is not None else (5 if gpu else 3)
-    impl_budget = args.impl_budget_s if args.impl_budget_s is not None else (20.0 if gpu else 15.0)
+    impl_budget = args.impl_budget_s if args.impl_budget_s is not None else (20.0 if gpu else 4.0 if quick else 15.0)
     group_timeout = args.group_timeout or (420.0 if gpu else 900.0)
+    budget_s = args.budget_s if args.budget_s is not None else (90.0 if quick else None)
 
     env = environment(device)
     out = Path(args.out)
@@ -600,62 +796,96 @@ def main(argv=None) -> int:
         print(msg, flush=True)
         log_lines.append(msg)
 
-    log(f"fusedloss bench: device={device} dtype={dtype} V={V} D={D} N={ns} ops={ops}")
+    t_start = time.time()
+    log(f"fusedloss bench: device={device} dtype={dtype} V={V} D={D} N={ns} ops={ops} (preset {shapes})")
     log("env: " + json.dumps(env))
-    if args.list:
-        from . import peers
 
-        dev = torch.device(device)
-        for op in ops:
-            for name in impls:
-                impl, why = make_impl(name, op, dev, args.compile_mode)
-                log(f"  {op:<18} {name:<18} {'runs' if impl is not None else 'unavailable: ' + str(why)}")
+    # What can run here, decided before any problem is built.
+    notes, unavailable, runnable = [], [], []
+    if not explicit and "fusedloss:auto" in impls:
+        picked = resolve_auto(device)
+        if picked in impls and availability(picked, ops[0], device) is None:
+            impls.remove("fusedloss:auto")
+            notes.append(f"fusedloss:auto picks {picked.split(':')[1]} here (measured once, as {picked})")
+    for name in impls:
+        reasons = {op: availability(name, op, device, args.compile_mode) for op in ops}
+        if all(r is not None for r in reasons.values()):
+            reasons = {op: r for op, r in reasons.items() if not r.startswith("has no")} or reasons
+            unavailable.append((name, next(iter(reasons.values()))))
+            continue
+        runnable.append((name, [op for op, r in reasons.items() if r is None]))
+    if notes:
+        log("; ".join(notes))
+    records = []
+    if unavailable:
+        log("not run here: " + "; ".join(f"{n} ({r})" for n, r in unavailable))
+        records += [{"kind": "result", "op": op, "impl": n, "N": ns[0], "V": V, "D": D, "dtype": dtype,
+                     "device": device, "status": "unavailable", "reason": r}
+                    for n, r in unavailable for op in ops]
+    if args.list:
+        for name, its_ops in runnable:
+            log(f"  runs: {name:<18} {', '.join(its_ops)}")
         return 0
 
-    deadline = time.time() + args.budget_s if args.budget_s else None
-    records = []
-    t_start = time.time()
-    group_by = args.group_by or ("n" if gpu else "op")
-    for group in plan_groups(ops, impls, ns, group_by):
+    deadline = t_start + budget_s if budget_s else None
+    group_by = args.group_by or "n"
+    groups = plan_groups(ops, runnable, ns, group_by, gpu)
+    progress = Progress(groups, log, t_start)
+    log(f"{progress.total_tasks} cases in {len(groups)} worker group(s)"
+        + (f"; cases that would start after {budget_s:.0f} s are skipped" if deadline else ""))
+    for group in groups:
         n, tasks = group["N"], group["tasks"]
+        progress.n = n
         spec = {"N": n, "V": V, "D": D, "dtype": dtype, "device": device, "tasks": tasks,
                 "warmup": warmup, "repeat": repeat, "impl_budget_s": impl_budget, "seed": args.seed,
                 "no_error": args.no_error, "deadline": deadline, "threads": args.threads,
-                "compile_mode": args.compile_mode}
-        log(f"[{time.time() - t_start:7.1f}s] N={n}: " + ", ".join(sorted(set(op for op, _ in tasks)))
-            + f" ({len(tasks)} runs)")
+                "compile_mode": args.compile_mode, "min_repeat": 2 if quick else 1,
+                "count_slow_first": bool(quick and not gpu)}
         if deadline and time.time() > deadline:
             records.extend(_failed(spec, op, i, "time budget of the run exhausted", "skipped") for op, i in tasks)
+            progress.skip_group(n, tasks)
             continue
-        # a group may overrun the deadline by one task, not more (a time-boxed caller keeps a margin)
-        tmo = group_timeout if not deadline else max(20.0, min(group_timeout, deadline - time.time() + 30))
-        records.extend(run_group_isolated(spec, tmo, log))
+        # A group stops at most STOP_GRACE_S after the deadline; the case in flight then is recorded as
+        # stopped by the budget (a time-boxed caller keeps a margin).
+        budget_stop = bool(deadline) and deadline + STOP_GRACE_S - time.time() < group_timeout
+        tmo = group_timeout if not budget_stop else max(10.0, deadline + STOP_GRACE_S - time.time())
+        records.extend(run_group_isolated(spec, tmo, log, progress, budget_stop=budget_stop))
         # checkpoint: a caller that kills this run still finds every finished record
         (out / f"{stem}.json").write_text(json.dumps(finalize(records, env, device, dtype), indent=1))
 
-    return finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start)
+    code = finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start)
+    if quick and not args.case:
+        log("The README's memory headline (N=4096, V=131072): python benchmarks/bench.py --case headline "
+            "(about 3 minutes on 2 cores); more token counts: --shapes small")
+    return code
 
 
-def plan_groups(ops, impls, ns, group_by):
-    """Worker groups, in the order they run: the reference and fusedloss's backends for every op and N
-    (smallest N first), then the peers (Liger's first call compiles), then the compiled reference (the
-    slowest to warm up), so a time-boxed run gets the core numbers first. ``group_by='op'``: one worker per (op, N) (cleanest memory
-    numbers); ``'n'``: one worker per N for all ops (fewer process starts; the GPU default)."""
-    from .peers import PEER_OPS
+def plan_groups(ops, runnable, ns, group_by, gpu=False):
+    """Worker groups, in the order they run. On a GPU: the reference and fusedloss's backends for every op
+    and N (smallest N first), then the peers (Liger's first call compiles), then the compiled reference
+    (the slowest to warm up), so a time-boxed run gets the core numbers first. On a CPU: every
+    implementation of one op after the other, then the compiled reference. ``runnable`` is
+    ``[(impl, ops it can run)]``. ``group_by='op'``: one worker per (op, N) (cleanest memory numbers);
+    ``'n'``: one worker per N for all ops (fewer process starts)."""
+    from .peers import PEERS
 
-    def runs(op, impl):
-        return impl not in PEER_OPS or op in PEER_OPS[impl]
-
+    can = {name: set(its_ops) for name, its_ops in runnable}
+    impls = [name for name, _ in runnable]
     groups = []
-    phases = ([i for i in impls if i != "reference+compile" and i not in PEER_OPS],  # ours and the reference
-              [i for i in impls if i in PEER_OPS],                                  # peers (Liger compiles)
-              [i for i in impls if i == "reference+compile"])
+    if gpu:
+        phases = ([i for i in impls if i != "reference+compile" and i not in PEERS],  # ours and the reference
+                  [i for i in impls if i in PEERS],                                  # peers (Liger compiles)
+                  [i for i in impls if i == "reference+compile"])
+    else:  # every implementation of an op in a row: a time-boxed run gets whole ops, peers included
+        phases = ([i for i in impls if i != "reference+compile"], [i for i in impls if i == "reference+compile"])
     for phase in phases:
         if not phase:
             continue
         for n in ns:
-            per_op = [[(op, i) for i in phase if runs(op, i)] for op in ops]
+            per_op = [[(op, i) for i in phase if op in can[i]] for op in ops]
             per_op = [t for t in per_op if t]
+            if not per_op:
+                continue
             if group_by == "n":
                 groups.append({"N": n, "tasks": [t for ts in per_op for t in ts]})
             else:
@@ -688,15 +918,21 @@ def finalize(records, env, device, dtype):
 def finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start):
     final = finalize(records, env, device, dtype)
     log("")
+    line = unavailable_summary(final)
+    if line:
+        log(line)
     log(table(final))
     jpath = out / f"{stem}.json"
     jpath.write_text(json.dumps(final, indent=1))
     log(f"\nwrote {jpath}")
-    title = f"fusedloss fwd+bwd, {dtype}, V={V}, D={D}, {env.get('gpu') or env.get('cpu')} ({env['commit']})"
-    if plot(final, out / f"{stem}.png", title):
+    title = f"fusedloss fwd+bwd, {dtype}, V={V}, D={D}, {env.get('gpu') or env.get('cpu')} ({env.get('commit')})"
+    why_not = plot(final, out / f"{stem}.png", title)
+    if why_not is None:
         log(f"wrote {out / (stem + '.png')}")
-    (out / f"{stem}.log").write_text("\n".join(log_lines) + "\n")
+    else:
+        log(f"no plot: {why_not}")
     log(f"total {time.time() - t_start:.0f}s")
+    (out / f"{stem}.log").write_text("\n".join(log_lines) + "\n")
     return 0
 
 

@@ -13,6 +13,9 @@ output names as ``cases.call_op``, so errors are measured against the same float
   (GPU only; Triton). Its DPO API cannot take precomputed reference log-probs: it is given the reference
   model's inputs (the policy itself, step 0) and recomputes them, a cost it pays in real use as well.
 - ``cce``: Apple's Cut Cross-Entropy ``linear_cross_entropy`` with its defaults (gradient filtering on).
+- ``torch-lce``: PyTorch's own ``torch.nn.functional.linear_cross_entropy`` (torch >= 2.13) with
+  ``options=torch.nn.LinearCrossEntropyOptions()``, its chunked path (the default ``options=None`` is the
+  materialised reference). Cross-entropy only; on the CPU and on GPUs.
 """
 
 from __future__ import annotations
@@ -26,13 +29,34 @@ from . import cases
 
 Impl = Tuple[Optional[Callable], Optional[str]]
 
-PEERS = ("trl", "liger", "cce")
+PEERS = ("torch-lce", "trl", "liger", "cce")
 # which ops each peer implements
 PEER_OPS = {
     "trl": ("token_logprobs", "grpo_loss"),
     "liger": ("cross_entropy", "grpo_loss", "dpo_loss", "distillation_loss"),
     "cce": ("cross_entropy",),
+    "torch-lce": ("cross_entropy",),
 }
+# peers whose kernels need a CUDA device
+GPU_ONLY = ("liger", "cce")
+# the module whose presence makes a peer worth a worker (checked without importing it)
+PEER_MODULE = {"trl": "trl", "liger": "liger_kernel", "cce": "cut_cross_entropy"}
+
+
+def availability(name: str, device_type: str) -> Optional[str]:
+    """None when the peer can be tried here, else why not; cheap (no import of the peer)."""
+    import importlib.util
+
+    if name in GPU_ONLY and device_type != "cuda":
+        return "GPU only (Triton kernels)"
+    if name == "torch-lce":
+        ok = hasattr(torch.nn.functional, "linear_cross_entropy") and hasattr(torch.nn, "LinearCrossEntropyOptions")
+        return None if ok else f"torch {torch.__version__} has no linear_cross_entropy (torch >= 2.13)"
+    try:
+        found = importlib.util.find_spec(PEER_MODULE[name]) is not None
+    except (ImportError, ValueError):
+        found = False
+    return None if found else "not installed"
 
 
 def _import(name: str):
@@ -60,7 +84,23 @@ def peer(name: str, op: str, device: torch.device) -> Impl:
         return _liger(op, device)
     if name == "cce":
         return _cce(op, device)
+    if name == "torch-lce":
+        return _torch_lce(op, device)
     return None, f"unknown peer {name!r}"
+
+
+# ------------------------------------------------------------------------------------ torch-lce
+def _torch_lce(op: str, device: torch.device) -> Impl:
+    why = availability("torch-lce", device.type)
+    if why is not None:
+        return None, why
+    fn = torch.nn.functional.linear_cross_entropy
+    options = torch.nn.LinearCrossEntropyOptions()  # "auto" chunking and accumulation for the device
+
+    def run(p, h, w):
+        loss = fn(h, w, p.t["targets"], ignore_index=cases.IGNORE, options=options)
+        return loss, {"loss": loss}
+    return run, None
 
 
 # ------------------------------------------------------------------------------------------ TRL

@@ -18,6 +18,23 @@ from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODeta
 __version__ = "0.1.0"
 
 
+# Submodules reachable as attributes after `import fusedloss`, imported on first use: `reference` and `nn`
+# cost little, but `integrations` needs transformers/TRL, which `import fusedloss` must never pull in.
+_LAZY_SUBMODULES = ("reference", "nn", "integrations", "types")
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+
+
 def backend_status() -> dict:
     """``{"torch": ..., "triton": ..., "cuda": ...}``: "available", or why that backend cannot run here."""
     return _backends.status()

@@ -43,7 +43,9 @@ class ImplicitLogits:
     def targets(self, name: str, targets, ignore_index: int) -> torch.Tensor:
         """Validate ``targets`` (shape = leading shape of hidden) and map them to the core's convention."""
         v.require_tensor(name, targets, floating=False)
-        v.require_shape(name, targets, self.lead_shape, "the leading dimensions of hidden")
+        if tuple(targets.shape) != self.lead_shape:
+            raise ValueError(f"{name} must have shape {self.lead_shape} (the leading dimensions of hidden), got "
+                             f"{tuple(targets.shape)}{alignment_hint(name, tuple(targets.shape), self.lead_shape)}")
         v.require_same_device(hidden=self.hidden, **{name: targets})
         if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
@@ -92,17 +94,31 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
     if weight.dim() != 2:
         raise ValueError(f"{weight_name} must be 2-D [V, D], got shape {tuple(weight.shape)}")
     if weight.shape[1] != hidden.shape[-1]:
+        hint = ""
+        if weight.shape[0] == hidden.shape[-1]:
+            hint = (f"; {weight_name} looks transposed ([D, V]): pass lm_head.weight, which is [V, D]"
+                    if weight.shape[0] < weight.shape[1] else
+                    f"; {hidden_name}'s last dimension equals the vocabulary size {weight.shape[0]}: these look "
+                    f"like logits, pass the hidden states (the input of the LM head) instead")
         raise ValueError(f"{weight_name} has hidden size {weight.shape[1]} but {hidden_name} has "
-                         f"{hidden.shape[-1]} (last dimension): they must match")
+                         f"{hidden.shape[-1]} (last dimension): they must match{hint}")
     if hidden.shape[-1] == 0:
         raise ValueError(f"{hidden_name} must have a hidden size of at least 1, got shape {tuple(hidden.shape)}")
     if weight.shape[0] == 0 and spread is None:  # a rank of a sharded head may hold no rows
         raise ValueError(f"{weight_name} must have at least one vocabulary row, got shape {tuple(weight.shape)}")
+    if bias is not None:
+        v.require_tensor(bias_name, bias, floating=True)
+    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != weight.dtype):
+        cast = _autocast_dtype(hidden)
+        if cast is not None:
+            # Under torch.autocast a bf16 hidden state meets the fp32 head parameters; the head's matmul
+            # would run in the autocast dtype, so the head is cast to it (as the TRL drop-in does).
+            hidden, weight = hidden.to(cast), weight.to(cast)
+            bias = None if bias is None else bias.to(cast)
     if weight.dtype != hidden.dtype:
         raise TypeError(f"{weight_name} has dtype {weight.dtype} but {hidden_name} has {hidden.dtype}: "
                         f"cast them to one dtype")
     if bias is not None:
-        v.require_tensor(bias_name, bias, floating=True)
         v.require_shape(bias_name, bias, (weight.shape[0],), f"one entry per row of {weight_name}")
         if bias.dtype != weight.dtype:
             raise TypeError(f"{bias_name} has dtype {bias.dtype} but {weight_name} has {weight.dtype}")
@@ -133,6 +149,34 @@ def _autocast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.T
     if t is None or t.dtype == dtype or t.dtype == torch.float64:
         return t
     return t.to(dtype)
+
+
+def _autocast_dtype(hidden: torch.Tensor):
+    """The autocast dtype when ``torch.autocast`` is on for ``hidden``'s device, else None."""
+    device_type = hidden.device.type
+    try:
+        if torch.is_autocast_enabled(device_type):
+            return torch.get_autocast_dtype(device_type)
+    except (RuntimeError, TypeError):  # a device type autocast does not know
+        pass
+    return None
+
+
+def alignment_hint(name: str, shape: tuple, lead: tuple) -> str:
+    """A sentence for the two shape near misses of next-token scoring (empty when neither applies):
+    ``targets`` one position longer than ``hidden`` (labels of the whole sequence), or shorter (a
+    completion scored with the hidden states of prompt and completion)."""
+    if len(shape) != len(lead) or len(shape) < 1 or shape[:-1] != lead[:-1]:
+        return ""
+    if shape[-1] == lead[-1] + 1:
+        return (f": next-token labels? position t of hidden predicts token t + 1, so pass hidden[:, :-1] with "
+                f"{name}[:, 1:]")
+    if 0 < shape[-1] < lead[-1]:
+        return (f": scoring a completion of {shape[-1]} tokens after a prompt of P tokens? The rows that predict "
+                f"it are hidden[:, P - 1:-1] (not hidden[:, -{shape[-1]}:] nor hidden[:, P:]); "
+                f"fusedloss.integrations.transformers.completion_logprobs(model, prompt_ids, completion_ids) "
+                f"aligns them for you")
+    return ""
 
 
 def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
