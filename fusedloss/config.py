@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional
 
 
 def _flag(name: str) -> Optional[bool]:
@@ -80,6 +80,33 @@ def from_environment() -> Environment:
         workspace = _megabytes("FUSEDLOSS_CUDA_WORKSPACE_MB")
     return Environment(eager=_flag("FUSEDLOSS_EAGER"), workspace_mb=workspace, allow_tf32=_flag("FUSEDLOSS_ALLOW_TF32"),
                        triton_fp32_precision=precision, deterministic=_flag("FUSEDLOSS_DETERMINISTIC"))
+
+
+class RunOptions(NamedTuple):
+    """How one call runs, from the public functions' keyword arguments (None: the environment's override,
+    else the default). ``eager``: take (True) or refuse (False) the 3-product path of a loss known in the
+    forward; ``workspace_mb``: the GPU backends' logits workspace; ``allow_tf32``: TF32 products for fp32
+    inputs."""
+
+    eager: Optional[bool] = None
+    workspace_mb: Optional[float] = None
+    allow_tf32: Optional[bool] = None
+
+    @classmethod
+    def checked(cls, *, eager=None, workspace_mb=None, allow_tf32=None) -> "RunOptions":
+        for name, value in (("eager", eager), ("allow_tf32", allow_tf32)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{name} must be True, False or None, got {value!r}")
+        if workspace_mb is not None:
+            if isinstance(workspace_mb, bool) or not isinstance(workspace_mb, (int, float)) or not workspace_mb > 0:
+                raise ValueError(f"workspace_mb must be a positive number of MiB or None, got {workspace_mb!r}")
+            workspace_mb = float(workspace_mb)
+        return cls(eager, workspace_mb, allow_tf32)
+
+    def problem_fields(self) -> dict:
+        """The options the backends read, as ``StatsProblem`` fields (only those set)."""
+        return {k: v for k, v in (("workspace_mb", self.workspace_mb), ("allow_tf32", self.allow_tf32))
+                if v is not None}
 
 
 def interpreting_triton() -> bool:

@@ -18,7 +18,7 @@ composable op when the backend has no eager path, when no gradient is needed, or
 from __future__ import annotations
 
 import contextlib
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -86,18 +86,24 @@ def eager_loss(problem: StatsProblem, backend_name: str, row_loss: RowLoss) -> t
     return _EagerLoss.apply(problem.hidden, problem.weight, problem.bias, problem, backend_name, row_loss, needs)
 
 
-def pays(backend_name: str, problem: StatsProblem) -> bool:
-    """The backend's own measured policy (``eager_pays(problem)``), if it has one; else yes.
-    ``FUSEDLOSS_EAGER=1`` forces the eager path, ``0`` turns it off, unset follows the policy."""
-    if config.from_environment().eager:
+def _forced(eager: Optional[bool]) -> Optional[bool]:
+    """The caller's ``eager=`` argument, else ``FUSEDLOSS_EAGER`` (fusedloss/config.py), else None."""
+    return config.from_environment().eager if eager is None else eager
+
+
+def pays(backend_name: str, problem: StatsProblem, eager: Optional[bool] = None) -> bool:
+    """The backend's own plan (``eager_pays(problem)``), if it has one; else yes. ``eager=True`` (or
+    ``FUSEDLOSS_EAGER=1``) forces the eager path, ``False`` (``0``) turns it off, None follows the plan."""
+    if _forced(eager):
         return True
     policy = backends.eager_policy(backend_name)
     return True if policy is None else bool(policy(problem))
 
 
-def want_eager(backend_name: str, hidden: torch.Tensor, weight: torch.Tensor, bias) -> bool:
+def want_eager(backend_name: str, hidden: torch.Tensor, weight: torch.Tensor, bias,
+               eager: Optional[bool] = None) -> bool:
     """The eager path can apply: a gradient will be asked for and the backend has one (``pays`` decides)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or config.from_environment().eager is False:
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or _forced(eager) is False:
         return False
     if hidden.device.type == "meta":  # no data to compute on: the composable op's fake gives the shapes
         return False

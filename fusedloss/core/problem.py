@@ -112,9 +112,10 @@ class StatsProblem:
     want_mean_logit: bool = False
     want_extras: bool = False  # log_sum_sq_probs and is_top1 (TRL's per-token metrics)
     # How to run, not what to compute (fusedloss/config.py): the logits workspace of the GPU backends in MiB
-    # (None: sized from free device memory) and whether fp32 inputs may use TF32 products.
+    # and whether fp32 inputs may use TF32 products; None: the environment's override, else the default
+    # (workspace sized from free device memory; full fp32 products).
     workspace_mb: Optional[float] = None
-    allow_tf32: bool = False
+    allow_tf32: Optional[bool] = None
 
     @property
     def has_teacher(self) -> bool:

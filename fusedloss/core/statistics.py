@@ -62,7 +62,7 @@ SECOND_ORDER_MESSAGE = (
 # ------------------------------------------------------------------------------------------------
 _SCHEMA_TYPES = {
     "torch.Tensor": "Tensor", "Optional[torch.Tensor]": "Tensor?", "bool": "bool", "float": "float",
-    "Optional[float]": "float?", "int": "int", "Optional[int]": "int?", "str": "str", "Optional[str]": "str?",
+    "Optional[float]": "float?", "Optional[bool]": "bool?", "int": "int", "Optional[int]": "int?", "str": "str", "Optional[str]": "str?",
 }
 
 
@@ -234,10 +234,19 @@ def build_problem(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[
             teacher_bias=None if teacher.bias is None else teacher.bias.detach(),
             teacher_transform=_plain_transform(LogitTransform(teacher.temperature, teacher.logit_scale,
                                                               teacher.softcap)))
-    flags = {k: (None if v is None else float(v)) if k in ("jsd_beta", "workspace_mb") else bool(v)
-             for k, v in wants.items()}
+    flags = {k: _plain(_FIELD_TYPES[k], v) for k, v in wants.items()}
     return StatsProblem(hidden=hidden, weight=weight, bias=bias, targets=targets,
                         transform=_plain_transform(transform), **teacher_fields, **flags)
+
+
+_FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(StatsProblem)}
+
+
+def _plain(kind: str, value):
+    """A problem option as the plain Python value its schema type asks for (None kept where allowed)."""
+    if value is None and kind.startswith("Optional["):
+        return None
+    return float(value) if kind.endswith("float]") or kind == "float" else bool(value)
 
 
 def _plain_transform(tf: LogitTransform) -> LogitTransform:

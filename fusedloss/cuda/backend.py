@@ -206,6 +206,26 @@ def override_plan(**fields):
         _OVERRIDES.reset(token)
 
 
+_ALLOW_TF32: contextvars.ContextVar = contextvars.ContextVar("fusedloss_cuda_allow_tf32", default=None)
+
+
+def _call_options(entry):
+    """Run a backend entry point with the call's own options (``StatsProblem.workspace_mb`` and
+    ``allow_tf32``, set by the public functions' keyword arguments) in force, for this context only."""
+
+    @functools.wraps(entry)
+    def run(p: StatsProblem, *args, **kwargs):
+        with contextlib.ExitStack() as stack:
+            if p.workspace_mb is not None and "workspace_mb" not in dict(_OVERRIDES.get()):
+                stack.enter_context(override_plan(workspace_mb=p.workspace_mb))
+            if p.allow_tf32 is not None:
+                token = _ALLOW_TF32.set(bool(p.allow_tf32))
+                stack.callback(_ALLOW_TF32.reset, token)
+            return entry(p, *args, **kwargs)
+
+    return run
+
+
 def workspace_bytes(free_bytes: Optional[int] = None) -> int:
     """The logits workspace of one call: ``override_plan(workspace_mb=)`` or ``FUSEDLOSS_WORKSPACE_MB``
     (fusedloss/config.py) if set; else ``free_bytes / 8`` between 256 MiB and 8 GiB; 256 MiB when nothing
@@ -539,6 +559,7 @@ def _shapes(p: StatsProblem) -> tuple[_Shape, _Shape]:
     return _composable_shape(w, budget, caps), _eager_shape(w, budget, caps)
 
 
+@_call_options
 def eager_pays(p: StatsProblem) -> bool:
     """The plan's choice for a loss known in the forward (core/eager.py): the 3-product eager path where the
     cost model says its chunks are big enough to beat the composable path."""
@@ -628,8 +649,14 @@ def _capabilities(device: torch.device) -> Capabilities:
 
 def _fp32_precision() -> str:
     """"ieee" (default: full fp32 products whatever torch's TF32 flags say, the fp32 accuracy contract) or
-    "tf32" (the explicit opt-in ``FUSEDLOSS_ALLOW_TF32=1``, fusedloss/config.py)."""
-    return "tf32" if config.from_environment().allow_tf32 else "ieee"
+    "tf32" (the explicit opt-in: the call's ``allow_tf32=True``, else ``FUSEDLOSS_ALLOW_TF32=1``,
+    fusedloss/config.py)."""
+    allow = _ALLOW_TF32.get()
+    if allow is None:
+        allow = config.from_environment().allow_tf32
+    return "tf32" if allow else "ieee"
+
+
 
 
 def _torch_fp32_precision() -> str:
@@ -867,6 +894,7 @@ def _dx_into(ex: _Exec, a, dx: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 # Forward: the composable op's statistics (1 product; 2 for the JSD over several tiles)
 # ------------------------------------------------------------------------------------------------
+@_call_options
 def forward_statistics(p: StatsProblem) -> Statistics:
     if p.acc_dtype == torch.float64:
         return torch_backend.forward_statistics(p)
@@ -917,6 +945,7 @@ def forward_statistics(p: StatsProblem) -> Statistics:
 # ------------------------------------------------------------------------------------------------
 # Backward (recompute): 3 products over exactly the forward's tiles
 # ------------------------------------------------------------------------------------------------
+@_call_options
 def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds):
     """(d hidden, d weight, d bias) in the dtypes of their tensors, each None when not needed.
 
@@ -1014,6 +1043,7 @@ def _scaled_half_dx(x: torch.Tensor, dx16: torch.Tensor) -> torch.Tensor:
     return torch.exp2(-k)
 
 
+@_call_options
 def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     """Losses known in the forward (core/eager.py). ``chunk_fn(stats, slice(r0, r1)) -> (loss, coeffs
     [7, r1 - r0])``. For each chunk of rows the full ``[rows, V]`` logits are formed in the workspace,

@@ -12,6 +12,8 @@ eps = 0, and with ``drop_silent_groups`` (DAPO's dynamic-sampling filter) its me
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from .. import _validation as v
@@ -20,7 +22,29 @@ from ..types import GroupAdvantages
 SCALES = ("group", "batch", "none")
 
 
-def group_advantages(rewards, group_size, *, scale="group", drop_silent_groups=False, eps=1e-4, unbiased=True):
+def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: Literal["group", "batch", "none"] = "group",
+                     drop_silent_groups: bool = False, eps: float = 1e-4, unbiased: bool = True) -> GroupAdvantages:
+    """Group-relative advantages of GRPO (``scale="group"``), Dr. GRPO (``"none"``) and DAPO's dynamic
+    sampling (``drop_silent_groups=True``): ``A_i = (r_i - mean_group(r)) / (std + eps)``.
+
+    Args:
+        rewards: ``[num_groups * group_size]`` real rewards, consecutive completions of one prompt together.
+        group_size: completions per prompt (G).
+        scale: ``"group"`` divides by the group's std (GRPO), ``"batch"`` by the std of the whole batch (the
+            mean stays per group), ``"none"`` does not divide (Dr. GRPO).
+        drop_silent_groups: mark every member of a group whose rewards are all equal (std 0, no learning
+            signal) with ``keep = False`` (DAPO's filter); their advantages are 0 either way.
+        eps: added to the std before dividing.
+        unbiased: Bessel-corrected std (as ``torch.std``), else the population std.
+
+    Returns:
+        ``GroupAdvantages(advantages [N], std [num_groups], keep [N] bool)``, fp32 (float64 for float64 rewards),
+        detached.
+
+    Example::
+
+        adv = fusedloss.group_advantages(rewards, group_size=8).advantages
+    """
     v.require_tensor("rewards", rewards)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_groups * group_size], got shape {tuple(rewards.shape)}")

@@ -2,31 +2,63 @@
 
 from __future__ import annotations
 
+from typing import Literal, Optional
+
 import torch
 
 from .. import _validation as v
+from .docs import HEAD, RUN, SHARDING, shared_arguments
 from .implicit_logits import implicit_logits
 from .reductions import reduced_token_loss
 
 
-def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, reduction="mean", label_smoothing=0.0,
-                  z_loss=0.0, temperature=1.0, logit_scale=1.0, softcap=None, num_items_in_batch=None,
-                  backend="auto", process_group=None, reduce_hidden_grad=True, vocab_start=None, vocab_size=None,
-                  fsdp_vocab_parallel=False):
-    """Per valid token::
+@shared_arguments(*HEAD, "ignore_index", *RUN, "eager", *SHARDING)
+def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
+                  bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                  reduction: Literal["mean", "sum", "none"] = "mean", label_smoothing: float = 0.0,
+                  z_loss: float = 0.0, temperature: float = 1.0, logit_scale: float = 1.0,
+                  softcap: Optional[float] = None, num_items_in_batch=None, backend: str = "auto",
+                  eager: Optional[bool] = None, workspace_mb: Optional[float] = None,
+                  allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
+                  vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
+                  fsdp_vocab_parallel: bool = False) -> torch.Tensor:
+    """``torch.nn.functional.cross_entropy(hidden @ weight.T + bias, targets)`` plus a z-loss, without the
+    logits. Per valid token::
 
         (1 - eps) * (lse - z_y) + eps * (lse - mean_v z_v) + z_loss * lse**2
 
-    which is F.cross_entropy(z, y, label_smoothing=eps) (the smoothed target puts eps / V on every class)
-    plus the z-loss. Reduced by ``reduction`` over valid tokens; with ``num_items_in_batch``, sum / that."""
+    which is ``F.cross_entropy(z, y, label_smoothing=eps)`` (the smoothed target puts eps / V on every class)
+    plus the z-loss, reduced over the valid tokens.
+
+    Args:
+        hidden: ``[..., D]`` hidden states (float32, bfloat16, float16 or float64); position i is scored
+            against ``targets[i]`` (next-token SFT: ``hidden[:, :-1]`` with ``labels[:, 1:]``).
+        weight: ``[V, D]`` lm_head weight, same dtype as ``hidden``.
+        targets: integer ``[...]`` token ids in ``[0, V)`` or ignore_index.
+        reduction: ``"mean"`` over valid tokens (0 when there are none), ``"sum"``, or ``"none"`` (per-token
+            ``[...]`` losses).
+        label_smoothing: eps in ``[0, 1]``, as ``F.cross_entropy``.
+        z_loss: coefficient of ``lse**2`` per valid token (PaLM's auxiliary loss).
+        num_items_in_batch: when given (> 0, int or one-element tensor), the loss is ``sum / num_items_in_batch``
+            (gradient accumulation, as transformers' ``ForCausalLMLoss``).
+        {shared}
+
+    Returns:
+        The loss, fp32 (float64 for float64 inputs): a scalar, or ``[...]`` with ``reduction="none"``.
+
+    Example::
+
+        loss = fusedloss.cross_entropy(hidden[:, :-1], model.lm_head.weight, labels[:, 1:], z_loss=1e-4)
+    """
     v.require_choice("reduction", reduction, ("mean", "sum", "none"))
     v.require_real("label_smoothing", label_smoothing, nonnegative=True)
     if label_smoothing > 1:
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     v.require_real("z_loss", z_loss, nonnegative=True)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                   backend=backend, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-                   vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             backend=backend, eager=eager, workspace_mb=workspace_mb, allow_tf32=allow_tf32,
+                             process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
     tgt = logits.targets("targets", targets, ignore_index)
     valid = tgt >= 0
     wants = dict(targets=tgt, want_mean_logit=label_smoothing > 0)

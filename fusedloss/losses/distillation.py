@@ -11,20 +11,64 @@ with q = softmax(z_s / T) the student, p = softmax(z_t / T) the teacher. Per tok
 
 from __future__ import annotations
 
+from typing import Literal, Optional
+
 import torch
 
 from .. import _validation as v
 from ..core import LogitTransform, TeacherHead
 from ..distributed.head import check_same_rows
+from .docs import RUN, SHARDING, shared_arguments
 from .implicit_logits import implicit_logits
 from .reductions import reduced_token_loss
 
 
-def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=None, *, beta=1.0, temperature=1.0,
-                      hard_weight=0.0, soft_weight=1.0, t_squared=False, bias=None, teacher_bias=None,
-                      ignore_index=-100, reduction="batchmean", num_items_in_batch=None, backend="auto",
-                      process_group=None, reduce_hidden_grad=True, vocab_start=None, vocab_size=None,
-                      fsdp_vocab_parallel=False):
+@shared_arguments("bias", "ignore_index", *RUN, "eager", *SHARDING)
+def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
+                      teacher_weight: torch.Tensor, targets: Optional[torch.Tensor] = None, *, beta: float = 1.0,
+                      temperature: float = 1.0, hard_weight: float = 0.0, soft_weight: float = 1.0,
+                      t_squared: bool = False, bias: Optional[torch.Tensor] = None,
+                      teacher_bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                      reduction: Literal["batchmean", "sum", "none"] = "batchmean", num_items_in_batch=None,
+                      backend: str = "auto", eager: Optional[bool] = None, workspace_mb: Optional[float] = None,
+                      allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
+                      vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
+                      fsdp_vocab_parallel: bool = False) -> torch.Tensor:
+    """Distillation from a frozen teacher over the full vocabulary (TRL's ``generalized_jsd_loss`` convention),
+    from both models' hidden states, without either's logits.
+
+    With q = softmax(student logits / T) and p = softmax(teacher logits / T), per token::
+
+        soft = KL(p || q)                                  beta == 0 (forward KL, Hinton)
+               KL(q || p)                                  beta == 1 (reverse KL, on-policy distillation)
+               beta KL(p || m) + (1 - beta) KL(q || m)     otherwise, m = (1 - beta) q + beta p
+        loss = soft_weight * soft * (T**2 if t_squared else 1) + hard_weight * CE(student logits at T = 1, y)
+
+    Hinton et al. with mixing weight lam: ``beta=0, hard_weight=1-lam, soft_weight=lam, t_squared=True``.
+
+    Args:
+        hidden: ``[..., D]`` student hidden states. weight: ``[V, D]`` student lm_head weight.
+        teacher_hidden: ``[..., D_t]`` teacher hidden states (the student's leading shape and dtype).
+        teacher_weight: ``[V, D_t]`` teacher lm_head weight (the same vocabulary). The teacher is frozen: it
+            never gets a gradient.
+        targets: integer ``[...]`` labels: positions whose label is ignore_index count in neither term;
+            None scores every position (``hard_weight`` must then be 0).
+        beta: in ``[0, 1]``, see above. temperature: T, applied to both models.
+        hard_weight, soft_weight, t_squared: the mixture above.
+        teacher_bias: ``[V]`` teacher lm_head bias, or None.
+        reduction: ``"batchmean"`` (sum / number of scored tokens, 0 when none), ``"sum"`` or ``"none"``
+            (per-token ``[...]``).
+        num_items_in_batch: when given (> 0), the loss is ``sum / num_items_in_batch``.
+        {shared}
+
+    Returns:
+        The loss, fp32 (float64 for float64 inputs): a scalar, or ``[...]`` with ``reduction="none"``.
+
+    Example::
+
+        loss = fusedloss.distillation_loss(h_student, student.lm_head.weight, h_teacher,
+                                           teacher.lm_head.weight, beta=1.0)   # reverse KL
+    """
     v.require_real("beta", beta)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta!r}")
@@ -34,7 +78,8 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
     v.require_bool("t_squared", t_squared)
     sharding = dict(process_group=process_group, vocab_start=vocab_start, vocab_size=vocab_size,
                     fsdp_vocab_parallel=fsdp_vocab_parallel)
-    student = implicit_logits(hidden, weight, bias, temperature=temperature, backend=backend,
+    student = implicit_logits(hidden, weight, bias, temperature=temperature, backend=backend, eager=eager,
+                              workspace_mb=workspace_mb, allow_tf32=allow_tf32,
                               reduce_hidden_grad=reduce_hidden_grad, **sharding)
     teacher = implicit_logits(teacher_hidden, teacher_weight, teacher_bias, temperature=temperature, backend="torch",
                       hidden_name="teacher_hidden", weight_name="teacher_weight", bias_name="teacher_bias", **sharding)

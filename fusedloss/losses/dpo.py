@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from .. import _validation as v
 from ..types import DPODetails
 from . import sequences
+from .docs import RUN, SHARDING, shared_arguments
 from .implicit_logits import count_or_one, implicit_logits
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
@@ -56,6 +57,7 @@ LossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", 
                    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]
 
 
+@shared_arguments(*RUN, *SHARDING)
 def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, *, beta: float = 0.1,
              loss_type: Union[LossType, Sequence[LossType]] = "sigmoid",
@@ -64,7 +66,8 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
              ld_alpha: Optional[float] = None, discopop_tau: float = 0.05, use_weighting: bool = False,
              bias: Optional[torch.Tensor] = None, temperature: float = 1.0, logit_scale: float = 1.0,
              softcap: Optional[float] = None, ignore_index: int = -100, return_details: bool = False,
-             backend: str = "auto", process_group=None, reduce_hidden_grad: bool = True,
+             backend: str = "auto", workspace_mb: Optional[float] = None,
+             allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
              vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
              fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, DPODetails]]:
     """TRL 1.16 DPOTrainer's loss from the hidden states (option names and defaults are DPOConfig's).
@@ -77,8 +80,8 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
         ref_chosen_logps, ref_rejected_logps: ``[B]`` reference sequence log-probs (LD-DPO weighted like the
             policy's when ``ld_alpha`` is set, as TRL's ``compute_ref_log_probs`` does).
         beta: the DPO temperature (IPO's tau).
-        loss_type: one of ``LOSS_TYPES`` (module docstring), or a list of them combined with ``loss_weights``
-            (MPO; default weight 1.0 each).
+        loss_type: one of ``LOSS_TYPES`` (module docstring), or a list of them (MPO).
+        loss_weights: one weight per loss type of a list (default 1.0 each); None for a single loss type.
         label_smoothing: robust's flip probability (< 0.5), exo_pair's epsilon (> 0), aot's smoothing, and
             sigmoid's cDPO smoothing.
         f_divergence_type, f_alpha_divergence_coef: the f-DPO divergence (only for ``F_DIVERGENCE_LOSS_TYPES``).
@@ -86,7 +89,8 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
         discopop_tau: DiscoPOP's temperature. use_weighting: WPO pair weights.
         temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.
         ignore_index: the label of tokens that are not scored.
-        return_details: also return a ``DPODetails``. backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``.
+        return_details: also return a ``DPODetails``.
+        {shared}
 
     Returns:
         The scalar loss (fp32; float64 for float64 inputs), or ``(loss, DPODetails)``: chosen/rejected sequence
@@ -97,9 +101,9 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
                    f_alpha_divergence_coef=f_alpha_divergence_coef, ld_alpha=ld_alpha, discopop_tau=discopop_tau,
                    use_weighting=use_weighting)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend, process_group=process_group,
-                             reduce_hidden_grad=reduce_hidden_grad, vocab_start=vocab_start, vocab_size=vocab_size,
-                             fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             softcap=softcap, backend=backend, workspace_mb=workspace_mb,
+                             allow_tf32=allow_tf32, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
     pairs = sequences.require_rows(logits, paired=True)
     sequences.require_pair_refs(pairs, hidden, ref_chosen_logps=ref_chosen_logps,
                                 ref_rejected_logps=ref_rejected_logps)

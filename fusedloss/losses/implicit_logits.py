@@ -16,6 +16,7 @@ import torch
 
 from .. import _validation as v
 from ..core import LogitTransform, Statistics, TeacherHead, backends, eager, token_statistics
+from ..config import RunOptions
 from ..core.statistics import autocast_dtype, build_problem
 from ..distributed.head import prepare_head
 
@@ -30,6 +31,8 @@ class ImplicitLogits:
     backend: str  # concrete: "torch", "triton" or "cuda"
     # Rows spread over ranks (fusedloss/distributed/head.py): it computes the statistics; None on one device.
     distributed: Optional[object] = None
+    # How to run (fusedloss/config.py): the caller's eager=, workspace_mb=, allow_tf32= (None: the default).
+    run: RunOptions = RunOptions()
 
     @property
     def vocab_size(self) -> int:
@@ -53,6 +56,7 @@ class ImplicitLogits:
 
     def statistics(self, *, targets=None, teacher: Optional[TeacherHead] = None, transform=None,
                    **wants) -> Statistics:
+        wants.update(self.run.problem_fields())
         if self.distributed is not None:
             return self.distributed.statistics(self, targets=targets, teacher=teacher,
                                                transform=transform or self.transform, **wants)
@@ -66,10 +70,11 @@ class ImplicitLogits:
         per-row terms. On the eager 3-product path when it applies (core/eager.py), else on the
         composable statistics op; both evaluate the same ``row_loss``."""
         # A head spread over ranks takes the composable op: an eager chunk would need its merged statistics.
-        if self.distributed is None and eager.want_eager(self.backend, self.hidden, self.weight, self.bias):
+        if self.distributed is None and eager.want_eager(self.backend, self.hidden, self.weight, self.bias,
+                                                         self.run.eager):
             problem = build_problem(self.hidden, self.weight, bias=self.bias, targets=targets,
-                                    transform=self.transform, teacher=teacher, **wants)
-            if eager.pays(self.backend, problem):
+                                    transform=self.transform, teacher=teacher, **wants, **self.run.problem_fields())
+            if eager.pays(self.backend, problem, self.run.eager):
                 return eager.eager_loss(problem, self.backend, row_loss)
         return row_loss(self.statistics(targets=targets, teacher=teacher, **wants), slice(None))
 
@@ -79,9 +84,12 @@ class ImplicitLogits:
 
 def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, softcap=None, backend="auto",
             hidden_name="hidden", weight_name="weight", bias_name="bias", min_dims=1, process_group=None,
-            reduce_hidden_grad=True, vocab_start=None, vocab_size=None, fsdp_vocab_parallel=False) -> ImplicitLogits:
+            reduce_hidden_grad=True, vocab_start=None, vocab_size=None, fsdp_vocab_parallel=False, eager=None,
+            workspace_mb=None, allow_tf32=None) -> ImplicitLogits:
     """Check ``hidden [..., D]``, ``weight [V, D]``, ``bias [V]`` and the logit transform; pick the backend.
-    ``process_group``, ..., ``fsdp_vocab_parallel``: where the rows of the head live (fusedloss/distributed)."""
+    ``process_group``, ..., ``fsdp_vocab_parallel``: where the rows of the head live (fusedloss/distributed);
+    ``eager``, ``workspace_mb``, ``allow_tf32``: how to run (fusedloss/config.py)."""
+    run = RunOptions.checked(eager=eager, workspace_mb=workspace_mb, allow_tf32=allow_tf32)
     v.require_tensor(hidden_name, hidden, floating=True)
     v.require_tensor(weight_name, weight, floating=True)
     hidden, weight, bias, spread = prepare_head(
@@ -141,7 +149,7 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
                   bias=None if bias is None else bias.contiguous(),
                   transform=LogitTransform(float(temperature), float(logit_scale),
                                            None if softcap is None else float(softcap)),
-                  lead_shape=lead, backend=name, distributed=spread)
+                  lead_shape=lead, backend=name, distributed=spread, run=run)
 
 
 def _autocast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:

@@ -23,11 +23,13 @@ import torch
 from .. import _validation as v
 from ..types import KTODetails
 from . import sequences
+from .docs import RUN, SHARDING, shared_arguments
 from .implicit_logits import implicit_logits
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
+@shared_arguments(*RUN, *SHARDING)
 def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, preference_labels: torch.Tensor,
              ref_logps: torch.Tensor, *, kl_hidden: Optional[torch.Tensor] = None,
              kl_labels: Optional[torch.Tensor] = None, ref_kl_logps: Optional[torch.Tensor] = None,
@@ -35,7 +37,8 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
              desirable_weight: float = 1.0, undesirable_weight: float = 1.0, bias: Optional[torch.Tensor] = None,
              temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
              ignore_index: int = -100, return_details: bool = False,
-             backend: str = "auto", process_group=None, reduce_hidden_grad: bool = True,
+             backend: str = "auto", workspace_mb: Optional[float] = None,
+             allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
              vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
              fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, KTODetails]]:
     """TRL 1.16 KTOTrainer's loss from the hidden states (option names and defaults are KTOConfig's).
@@ -54,7 +57,8 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
         desirable_weight, undesirable_weight: weights of the two kinds of rows.
         temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.
         ignore_index: the label of tokens that are not scored.
-        return_details: also return a ``KTODetails``. backend: ``"auto"``, ``"torch"``, ``"triton"``, ``"cuda"``.
+        return_details: also return a ``KTODetails``.
+        {shared}
 
     Returns:
         The scalar loss, or ``(loss, KTODetails)``: sequence log-probs (differentiable), rewards ``beta * u``
@@ -76,9 +80,9 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
     if kl is not None and not isinstance(kl, torch.Tensor):
         v.require_real("kl", kl)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend, process_group=process_group,
-                             reduce_hidden_grad=reduce_hidden_grad, vocab_start=vocab_start, vocab_size=vocab_size,
-                             fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             softcap=softcap, backend=backend, workspace_mb=workspace_mb,
+                             allow_tf32=allow_tf32, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
+                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
     rows = sequences.require_rows(logits, paired=False)
     desirable = v.require_mask("preference_labels", preference_labels, (rows,)) != 0
     v.require_tensor("ref_logps", ref_logps, floating=True)
