@@ -1,6 +1,6 @@
-"""Argument checks shared by every public function. Each error names the argument and what was expected
-(SPEC section 3). Checks on values (targets in range) are skipped while torch.compile traces, because they
-need a host synchronisation; the kernels never index out of bounds anyway, since targets outside
+"""Argument checks shared by every public function (docs/design.md, "Bad input"). Each error names the
+argument and what was expected. Checks on values (targets in range) are skipped while torch.compile traces,
+because they need a host synchronisation; the kernels never index out of bounds anyway, since targets outside
 ``[0, V)`` reach them as ignored rows."""
 
 from __future__ import annotations

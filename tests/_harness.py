@@ -112,7 +112,7 @@ def run(fn_name, inputs, options, backend, dtype, device, cotangent_seed=1234) -
     return Run(outputs, {k: v.grad for k, v in leaves.items()})
 
 
-# fp32 criterion (SPEC section 6): 1e-5 norm-wise relative. Peaked logits near 30 carry an absolute
+# fp32 criterion (docs/design.md, "Numerical doctrine"): 1e-5 norm-wise relative. Peaked logits near 30 carry an absolute
 # rounding error of ~2e-6 in any fp32 computation (the ulp of 30), so an output that is small against the
 # terms it is made of (a loss whose per-token terms cancel, the log-prob of a near-certain token) is
 # ill-conditioned in fp32 whatever the algorithm. There the naive fp32 path (reference.py run in fp32)

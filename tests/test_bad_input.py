@@ -1,4 +1,4 @@
-"""Bad input gets a ValueError or TypeError whose message names the argument (SPEC section 3).
+"""Bad input gets a ValueError or TypeError whose message names the argument (docs/design.md, "Bad input").
 
 All checks run before any kernel, so these tests use the torch backend's defaults (``backend="auto"``)
 except where the backend argument itself is under test.
@@ -291,7 +291,7 @@ def test_group_advantages_bad_inputs():
 
 
 # --------------------------------------------------------------------------------------------------
-# NaN and inf propagate; they never crash or hang (SPEC section 3)
+# NaN and inf propagate; they never crash or hang (docs/design.md, "Bad input")
 
 
 def test_nonfinite_inputs_propagate(backend, device):

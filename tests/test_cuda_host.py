@@ -288,7 +288,7 @@ def confident_problem(n, gap, *, seed=0, top=30.0, v=131, d=19, peaked_weight=Fa
 @pytest.mark.parametrize("gap", [6.0, 8.0, 10.0, 13.0])
 @pytest.mark.parametrize("tiles", ["whole", "small"])
 def test_fp32_confident_rows_within_1e5(n, gap, tiles, request):
-    """SPEC section 6 on peaked fp32 rows (lse ~ 30): logp and the gradients of sum(logp) within 1e-5
+    """docs/design.md, "Numerical doctrine" on peaked fp32 rows (lse ~ 30): logp and the gradients of sum(logp) within 1e-5
     (norm-wise relative) of float64, through the recompute backward and the eager path. Needs both
     log s = log1p(t) (s - 1 kept apart from the maximum's 1) and log q = (z - lse) - lse_lo."""
     if tiles == "small":

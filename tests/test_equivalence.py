@@ -4,7 +4,7 @@ float64: values and the gradients of hidden, weight and bias within 1e-10 norm-w
 torch backend, 1e-9 for the others. float32: within 1e-5 of the float64 reference on the same values, or,
 where the fp32 problem is itself ill-conditioned, within a few times the naive fp32 path's error
 (_harness.compare says why).
-Every option of SPEC section 3 appears in at least one case; the data are peaked, with prime vocabulary
+Every option of the public API appears in at least one case; the data are peaked, with prime vocabulary
 sizes, odd token counts and ignored rows (conftest.make_head).
 """
 

@@ -1,4 +1,4 @@
-"""torch.autograd.gradcheck in float64 for every op and backend (SPEC section 6).
+"""torch.autograd.gradcheck in float64 for every op and backend (docs/design.md, "Numerical doctrine").
 
 Finite differences against the analytic backward of the public functions, on tiny peaked shapes with a
 prime vocabulary. The Triton interpreter is slow, so every backend uses gradcheck's fast mode (a

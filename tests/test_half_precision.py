@@ -1,4 +1,4 @@
-"""Reduced precision, judged the way SPEC section 6 says: for every output and gradient, the error of the
+"""Reduced precision, judged the way docs/design.md ("Numerical doctrine") says: for every output and gradient, the error of the
 fused path against the float64 reference is no larger than the error of the naive reference run in the
 same dtype (logits rounded to that dtype before an fp32 softmax), plus a small slack
 (``_harness.HALF_SLACK``: about one rounding of the output dtype).

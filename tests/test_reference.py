@@ -324,7 +324,7 @@ def test_reference_cross_entropy_matches_functional(reduction, label_smoothing):
 
 
 def test_reference_cross_entropy_transform_order():
-    # scale, then soft-cap, then temperature (SPEC section 2)
+    # scale, then soft-cap, then temperature (docs/design.md, "The statistics problem")
     h, w, _, t = make_head(7, 19, 37)
     z = 20.0 * torch.tanh(3.0 * (h @ w.T) / 20.0) / 0.7
     got = reference.cross_entropy(h, w, t, logit_scale=3.0, softcap=20.0, temperature=0.7, reduction="none")

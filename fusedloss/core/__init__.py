@@ -1,5 +1,5 @@
-"""The per-token statistics core (SPEC section 4): one problem definition, one differentiable op,
-one implementation per backend."""
+"""The per-token statistics core (docs/design.md, "The statistics problem"): one problem definition, one
+differentiable op, one implementation per backend."""
 
 from .problem import LogitTransform, Statistics, StatsProblem
 from .statistics import TeacherHead, dz_coefficients, token_statistics

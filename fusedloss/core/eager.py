@@ -1,4 +1,4 @@
-"""The 3-product path for losses known in the forward (SPEC section 4, cost model).
+"""The 3-product path for losses known in the forward (docs/design.md, "Backends and their plans").
 
 ``token_statistics`` is composable: its backward recomputes every logits tile, so a loss costs 4
 GEMM-sized products (statistics, then recompute, d hidden, d weight). When the whole loss is a sum of

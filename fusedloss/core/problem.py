@@ -1,4 +1,4 @@
-"""What every backend computes: the per-token statistics problem of SPEC section 4.
+"""What every backend computes: the per-token statistics problem (docs/design.md, "The statistics problem").
 
 A backend is a module with two functions, ``forward_statistics(problem)`` and
 ``backward_gradients(problem, saved, coeffs, needs)``. Nothing loss-specific ever reaches a
@@ -49,7 +49,7 @@ Backward: the gradient of the loss with respect to the student logits is, per el
 
 with per-row coefficients ``coeffs = (a, c0, c1, c2, c3, c4, c5)`` (``[7, N]``, accumulation dtype;
 c5 is the constant term of d mean_logit / dz_j = 1 / V),
-built by ``fusedloss.core.statistics.dz_coefficients``. The SPEC writes the same thing with z and
+built by ``fusedloss.core.statistics.dz_coefficients``. The same formula can be written with z and
 z_t in place of log q and log p; the two differ only by per-row constants folded into c0. We use the
 log-probabilities because ``c1 * z + c0`` cancels catastrophically when |z| is large (1e4 in fp32 loses
 three digits), while ``log q_j = z_j - lse`` is formed per element and is exact to rounding.

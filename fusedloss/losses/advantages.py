@@ -1,5 +1,5 @@
 """Group-relative advantages: GRPO, Dr. GRPO and DAPO as three operations on one number, the group
-standard deviation (SPEC section 5, seed 003).
+standard deviation (the group-standard-deviation identity: docs/design.md, "Losses as per-token math").
 
     A_i = (r_i - mean_group(r)) / (std + eps)     scale="group": std of the group (GRPO)
                                                   scale="batch": std of the whole batch (mean stays per group)

@@ -193,7 +193,7 @@ def _rows_contiguous(t: torch.Tensor) -> torch.Tensor:
 
 
 def count_or_one(count: torch.Tensor) -> torch.Tensor:
-    """max(1, count): a mean over zero valid tokens is 0, never NaN (SPEC section 3)."""
+    """max(1, count): a mean over zero valid tokens is 0, never NaN (docs/design.md, "Losses as per-token math")."""
     return count.clamp(min=1)
 
 
