@@ -315,18 +315,20 @@ def _sizes(dtype: str):
 
 def backward_chunks(n: int, v: int, d: int, dtype: str, budget: int, cfg: TileConfig) -> tuple:
     """(rows, vocabulary columns) of one block of the composable backward's workspace: the dx block plus the
-    fp32 d weight block of the chunk (for a bf16/fp16 weight) within ``budget``. All rows when they fit
-    (d weight is then complete after one product per chunk); rows and columns are multiples of the tiles,
-    so the row blocks are the forward's."""
+    fp32 d weight block of the chunk (for a bf16/fp16 weight) within ``budget``. All rows when a few tiles of
+    columns fit that way (d weight is then complete after one product per chunk); otherwise a few tiles of
+    columns and as many row blocks as fit. Multiples of the tiles, so that the row blocks are the forward's;
+    one row block of one tile when even that exceeds the budget."""
     e, acc, e_dx = _sizes(dtype)
     scratch = acc * d if e != acc else 0
-    cols_all_rows = budget // max(1, n * e_dx + scratch)
-    if cols_all_rows >= min(v, 4 * cfg.block_v):
-        cols = max(cfg.block_v, min(_cdiv(v, cfg.block_v) * cfg.block_v, cols_all_rows // cfg.block_v * cfg.block_v))
-        return _cdiv(n, cfg.block_m) * cfg.block_m, cols
-    cols = min(_cdiv(v, cfg.block_v) * cfg.block_v, 8 * cfg.block_v)
-    rows = max(cfg.block_m, (budget - cols * scratch) // max(1, cols * e_dx) // cfg.block_m * cfg.block_m)
-    return min(rows, _cdiv(n, cfg.block_m) * cfg.block_m), cols
+    v_pad, n_pad = _cdiv(v, cfg.block_v) * cfg.block_v, _cdiv(n, cfg.block_m) * cfg.block_m
+    cols = budget // max(1, n_pad * e_dx + scratch) // cfg.block_v * cfg.block_v
+    if cols >= min(v_pad, 4 * cfg.block_v):
+        return n_pad, min(cols, v_pad)
+    cols = max(cfg.block_v, min(v_pad, 8 * cfg.block_v,
+                                budget // (cfg.block_m * e_dx + scratch) // cfg.block_v * cfg.block_v))
+    rows = max(cfg.block_m, (budget - cols * scratch) // (cols * e_dx) // cfg.block_m * cfg.block_m)
+    return min(rows, n_pad), cols
 
 
 def _eager_row_align(cfg: TileConfig, elementwise: TileConfig) -> int:
