@@ -41,6 +41,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from fusedloss import reference  # noqa: E402
 from fusedloss.core import LogitTransform, TeacherHead, cost, token_statistics  # noqa: E402
 from fusedloss.core.problem import GradientNeeds, Statistics, StatsProblem  # noqa: E402
 from fusedloss.core.statistics import build_problem, dz_coefficients  # noqa: E402
@@ -97,12 +98,9 @@ def make_case(c: dict, device, seed=0):
 
 
 def logits(h, w, b, tf, dtype):
-    x = h.to(dtype) @ w.to(dtype).T
-    if b is not None:
-        x = x + b.to(dtype)
-    u = x * tf.logit_scale
-    c = tf.softcap * torch.tanh(u / tf.softcap) if tf.softcap is not None else u
-    return c / tf.temperature
+    """The logits materialised in ``dtype`` (product and bias in it, as the naive path computes them)."""
+    return reference.logits(h.to(dtype), w.to(dtype), None if b is None else b.to(dtype), temperature=tf.temperature,
+                            logit_scale=tf.logit_scale, softcap=tf.softcap).to(dtype)
 
 
 def materialised(c, h, w, b, y, teacher, tf, dtype):

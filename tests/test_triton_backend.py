@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from conftest import make_head, make_teacher, rel_err
+from fusedloss import reference
 from fusedloss.core import torch_backend
 from fusedloss.core.problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
 from fusedloss.core.statistics import dz_coefficients
@@ -83,12 +84,9 @@ def build(case: dict, dtype: torch.dtype, seed: int = 0) -> StatsProblem:
 
 
 def _logits(h, w, b, tf: LogitTransform, dtype):
-    x = h.to(dtype) @ w.to(dtype).T
-    if b is not None:
-        x = x + b.to(dtype)
-    u = x * tf.logit_scale
-    c = tf.softcap * torch.tanh(u / tf.softcap) if tf.softcap is not None else u
-    return c / tf.temperature
+    """The logits materialised in ``dtype`` (product and bias in it, as the naive path computes them)."""
+    return reference.logits(h.to(dtype), w.to(dtype), None if b is None else b.to(dtype), temperature=tf.temperature,
+                            logit_scale=tf.logit_scale, softcap=tf.softcap).to(dtype)
 
 
 def _log_softmax_log1p(z):

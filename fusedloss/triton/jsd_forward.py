@@ -10,8 +10,8 @@ probability are dropped (0 * log 0 = 0). Plain sums: the splits merge by additio
 import triton
 import triton.language as tl
 
-from .tile_math import P_LOG1M_BETA, P_LOG_BETA, Head, both_tiles, grouped_program, load_normaliser
-from .tile_math import load_targets, logaddexp
+from .tile_math import P_LOG1M_BETA, P_LOG_BETA, Head, both_tiles, load_normaliser, logaddexp, split_program
+from .tile_math import split_tile
 
 
 @triton.jit(do_not_specialize=["N", "V", "D", "DT", "tiles_per_split", "num_splits", "group_m"])
@@ -20,10 +20,7 @@ def jsd_forward_kernel(
     N, V, D, DT, tiles_per_split, num_splits, group_m,
     F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
 ):
-    pid_m, split = grouped_program(tl.program_id(0), tl.cdiv(N, T.BLOCK_M), num_splits, group_m)
-    rows = pid_m * T.BLOCK_M + tl.arange(0, T.BLOCK_M)
-    row_mask = rows < N
-    tgt, active = load_targets(tgt_ptr, rows, row_mask, F.HAS_TARGETS)
+    split, rows, row_mask, tgt, active = split_program(N, num_splits, group_m, tgt_ptr, F.HAS_TARGETS, T.BLOCK_M)
     lse, lse_lo = load_normaliser(norm_ptr, N, rows, active)
     lse_t, lse_t_lo = load_normaliser(norm_t_ptr, N, rows, active)
     log1m_beta = tl.load(params_ptr + P_LOG1M_BETA)
@@ -32,10 +29,8 @@ def jsd_forward_kernel(
     kl_pm = tl.zeros((T.BLOCK_M,), ACC)
     if tl.max(active.to(tl.int32), axis=0) > 0:
         for i in range(0, tiles_per_split):
-            v0 = (split * tiles_per_split + i) * T.BLOCK_V
+            v0, cols, col_mask = split_tile(split, tiles_per_split, i, V, T.BLOCK_V)
             if v0 < V:
-                cols = v0 + tl.arange(0, T.BLOCK_V)
-                col_mask = cols < V
                 z, c, zt = both_tiles(student, teacher, ws, D, DT, params_ptr, rows, row_mask, cols, col_mask,
                                       True, F, T, ACC)
                 logq = (z - lse[:, None]) - lse_lo[:, None]

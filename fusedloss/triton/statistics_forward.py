@@ -19,7 +19,7 @@ serves every sequence length.
 import triton
 import triton.language as tl
 
-from .tile_math import Head, both_tiles, empty_state, grouped_program, load_targets, online_update, store_state
+from .tile_math import Head, both_tiles, empty_state, online_update, split_program, split_tile, store_state
 from .tile_math import store_tiles
 
 
@@ -29,19 +29,12 @@ def statistics_forward_kernel(
     N, V, D, DT, tiles_per_split, num_splits, group_m,
     F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
 ):
-    pid_m, split = grouped_program(tl.program_id(0), tl.cdiv(N, T.BLOCK_M), num_splits, group_m)
-    rows = pid_m * T.BLOCK_M + tl.arange(0, T.BLOCK_M)
-    row_mask = rows < N
-    tgt, active = load_targets(tgt_ptr, rows, row_mask, F.HAS_TARGETS)
+    split, rows, row_mask, tgt, active = split_program(N, num_splits, group_m, tgt_ptr, F.HAS_TARGETS, T.BLOCK_M)
     state = empty_state(T.BLOCK_M, ACC)
     if tl.max(active.to(tl.int32), axis=0) > 0:
         for i in range(0, tiles_per_split):
-            # Tiles past V (the last split may hold fewer) would add exact zeros: a bound check is
-            # cheaper than their products.
-            v0 = (split * tiles_per_split + i) * T.BLOCK_V
+            v0, cols, col_mask = split_tile(split, tiles_per_split, i, V, T.BLOCK_V)
             if v0 < V:
-                cols = v0 + tl.arange(0, T.BLOCK_V)
-                col_mask = cols < V
                 z, c, zt = both_tiles(student, teacher, ws, D, DT, params_ptr, rows, row_mask, cols, col_mask,
                                       F.HAS_TEACHER, F, T, ACC)
                 if F.STORE_LOGITS:

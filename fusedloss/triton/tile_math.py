@@ -113,6 +113,26 @@ def grouped_program(pid, row_blocks, col_blocks, group_m):
 
 
 @triton.jit
+def split_program(N, num_splits, group_m, tgt_ptr, HAS_TARGETS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The (row block, vocabulary split) of a forward program: (split, rows, row mask, targets, rows that
+    count)."""
+    pid_m, split = grouped_program(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, group_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    tgt, active = load_targets(tgt_ptr, rows, row_mask, HAS_TARGETS)
+    return split, rows, row_mask, tgt, active
+
+
+@triton.jit
+def split_tile(split, tiles_per_split, i, V, BLOCK_V: tl.constexpr):
+    """First column, columns and column mask of the split's i-th vocabulary tile (past V when the last split
+    is short: the caller checks the first column against V, cheaper than the products of exact zeros)."""
+    v0 = (split * tiles_per_split + i) * BLOCK_V
+    cols = v0 + tl.arange(0, BLOCK_V)
+    return v0, cols, cols < V
+
+
+@triton.jit
 def tanh(x):
     """tanh to a few ulp in fp32 and float64, written with exp only (the CPU interpreter has no
     libdevice). Below |x| = 0.2 the Taylor series to x**19 (relative error < 1e-17); above it
