@@ -411,8 +411,9 @@ def timing(device, smoke: bool) -> list:
                     else torch.mm(h.float(), w.float().T), device, repeat)
                 w_model = tb.workload_of(p, needs, row_local=label == "cross_entropy")
                 gpu = tb.gpu_of(device)
+                rec["eager_tiles"] = repr(tb.tiles_for(p, "eager"))
                 for path in ("composable", "eager"):
-                    pl = tb.plan(w_model, gpu, tiles=cfg, path=path)
+                    pl = tb.plan(w_model, gpu, tiles=cfg, eager_tiles=tb.tiles_for(p, "eager"), path=path)
                     est = cost.evaluate(pl, w_model, gpu)
                     rec[f"model_{path}_ms"] = round(est.model_ms, 2)
                     rec[f"model_{path}_passes_ms"] = {k: round(x, 2) for k, x in est.pass_ms.items()}

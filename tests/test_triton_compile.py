@@ -115,12 +115,12 @@ def _run_paths(p, cfg, paths):
         stats = backend.forward_statistics(p, tiles=cfg)
         coeffs = torch.empty(7, p.hidden.shape[0], device="meta", dtype=p.acc_dtype)
         backend.backward_gradients(p, stats, coeffs, needs, tiles=cfg)
-    if "eager" in paths:
+    if "eager" in paths:  # the eager path has its own tiles (tiles_for(p, "eager"))
         def chunk_fn(stats, rows):
             m = rows.stop - rows.start
             return stats.lse.sum(), torch.empty(7, m, device="meta", dtype=p.acc_dtype)
 
-        backend.eager_gradients(p, chunk_fn, needs, tiles=cfg)
+        backend.eager_gradients(p, chunk_fn, needs)
 
 
 def _count():

@@ -145,19 +145,34 @@ class TileConfig:
 # "heavy": entropy, TRL's extras, the mean logit or a soft-cap, whose per-element terms need twice the
 # registers; "teacher": a second product); the first is the default (deterministic mode, CUDA graph capture
 # and the cost model). A 128 x 128 tile on 8 warps holds 64 fp32 values per thread per tile-sized temporary:
-# enough for the lean epilogue, a spill for the heavy ones, which take 64 x 128. Each candidate compiles for
-# sm_90 to wgmma without spills and within 227 KB of shared memory
+# enough for the lean epilogue, a spill for the heavy ones, which take 64 x 128; a teacher's second product
+# and its statistics fit 64 x 64 (64 x 128 sits at 255 registers and spills with some feature sets). Each
+# candidate compiles for sm_90 to wgmma without spills and within 227 KB of shared memory
 # (tests/test_triton_backend.py::test_kernels_compile_for_sm90).
 GPU_CANDIDATES = {
     ("half", "lean"): (TileConfig(128, 128, 64, 8, 4), TileConfig(128, 128, 64, 8, 3)),
     ("half", "heavy"): (TileConfig(64, 128, 64, 8, 4), TileConfig(64, 128, 64, 8, 3)),
-    ("half", "teacher"): (TileConfig(64, 128, 64, 8, 3),),
+    ("half", "teacher"): (TileConfig(64, 64, 64, 8, 3),),
     ("fp32", "lean"): (TileConfig(128, 64, 32, 8, 3), TileConfig(64, 128, 32, 8, 3)),
     ("fp32", "heavy"): (TileConfig(64, 64, 32, 8, 3),),
     ("fp32", "teacher"): (TileConfig(64, 64, 32, 8, 3),),
     ("fp64", "lean"): (TileConfig(32, 32, 32, 4, 1),),
     ("fp64", "heavy"): (TileConfig(32, 32, 32, 4, 1),),
     ("fp64", "teacher"): (TileConfig(32, 32, 32, 4, 1),),
+}
+# The eager path's forward also stores each capped logits tile for the gradient pass: that store holds a tile
+# more in registers, so it runs on tiles with more headroom (and, forming the logits once, shares its tile with
+# no other kernel). Not tuned: one configuration per class.
+EAGER_TILES = {
+    ("half", "lean"): TileConfig(64, 128, 64, 8, 4),
+    ("half", "heavy"): TileConfig(64, 64, 64, 8, 4),
+    ("half", "teacher"): TileConfig(64, 64, 64, 8, 3),
+    ("fp32", "lean"): TileConfig(128, 64, 32, 8, 3),
+    ("fp32", "heavy"): TileConfig(64, 64, 32, 8, 3),
+    ("fp32", "teacher"): TileConfig(64, 64, 32, 8, 3),
+    ("fp64", "lean"): TileConfig(32, 32, 32, 4, 1),
+    ("fp64", "heavy"): TileConfig(32, 32, 32, 4, 1),
+    ("fp64", "teacher"): TileConfig(32, 32, 32, 4, 1),
 }
 # The eager path's gradient pass reads the kept logits back: no product, so no reason to share the forward's
 # tile. Loaded tiles are laid out one row per thread and warp-wide along the vocabulary, so every thread
@@ -181,7 +196,10 @@ def epilogue(p: StatsProblem) -> str:
     return "heavy" if heavy else "lean"
 
 
-def candidates(dtype: torch.dtype, kind: str) -> tuple:
+def candidates(dtype: torch.dtype, kind: str, path: str = "composable") -> tuple:
+    """The tile configurations a problem class may run with on a GPU (the first: the default)."""
+    if path == "eager":
+        return (EAGER_TILES[(_dtype_class(dtype), kind)],)
     return GPU_CANDIDATES[(_dtype_class(dtype), kind)]
 
 
@@ -202,14 +220,15 @@ def autotune(key, configs: tuple, measure: Callable[[TileConfig], float]) -> Til
     return _TUNED[key]
 
 
-def tiles_for(p: StatsProblem) -> TileConfig:
-    """The tile configuration of a problem's kernels: the interpreter's on CPU tensors; on a GPU the tuned
-    one of ``candidates`` (the first without tuning in deterministic mode, where a timing must not choose the
-    summation order, and during CUDA graph capture, where nothing may be timed)."""
+def tiles_for(p: StatsProblem, path: str = "composable") -> TileConfig:
+    """The tile configuration of a problem's kernels on ``path`` ("composable": the forward and the gradient
+    kernel, which must share it; "eager": the eager forward): the interpreter's on CPU tensors; on a GPU the
+    tuned one of ``candidates`` (the first without tuning in deterministic mode, where a timing must not
+    choose the summation order, and during CUDA graph capture, where nothing may be timed)."""
     dev = p.hidden.device
     if dev.type == "cpu":
         return INTERPRETER_TILES
-    configs = candidates(p.hidden.dtype, epilogue(p))
+    configs = candidates(p.hidden.dtype, epilogue(p), path)
     if dev.type != "cuda" or len(configs) == 1 or deterministic() or torch.cuda.is_current_stream_capturing():
         return configs[0]
     key = (dev.index if dev.index is not None else torch.cuda.current_device(), p.hidden.dtype,
@@ -393,25 +412,29 @@ def _cublas_math(dtype: str, allow_tf32: bool) -> str:
 
 
 def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] = None, *,
-         tiles: Optional[TileConfig] = None, workspace_mb: Optional[float] = None,
-         precision: Optional[str] = None, allow_tf32: bool = False, path: Optional[str] = None) -> cost.Plan:
+         tiles: Optional[TileConfig] = None, eager_tiles: Optional[TileConfig] = None,
+         workspace_mb: Optional[float] = None, precision: Optional[str] = None, allow_tf32: bool = False,
+         path: Optional[str] = None) -> cost.Plan:
     """This backend's execution of ``workload`` on ``gpu`` as a ``cost.Plan``: the eager 3-product path for a
     row-local loss when the model finds it cheaper, else the composable statistics op (forward, then the
     gradient kernel and two cuBLAS products per vocabulary chunk). ``params`` carries what the backend runs
     with: ``tiles``, ``forward_grid``, ``row_chunk`` and ``vocab_chunk`` (composable), ``eager_rows``,
-    ``workspace_bytes``. ``tiles`` defaults to the first candidate (what the autotuner starts from);
-    ``path`` ("eager" or "composable") asks for one path instead of the cheaper."""
+    ``workspace_bytes``. ``tiles`` / ``eager_tiles`` (the composable and the eager path's) default to the
+    first candidates (what the autotuner starts from); ``path`` ("eager" or "composable") asks for one path
+    instead of the cheaper."""
     kind = "teacher" if workload.has_teacher else "heavy" if workload.op == "token_logprobs_entropy" else "lean"
-    cfg = tiles or candidates(getattr(torch, workload.dtype), kind)[0]
+    dtype = getattr(torch, workload.dtype)
+    cfg = tiles or candidates(dtype, kind)[0]
+    eager_cfg = eager_tiles or candidates(dtype, kind, "eager")[0]
     precision = precision or ("tf32" if allow_tf32 else "tf32x3")
     budget = workspace_budget(workspace_mb, free_bytes, gpu)
     if path == "eager":
-        return _eager_plan(workload, gpu, cfg, precision, allow_tf32, budget)
+        return _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
     composable = _composable_plan(workload, gpu, cfg, precision, allow_tf32, budget)
     grads = workload.hidden_grad or workload.weight_grad
     if path == "composable" or not (workload.row_local and grads):
         return composable
-    eager = _eager_plan(workload, gpu, cfg, precision, allow_tf32, budget)
+    eager = _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
     model = dataclasses.replace(workload, dtype="float32") if workload.dtype == "float64" else workload
     if cost.evaluate(eager, model, gpu).model_ms <= cost.evaluate(composable, model, gpu).model_ms:
         return eager
@@ -520,13 +543,16 @@ def _free_bytes(device: torch.device) -> Optional[int]:
     return torch.cuda.mem_get_info(device)[0]
 
 
-def _plan_of(p: StatsProblem, needs: GradientNeeds, cfg: TileConfig, path: Optional[str]) -> cost.Plan:
-    """``plan`` for a problem at run time: its device, its free memory, its tiles and precision."""
+def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: Optional[TileConfig] = None):
+    """``plan`` for a problem at run time: its device, its free memory, its tiles (``tiles``: the given path's)
+    and precision."""
     dev = p.hidden.device
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    cfg = tiles if tiles is not None and path == "composable" else tiles_for(p)
+    eager_cfg = tiles if tiles is not None and path == "eager" else tiles_for(p, "eager")
     return plan(workload_of(p, needs, row_local=path != "composable"), gpu_of(dev), _free_bytes(dev), tiles=cfg,
-                workspace_mb=p.workspace_mb, precision=fp32_precision(p, capability), allow_tf32=_allow_tf32(p),
-                path=path)
+                eager_tiles=eager_cfg, workspace_mb=p.workspace_mb, precision=fp32_precision(p, capability),
+                allow_tf32=_allow_tf32(p), path=path)
 
 
 def _allow_tf32(p: StatsProblem) -> bool:
@@ -861,7 +887,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         return dh, dw, db
     cfg = tiles or tiles_for(p)
     with _on_device(h), _cublas_tf32(dev, _allow_tf32(p)):
-        pl = _plan_of(p, GradientNeeds(need_h, need_w, need_b), cfg, "composable")
+        pl = _plan_of(p, GradientNeeds(need_h, need_w, need_b), "composable", cfg)
         rows, cols = pl.params.get("row_chunk"), pl.params.get("vocab_chunk")
         if rows is None:  # only d bias: the model's chunks are those of the products
             rows, cols = backward_chunks(n, v, d, _DTYPE_NAMES[h.dtype], pl.params["workspace_bytes"], cfg)
@@ -909,7 +935,7 @@ def eager_pays(p: StatsProblem) -> bool:
     needs = GradientNeeds(p.hidden.requires_grad, p.weight.requires_grad, p.bias is not None and p.bias.requires_grad)
     if not (needs.hidden or needs.weight):
         needs = GradientNeeds(True, True, needs.bias)
-    return _plan_of(p, needs, tiles_for(p), None).path == "eager"
+    return _plan_of(p, needs, None).path == "eager"
 
 
 def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: Optional[TileConfig] = None):
@@ -929,9 +955,9 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
     loss = torch.zeros((), dtype=acc, device=dev)
     if n == 0:
         return loss, (dh, dw, db)
-    cfg = tiles or tiles_for(p)
+    cfg = tiles or tiles_for(p, "eager")
     with _on_device(h), _cublas_tf32(dev, _allow_tf32(p)):
-        step = _plan_of(p, needs, cfg, "eager").params["eager_rows"]
+        step = _plan_of(p, needs, "eager", cfg).params["eager_rows"]
         elementwise = cfg if dev.type == "cpu" else ELEMENTWISE_TILES
         # Rows of a whole number of both kernels' tiles: they move the kept tiles without a column mask.
         ld = _cdiv(v, _eager_row_align(cfg, elementwise)) * _eager_row_align(cfg, elementwise)
