@@ -241,7 +241,7 @@ def test_float32_within_1e5_of_float64(name):
 
 @pytest.mark.parametrize("name", ["targets", "teacher"])
 def test_float16_no_worse_than_naive_float16(name):
-    """SPEC section 6: the fused error against float64 is at most the naive fp16 error plus a little."""
+    """docs/design.md, "Numerical doctrine": the fused error against float64 is at most the naive fp16 error plus a little."""
     p16 = build(CASES[name], torch.float16)
     p64 = build(CASES[name], torch.float16)
     p64 = StatsProblem(**{f: (getattr(p64, f).double() if isinstance(getattr(p64, f), torch.Tensor)
