@@ -37,14 +37,14 @@ import time
 if "--cpu-smoke" in sys.argv:  # must precede the first use of the Triton kernels
     os.environ["TRITON_INTERPRET"] = "1"
 
-import torch  # noqa: E402
+import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fusedloss import reference  # noqa: E402
-from fusedloss.core import LogitTransform, TeacherHead, cost, token_statistics  # noqa: E402
-from fusedloss.core.problem import GradientNeeds, Statistics, StatsProblem  # noqa: E402
-from fusedloss.core.statistics import build_problem, dz_coefficients  # noqa: E402
+from fusedloss import reference
+from fusedloss.core import LogitTransform, TeacherHead, cost, token_statistics
+from fusedloss.core.problem import GradientNeeds, Statistics, StatsProblem
+from fusedloss.core.statistics import build_problem, dz_coefficients
 
 HALF_SLACK = 2e-3
 FP32_TOL = 1e-5
@@ -422,7 +422,7 @@ def timing(device, smoke: bool) -> list:
             except Exception as exc:  # record and go on
                 rec.update(ok=False, error=repr(exc)[:2000])
             records.append(rec)
-        del h, w
+        h = w = None  # free them before the next shape
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return records

@@ -18,11 +18,16 @@ import sys
 
 import pytest
 import torch
-
 from conftest import make_head, make_teacher, rel_err
+
 from fusedloss import reference
 from fusedloss.core import torch_backend
-from fusedloss.core.problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
+from fusedloss.core.problem import (
+    GradientNeeds,
+    LogitTransform,
+    Statistics,
+    StatsProblem,
+)
 from fusedloss.core.statistics import dz_coefficients
 
 triton_backend = pytest.importorskip("fusedloss.triton.backend")

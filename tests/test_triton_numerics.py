@@ -19,11 +19,16 @@ import math
 
 import pytest
 import torch
+from conftest import make_head, make_teacher, rel_err
 
 import fusedloss
-from conftest import make_head, make_teacher, rel_err
 from fusedloss.core import torch_backend
-from fusedloss.core.problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
+from fusedloss.core.problem import (
+    GradientNeeds,
+    LogitTransform,
+    Statistics,
+    StatsProblem,
+)
 from fusedloss.core.statistics import dz_coefficients
 
 triton_backend = pytest.importorskip("fusedloss.triton.backend")

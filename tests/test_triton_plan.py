@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from fusedloss.core import cost
-from fusedloss.core.problem import GradientNeeds, LogitTransform, StatsProblem
+from fusedloss.core.problem import LogitTransform, StatsProblem
 
 tb = pytest.importorskip("fusedloss.triton.backend")
 

@@ -10,8 +10,16 @@ probability are dropped (0 * log 0 = 0). Plain sums: the splits merge by additio
 import triton
 import triton.language as tl
 
-from .tile_math import P_LOG1M_BETA, P_LOG_BETA, Head, both_tiles, load_normaliser, logaddexp, split_program
-from .tile_math import split_tile
+from .tile_math import (
+    P_LOG1M_BETA,
+    P_LOG_BETA,
+    Head,
+    both_tiles,
+    load_normaliser,
+    logaddexp,
+    split_program,
+    split_tile,
+)
 
 
 @triton.jit(do_not_specialize=["N", "V", "D", "DT", "tiles_per_split", "num_splits", "group_m"])
@@ -28,7 +36,7 @@ def jsd_forward_kernel(
     kl_qm = tl.zeros((T.BLOCK_M,), ACC)
     kl_pm = tl.zeros((T.BLOCK_M,), ACC)
     if tl.max(active.to(tl.int32), axis=0) > 0:
-        for i in range(0, tiles_per_split):
+        for i in range(tiles_per_split):
             v0, cols, col_mask = split_tile(split, tiles_per_split, i, V, T.BLOCK_V)
             if v0 < V:
                 z, c, zt = both_tiles(student, teacher, ws, D, DT, params_ptr, rows, row_mask, cols, col_mask,

@@ -19,8 +19,15 @@ that carries gradient write zeros and skip the product.
 import triton
 import triton.language as tl
 
-from .tile_math import Head, both_tiles, grouped_program, load_coefficients, load_normaliser, load_targets
-from .tile_math import logits_gradient
+from .tile_math import (
+    Head,
+    both_tiles,
+    grouped_program,
+    load_coefficients,
+    load_normaliser,
+    load_targets,
+    logits_gradient,
+)
 
 
 @triton.jit(do_not_specialize=["N", "v_start", "v_end", "D", "DT", "stride_dx", "group_m"])

@@ -19,8 +19,16 @@ serves every sequence length.
 import triton
 import triton.language as tl
 
-from .tile_math import Head, both_tiles, empty_state, online_update, split_program, split_tile, store_state
-from .tile_math import store_tiles
+from .tile_math import (
+    Head,
+    both_tiles,
+    empty_state,
+    online_update,
+    split_program,
+    split_tile,
+    store_state,
+    store_tiles,
+)
 
 
 @triton.jit(do_not_specialize=["N", "V", "D", "DT", "tiles_per_split", "num_splits", "group_m"])
@@ -32,7 +40,7 @@ def statistics_forward_kernel(
     split, rows, row_mask, tgt, active = split_program(N, num_splits, group_m, tgt_ptr, F.HAS_TARGETS, T.BLOCK_M)
     state = empty_state(T.BLOCK_M, ACC)
     if tl.max(active.to(tl.int32), axis=0) > 0:
-        for i in range(0, tiles_per_split):
+        for i in range(tiles_per_split):
             v0, cols, col_mask = split_tile(split, tiles_per_split, i, V, T.BLOCK_V)
             if v0 < V:
                 z, c, zt = both_tiles(student, teacher, ws, D, DT, params_ptr, rows, row_mask, cols, col_mask,
