@@ -133,19 +133,20 @@ def test_plan_parameters_are_the_ones_the_backend_runs_with():
 # fp32 stays fp32
 
 
-def _fp32_problem(allow_tf32=False):
+def _fp32_problem(allow_tf32=None):
     return StatsProblem(hidden=torch.zeros(2, 4), weight=torch.zeros(3, 4), bias=None, targets=None,
                         transform=LogitTransform(), allow_tf32=allow_tf32)
 
 
 @pytest.mark.parametrize("torch_tf32", [False, True])
-@pytest.mark.parametrize("problem_tf32", [False, True])
+@pytest.mark.parametrize("problem_tf32", [None, False, True])
 @pytest.mark.parametrize("env", [{}, {"FUSEDLOSS_ALLOW_TF32": "1"}, {"FUSEDLOSS_ALLOW_TF32": "0"},
                                  {"FUSEDLOSS_TRITON_FP32_PRECISION": "ieee"}])
 def test_fp32_precision_for_every_flag_state(torch_tf32, problem_tf32, env, monkeypatch):
     """PyTorch's global TF32 flag (what ``set_float32_matmul_precision("high")`` and HF's ``tf32=True`` set)
     never turns fp32 into TF32: tf32x3 on sm_80+, ieee before; TF32 only by the problem's own ``allow_tf32``
-    or ``FUSEDLOSS_ALLOW_TF32=1``; ``FUSEDLOSS_TRITON_FP32_PRECISION`` overrides everything (experiments)."""
+    (the call's argument), or ``FUSEDLOSS_ALLOW_TF32=1`` when the call leaves it unset (None);
+    ``FUSEDLOSS_TRITON_FP32_PRECISION`` overrides everything (experiments)."""
     for name in ("FUSEDLOSS_ALLOW_TF32", "FUSEDLOSS_TRITON_FP32_PRECISION"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
@@ -156,7 +157,7 @@ def test_fp32_precision_for_every_flag_state(torch_tf32, problem_tf32, env, monk
         p = _fp32_problem(problem_tf32)
         if "FUSEDLOSS_TRITON_FP32_PRECISION" in env:
             expected = {(9, 0): "ieee", (7, 5): "ieee"}
-        elif problem_tf32 or env.get("FUSEDLOSS_ALLOW_TF32") == "1":
+        elif problem_tf32 or (problem_tf32 is None and env.get("FUSEDLOSS_ALLOW_TF32") == "1"):
             expected = {(9, 0): "tf32", (7, 5): "tf32"}
         else:
             expected = {(9, 0): "tf32x3", (7, 5): "ieee"}
@@ -167,7 +168,7 @@ def test_fp32_precision_for_every_flag_state(torch_tf32, problem_tf32, env, monk
         assert tb._launch(p, cfg).tiles.PRECISION == expected[(9, 0)]
         # the cost model prices the same choice
         w = cost.Workload(op="token_logprobs", n=4096, d=4096, v=32000, dtype="float32")
-        pl = tb.plan(w, H200, precision=tb.fp32_precision(p, (9, 0)), allow_tf32=p.allow_tf32)
+        pl = tb.plan(w, H200, precision=tb.fp32_precision(p, (9, 0)), allow_tf32=tb._allow_tf32(p))
         assert pl.params["precision"] == expected[(9, 0)]
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous

@@ -25,8 +25,9 @@ Eager path (``eager_gradients``, ``core/eager.py``), for losses known in the for
 Precision
     fp32 inputs multiply with ``tf32x3`` on the GPU (three TF32 products, about fp32's accuracy, on the
     tensor cores) whatever PyTorch's global TF32 flags say, and the cuBLAS products of an fp32 problem run
-    with TF32 off; the problem's ``allow_tf32`` (``FUSEDLOSS_ALLOW_TF32=1``) opts in to plain TF32 for both,
-    and ``FUSEDLOSS_TRITON_FP32_PRECISION`` overrides the Triton choice for experiments (``fp32_precision``).
+    with TF32 off; the problem's ``allow_tf32`` (``FUSEDLOSS_ALLOW_TF32=1`` when the call leaves it unset)
+    opts in to plain TF32 for both, and ``FUSEDLOSS_TRITON_FP32_PRECISION`` overrides the Triton choice for
+    experiments (``fp32_precision``).
     float64 inputs accumulate in float64. Confident rows keep their digits as in the CUDA kernels: the
     forward carries t = s - 1 and takes log s = log1p(t), the target column's gradient takes the expm1 form
     where q_y > 1/2 (docs/design.md, "Numerical doctrine").
@@ -98,6 +99,9 @@ def _kernels() -> SimpleNamespace:
         from .logits_gradient import logits_gradient_kernel
         from .statistics_forward import statistics_forward_kernel
 
+        if tile_math.STATE_FIELDS != partials.FIELDS:  # the kernels write the partials in this order
+            raise ImportError(f"triton/tile_math.py keeps {tile_math.STATE_FIELDS}, core/partials.py merges "
+                              f"{partials.FIELDS}: update the kernels' state")
         _KERNELS = SimpleNamespace(forward=statistics_forward_kernel, jsd=jsd_forward_kernel,
                                    gradient=logits_gradient_kernel, tm=tile_math,
                                    interpreted=_interpret_requested())
@@ -245,13 +249,13 @@ def tiles_for(p: StatsProblem, path: str = "composable") -> TileConfig:
 
 def fp32_precision(p: StatsProblem, capability: Optional[tuple] = None) -> str:
     """``tl.dot``'s input precision for fp32 operands: ``FUSEDLOSS_TRITON_FP32_PRECISION`` if set (a tuning
-    override), else ``tf32`` when the problem opts in (``allow_tf32``, ``FUSEDLOSS_ALLOW_TF32=1``), else
+    override), else ``tf32`` when the problem opts in (``allow_tf32``; unset: ``FUSEDLOSS_ALLOW_TF32=1``), else
     ``tf32x3`` (fp32's accuracy on the tensor cores of sm_80 and newer; ``ieee`` before them). PyTorch's
     global TF32 flags play no part: fp32 stays fp32 unless asked (the interpreter ignores the choice)."""
     env = config.from_environment()
     if env.triton_fp32_precision:
         return env.triton_fp32_precision
-    if p.allow_tf32 or env.allow_tf32:
+    if _allow_tf32(p):
         return "tf32"
     return "tf32x3" if capability is None or capability[0] >= 8 else "ieee"
 
@@ -556,7 +560,10 @@ def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: 
 
 
 def _allow_tf32(p: StatsProblem) -> bool:
-    return p.allow_tf32 or bool(config.from_environment().allow_tf32)
+    """The problem's ``allow_tf32`` when the caller set it, else ``FUSEDLOSS_ALLOW_TF32`` (default: no)."""
+    if p.allow_tf32 is None:
+        return bool(config.from_environment().allow_tf32)
+    return bool(p.allow_tf32)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -42,6 +42,9 @@ P_LOG1M_BETA = tl.constexpr(6)
 P_LOG_BETA = tl.constexpr(7)
 P_DX_SCALE = tl.constexpr(8)
 NUM_PARAMS = 9
+# The running state of ``online_update``, in the order of core/partials.FIELDS (the backend checks it).
+STATE_FIELDS = ("m", "s", "t", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb")
+NUM_STATE = tl.constexpr(len(STATE_FIELDS))
 
 # -ln 2: the target column takes the expm1 form only above it (q_y > 1/2), where q_y - 1 is what carries
 # the digits; below it a + q_y inner has no cancellation to avoid.
@@ -345,7 +348,7 @@ def store_state(state, part_ptr, split, num_splits, N, rows, row_mask):
     """Partial statistics of one (row block, split) into ``part[field, split, row]``."""
     out = part_ptr + split.to(tl.int64) * N + rows
     plane = num_splits.to(tl.int64) * N
-    for i in tl.static_range(12):
+    for i in tl.static_range(NUM_STATE):
         tl.store(out + i * plane, state[i], mask=row_mask)
 
 
