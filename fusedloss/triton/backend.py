@@ -372,13 +372,38 @@ def eager_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: Tile
     return max(cfg.block_m, min(rows, _cdiv(n, cfg.block_m) * cfg.block_m))
 
 
-def _product_math(dtype: str, precision: str) -> tuple:
+_PASS_FIELDS = {f.name for f in dataclasses.fields(cost.Pass)}
+# Small launches per step: the split merge and finalisation (~25 torch ops), per eager chunk the merge, the
+# loss's per-token math and the masks (~50), per backward block the gradient kernel, two products, a sum.
+MERGE_LAUNCHES, EAGER_CHUNK_LAUNCHES, BACKWARD_BLOCK_LAUNCHES = 25, 50, 5
+
+
+def _pass(name: str, flops: float, hbm_bytes: float, math: str, *, efficiency: float = 1.0,
+          launches: int = 0) -> cost.Pass:
+    """A ``cost.Pass``, with the efficiency of a skinny product and the fixed cost of small launches where the
+    cost model has those fields (``Pass.efficiency``, ``Pass.fixed_us``)."""
+    extra = {}
+    if "efficiency" in _PASS_FIELDS:
+        extra["efficiency"] = efficiency
+    if "fixed_us" in _PASS_FIELDS and launches:
+        extra["fixed_us"] = launches * getattr(cost, "LAUNCH_US", 0.0)
+    return cost.Pass(name, flops, hbm_bytes, math, **extra)
+
+
+def _cublas_efficiency(m: int, n: int, k: int, gpu: cost.GPUSpec) -> float:
+    """``cost.gemm_efficiency`` of a cuBLAS product with an [m, n] output and inner dimension k, where the
+    model has it."""
+    fn = getattr(cost, "gemm_efficiency", None)
+    return fn(m, n, k, gpu) if fn is not None else 1.0
+
+
+def _product_math(dtype: str, precision: str, gpu: Optional[cost.GPUSpec] = None) -> tuple:
     """(cost-model rate key, products per GEMM-sized product) of a Triton product: tf32x3 is three TF32
-    products; float64 counts at the fp32 rate (core/cost.py has no float64 rate)."""
+    products; float64 at the float64 rate (the fp32 one where the model has none)."""
     if dtype in ("bfloat16", "float16"):
         return dtype, 1
     if dtype == "float64":
-        return "float32", 1
+        return ("float64" if gpu is not None and "float64" in gpu.tflops else "float32"), 1
     return ("tf32", 3) if precision == "tf32x3" else ("tf32", 1) if precision == "tf32" else ("float32", 1)
 
 
@@ -387,7 +412,7 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
     """The statistics kernel over ``n`` rows: products, operand traffic (the weight once per group of row
     blocks, which share it through L2), the programs the last wave leaves idle, and the split merge."""
     e, acc, _ = _sizes(w.dtype)
-    math_key, factor = _product_math(w.dtype, precision)
+    math_key, factor = _product_math(w.dtype, precision, gpu)
     slots = cfg.slots or gpu.sm_count
     row_blocks, per, splits, group = forward_grid(n, w.v, cfg.block_m, cfg.block_v, slots)
     d_all = w.d + _teacher_d(w)
@@ -396,12 +421,12 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
     traffic = groups * w.v * d_all * e + n * d_all * e + 12 * splits * n * acc + store_bytes
     busy = row_blocks * _cdiv(w.v, cfg.block_v)
     capacity = _cdiv(row_blocks * splits, slots) * slots * per
-    passes = [cost.Pass(f"{prefix}: logits and statistics", flops, traffic, math_key),
-              cost.Pass(f"{prefix}: idle in the last wave", flops * (capacity / busy - 1.0), 0.0, math_key),
-              cost.Pass(f"{prefix}: split merge", 0.0, 4 * 12 * splits * n * acc, "cuda_core")]
+    passes = [_pass(f"{prefix}: logits and statistics", flops, traffic, math_key, launches=1),
+              _pass(f"{prefix}: idle in the last wave", flops * (capacity / busy - 1.0), 0.0, math_key),
+              _pass(f"{prefix}: split merge", 0.0, 4 * 12 * splits * n * acc, "cuda_core", launches=MERGE_LAUNCHES)]
     if w.op == "distill_jsd":  # the mixture's second sweep
-        passes.append(cost.Pass(f"{prefix}: JSD pass", 0.0 if store_bytes else flops,
-                                2 * n * w.v * acc if store_bytes else traffic, math_key))
+        passes.append(_pass(f"{prefix}: JSD pass", 0.0 if store_bytes else flops,
+                            2 * n * w.v * acc if store_bytes else traffic, math_key, launches=2))
     return passes
 
 
@@ -409,21 +434,23 @@ def _teacher_d(w: cost.Workload) -> int:
     return (w.teacher_d or w.d) if w.has_teacher else 0
 
 
-def _cublas_math(dtype: str, allow_tf32: bool) -> str:
+def _cublas_math(dtype: str, allow_tf32: bool, gpu: cost.GPUSpec) -> str:
     if dtype in ("bfloat16", "float16"):
         return dtype
-    return "tf32" if dtype == "float32" and allow_tf32 else "float32"
+    if dtype == "float64":
+        return "float64" if "float64" in gpu.tflops else "float32"
+    return "tf32" if allow_tf32 else "float32"
 
 
 def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] = None, *,
          tiles: Optional[TileConfig] = None, eager_tiles: Optional[TileConfig] = None,
-         workspace_mb: Optional[float] = None, precision: Optional[str] = None, allow_tf32: bool = False,
-         path: Optional[str] = None) -> cost.Plan:
+         workspace_mb: Optional[float] = None, workspace: Optional[int] = None, precision: Optional[str] = None,
+         allow_tf32: bool = False, path: Optional[str] = None) -> cost.Plan:
     """This backend's execution of ``workload`` on ``gpu`` as a ``cost.Plan``: the eager 3-product path for a
     row-local loss when the model finds it cheaper, else the composable statistics op (forward, then the
     gradient kernel and two cuBLAS products per vocabulary chunk). ``params`` carries what the backend runs
     with: ``tiles``, ``forward_grid``, ``row_chunk`` and ``vocab_chunk`` (composable), ``eager_rows``,
-    ``workspace_bytes``. ``tiles`` / ``eager_tiles`` (the composable and the eager path's) default to the
+    ``workspace_bytes`` (``workspace``, in bytes, or ``workspace_mb`` fix it; else the free memory sizes it). ``tiles`` / ``eager_tiles`` (the composable and the eager path's) default to the
     first candidates (what the autotuner starts from); ``path`` ("eager" or "composable") asks for one path
     instead of the cheaper."""
     kind = "teacher" if workload.has_teacher else "heavy" if workload.op == "token_logprobs_entropy" else "lean"
@@ -431,7 +458,9 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     cfg = tiles or candidates(dtype, kind)[0]
     eager_cfg = eager_tiles or candidates(dtype, kind, "eager")[0]
     precision = precision or ("tf32" if allow_tf32 else "tf32x3")
-    budget = workspace_budget(workspace_mb, free_bytes, gpu)
+    if path not in (None, "eager", "composable"):
+        raise ValueError(f"path must be None, 'eager' or 'composable', got {path!r}")
+    budget = max(1, int(workspace)) if workspace is not None else workspace_budget(workspace_mb, free_bytes, gpu)
     if path == "eager":
         return _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
     composable = _composable_plan(workload, gpu, cfg, precision, allow_tf32, budget)
@@ -439,34 +468,44 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     if path == "composable" or not (workload.row_local and grads):
         return composable
     eager = _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
-    model = dataclasses.replace(workload, dtype="float32") if workload.dtype == "float64" else workload
+    model = workload
+    if workload.dtype not in gpu.tflops:  # a model without float64 rates: compare the two paths at fp32's
+        model = dataclasses.replace(workload, dtype="float32")
     if cost.evaluate(eager, model, gpu).model_ms <= cost.evaluate(composable, model, gpu).model_ms:
         return eager
     return composable
 
 
 def _common_params(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, budget: int) -> dict:
-    return dict(tiles=cfg, precision=precision if w.dtype == "float32" else "native",
+    return dict(tiles=dataclasses.asdict(cfg), precision=precision if w.dtype == "float32" else "native",
+                teacher_products=float(w.has_teacher),
                 forward_grid=forward_grid(w.n, w.v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count),
                 workspace_bytes=budget, eager_rows=eager_rows(w.n, w.v, w.dtype, w.has_teacher, budget, cfg))
 
 
-def _gradient_products(w: cost.Workload, rows: int, chunks_v: int, chunks_r: int, math: str,
+def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int, math: str,
                        dx_bytes: float) -> list:
-    """d hidden and d weight through cuBLAS from the dx workspace, with their fp32 accumulators' traffic."""
+    """d hidden and d weight through cuBLAS from dx blocks of ``rows`` x ``cols``, with their fp32
+    accumulators' traffic and the efficiency of products of that shape."""
     e, acc, e_dx = _sizes(w.dtype)
+    rows, cols = min(rows, w.n), min(cols, w.v)
+    chunks_r, chunks_v = _cdiv(w.n, rows), _cdiv(w.v, cols)
     flops = 2.0 * w.n * w.v * w.d
     passes = []
     if w.hidden_grad:
-        passes.append(cost.Pass("d hidden (cuBLAS)", flops, dx_bytes + chunks_r * w.v * w.d * e
-                                + chunks_v * 2 * w.n * w.d * acc, math))
+        passes.append(_pass("d hidden (cuBLAS)", flops, dx_bytes + chunks_r * w.v * w.d * e
+                            + chunks_v * 2 * w.n * w.d * acc, math,
+                            efficiency=_cublas_efficiency(rows, w.d, cols, gpu)))
         if e != acc:
-            passes.append(cost.Pass("d hidden: round to the input dtype", 0.0, w.n * w.d * (acc + e), "cuda_core"))
+            passes.append(_pass("d hidden: round to the input dtype", 0.0, w.n * w.d * (acc + e), "cuda_core",
+                                launches=1))
     if w.weight_grad:
         cast = w.v * w.d * (acc + e) if e != acc else 0
-        passes.append(cost.Pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e
-                                + (2 * chunks_r - 1) * w.v * w.d * acc + cast, math))
-        passes.append(cost.Pass("d weight: rows without gradient masked", 0.0, 2 * w.n * w.d * e, "cuda_core"))
+        passes.append(_pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e
+                            + (2 * chunks_r - 1) * w.v * w.d * acc + cast, math,
+                            efficiency=_cublas_efficiency(cols, w.d, rows, gpu)))
+        passes.append(_pass("d weight: rows without gradient masked", 0.0, 2 * w.n * w.d * e, "cuda_core",
+                            launches=1))
     return passes
 
 
@@ -480,15 +519,15 @@ def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, preci
         rows, cols = backward_chunks(w.n, w.v, w.d, w.dtype, budget, cfg)
         chunks_r, chunks_v = _cdiv(w.n, rows), _cdiv(w.v, cols)
         params.update(row_chunk=rows, vocab_chunk=cols)
-        math_key, factor = _product_math(w.dtype, precision)
+        math_key, factor = _product_math(w.dtype, precision, gpu)
         teacher_d = _teacher_d(w)
         flops = 2.0 * w.n * w.v * (w.d + teacher_d) * factor
         groups = chunks_v * _cdiv(_cdiv(min(rows, w.n), cfg.block_m), GRADIENT_GROUP) * chunks_r
         dx_bytes = w.n * w.v * e_dx
-        passes.append(cost.Pass("backward: logits again and dx", flops,
-                                groups * cols * (w.d + teacher_d) * e + chunks_v * w.n * (w.d + teacher_d) * e
-                                + dx_bytes, math_key))
-        passes += _gradient_products(w, rows, chunks_v, chunks_r, _cublas_math(w.dtype, allow_tf32), dx_bytes)
+        passes.append(_pass("backward: logits again and dx", flops,
+                            groups * cols * (w.d + teacher_d) * e + chunks_v * w.n * (w.d + teacher_d) * e
+                            + dx_bytes, math_key, launches=chunks_r * chunks_v * BACKWARD_BLOCK_LAUNCHES))
+        passes += _gradient_products(w, gpu, rows, cols, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
     return cost.Plan(backend="triton", path="composable", products=1.0 + (1.0 + grads if grads else 0.0),
                      passes=passes, params=params)
 
@@ -505,9 +544,10 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
         passes += _forward_passes(w, min(rows, w.n - r0), gpu, cfg, precision, "eager logits", store_bytes=logits
                                   * min(rows, w.n - r0) / w.n)
     dx_bytes = w.n * w.v * e_dx
-    passes.append(cost.Pass("eager dx from the kept logits", 0.0, logits + (dx_bytes if e_dx != acc else 0.0)
-                            + (0.0 if e_dx != acc else dx_bytes), "cuda_core"))
-    passes += _gradient_products(w, rows, 1, chunks, _cublas_math(w.dtype, allow_tf32), dx_bytes)
+    # dx: the kept logits read back, dx written (in place over them for fp32 / float64)
+    passes.append(_pass("eager dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",
+                        launches=chunks * EAGER_CHUNK_LAUNCHES))
+    passes += _gradient_products(w, gpu, rows, w.v, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
     return cost.Plan(backend="triton", path="eager", products=1.0 + int(w.hidden_grad) + int(w.weight_grad),
                      passes=passes, params=params)
 
