@@ -180,9 +180,8 @@ def tiles(request, monkeypatch):
             if fusedloss.backend_status()["triton"] == "available":
                 from fusedloss.triton import backend as triton_backend
 
-                with triton_backend.override_config(block_v=16, target_programs=8):
-                    yield request.param
-                return
+                monkeypatch.setattr(triton_backend, "INTERPRETER_TILES",
+                                    triton_backend.TileConfig(16, 16, 16, 4, 1, slots=8))
             yield request.param
         return
     yield request.param

@@ -1,48 +1,50 @@
-"""Triton backend of the statistics core (``core/problem.py``'s protocol).
+"""Triton backend of the statistics core (the ``Backend`` protocol of ``core/backends.py``).
 
 Forward (``statistics_forward``; ``jsd_forward`` for the JSD mixture)
-    Grid (row blocks x vocabulary splits). Each program computes logits tiles
-    ``[BLOCK_M, BLOCK_V] = h_blk @ W_blk.T`` with ``tl.dot`` in registers (fp32 accumulation, K-loop
-    over D), applies bias, logit_scale, soft-cap and temperature, folds the tile into online
-    statistics relative to the running maxima and drops it. Partial statistics of each split go to
-    a small ``[12, splits, N]`` buffer that is merged exactly by ``core/partials.py`` (the merge every backend shares).
-    The number of splits is chosen so that a few tokens still fill the GPU. One GEMM-sized product
-    (plus one for the JSD's second pass; a teacher adds its own products of size N x V x D_t).
+    A grouped 1-D grid of (row block, vocabulary split) programs. Each program forms ``[BLOCK_M, BLOCK_V]``
+    logits tiles with ``tl.dot`` (fp32 accumulation, K-loop over D), applies bias, logit_scale, soft-cap and
+    temperature, folds the tile into online statistics and drops it. The splits are chosen so that the
+    programs fill whole waves of the GPU (``forward_grid``), and their partial statistics are merged exactly
+    by ``core/partials.py``. One GEMM-sized product (plus one for the JSD's second pass; a teacher adds its
+    own products of size N x V x D_t).
 
-Backward, fast path (``logits_backward``)
-    Grid (row blocks x vocabulary blocks): each program recomputes its tile, forms dx from the six
-    per-row coefficients and adds ``dx @ W`` into d hidden and ``dx.T @ h`` into d weight with fp32
-    atomics. Three GEMM-sized products (recompute, d hidden, d weight); the d weight product is not
-    launched at all when the weight is frozen (``needs.weight`` False), nor d hidden when
-    ``needs.hidden`` is False.
+Backward (``logits_gradient`` + cuBLAS)
+    For each vocabulary chunk, the Triton kernel forms the logits tile again, bit for bit as the forward did,
+    and writes dx into a bounded workspace (in the input dtype for bf16/fp16, the naive path's rounding;
+    fp32 / float64 otherwise); two cuBLAS products accumulate ``d hidden += dx @ W[chunk]`` and
+    ``d weight[chunk] = dx.T @ h`` in fp32 (float64), ``d bias`` is the column sum of dx. Three GEMM-sized
+    products, no atomics: the same bits from run to run. A frozen weight skips the d weight product.
 
-Backward, deterministic mode (``hidden_backward`` + ``weight_backward``)
-    Selected by ``torch.are_deterministic_algorithms_enabled()`` or the environment variable
-    ``FUSEDLOSS_DETERMINISTIC=1``. No atomics: one kernel owns row blocks of d hidden, the other owns
-    vocabulary blocks of d weight / d bias, each summing in a fixed order, so results are
-    bit-identical from run to run. Each kernel recomputes the logits: four GEMM-sized products when
-    both gradients are needed, two for a frozen weight.
-
-Memory (device allocations of this module, all through ``_alloc``)
-    forward: the ``[12, splits, N]`` and ``[2, splits, N]`` partials and the ``[13, N]`` outputs;
-    backward: the gradients themselves, an fp32 ``[N, D]`` accumulator for d hidden when hidden is
-    not fp32/float64, an fp32 ``[chunk, D]`` scratch for d weight when the weight is not fp32/float64,
-    with ``chunk`` bounded by ``TileConfig.scratch_bytes`` (independent of V: the vocabulary is
-    processed chunk by chunk), and an fp32 ``[V]`` accumulator for d bias. Nothing of size N x V, and
-    no fp32 ``[V, D]`` buffer. Scalars (temperature, ...) travel in a small cached tensor.
+Eager path (``eager_gradients``, ``core/eager.py``), for losses known in the forward
+    For each chunk of rows, the forward kernel keeps the capped logits (and the teacher's) in the workspace
+    while it forms the statistics; the loss gives the chunk's coefficients; the gradient kernel reads the
+    tiles back instead of forming them again; cuBLAS does d hidden and d weight. Three products instead of
+    four. ``plan`` (the shared cost model, ``core/cost.py``) decides between the two paths, and sizes the
+    chunks: the same function the model evaluates runs the backend.
 
 Precision
-    Products of fp32 inputs use ``input_precision="ieee"`` unless PyTorch allows TF32
-    (``torch.backends.cuda.matmul.allow_tf32``); ``FUSEDLOSS_TRITON_FP32_PRECISION`` (ieee, tf32,
-    tf32x3) overrides. Float64 inputs accumulate in float64. Confident rows (1 - q_y down to 1e-4 in
-    fp32) keep their digits as in the CUDA kernels: the forward carries t = s - 1 and takes
-    log s = log1p(t), and the backward forms the target column's a + q_y inner as
-    (a + inner) + inner expm1(log q_y) (``tile_math.logits_gradient``). bf16/fp16 inputs: logits and all sums
-    in fp32, dx rounded to the input dtype only as an operand of the two backward products.
+    fp32 inputs multiply with ``tf32x3`` on the GPU (three TF32 products, about fp32's accuracy, on the
+    tensor cores) whatever PyTorch's global TF32 flags say, and the cuBLAS products of an fp32 problem run
+    with TF32 off; the problem's ``allow_tf32`` (``FUSEDLOSS_ALLOW_TF32=1`` when the call leaves it unset)
+    opts in to plain TF32 for both, and ``FUSEDLOSS_TRITON_FP32_PRECISION`` overrides the Triton choice for
+    experiments (``fp32_precision``).
+    float64 inputs accumulate in float64. Confident rows keep their digits as in the CUDA kernels: the
+    forward carries t = s - 1 and takes log s = log1p(t), the target column's gradient takes the expm1 form
+    where q_y > 1/2 (docs/design.md, "Numerical doctrine").
 
-No sequence length is a compile-time constant: N, V and D are runtime arguments, only the block
-sizes and feature flags specialise a kernel. With ``TRITON_INTERPRET=1`` (set before this module's
-kernels are first used) the kernels run on CPU tensors in Triton's interpreter: slow, for tests.
+Memory
+    Besides the gradients, O(N) per-row vectors and the ``[12, splits, N]`` partials: an fp32 ``[N, D]``
+    accumulator for d hidden (when hidden is not fp32/float64), and one workspace of at most the problem's
+    ``workspace_mb`` (None: a share of the free device memory, bounded; ``workspace_budget``): the dx block
+    of a vocabulary chunk and its fp32 d weight block, or, on the eager path, a row chunk's logits. Nothing
+    of size N x V. The eager path returns fp32 (float64) gradients, so d weight is a ``[V, D]`` fp32 buffer
+    there, as on the other backends.
+
+Compilation
+    N, V, D, the grid sizes and the chunk offsets are runtime values that Triton does not specialise on, and
+    the tile configuration depends on (dtype, D bucket, teacher) only (``tiles_for``): one compiled variant
+    per kernel and feature set serves every sequence length. With ``TRITON_INTERPRET=1`` (set before this
+    module's kernels are first used) the kernels run on CPU tensors in Triton's interpreter: slow, for tests.
 """
 
 from __future__ import annotations
@@ -52,12 +54,12 @@ import dataclasses
 import math
 from functools import lru_cache
 from types import SimpleNamespace
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .. import config
-from ..core import partials
+from ..core import cost, partials
 from ..core.problem import GradientNeeds, Statistics, StatsProblem
 
 _INTERPRET_HINT = ("no CUDA device visible; set TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
@@ -92,17 +94,17 @@ def _kernels() -> SimpleNamespace:
     if _KERNELS is None:
         if _interpret_requested():
             _interpreter_numpy_compat()
-        from .hidden_backward import hidden_backward_kernel
+        from . import tile_math
         from .jsd_forward import jsd_forward_kernel
-        from .logits_backward import logits_backward_kernel
-        from .statistics_forward import SLOTS, statistics_forward_kernel
-        from .weight_backward import weight_backward_kernel
+        from .logits_gradient import logits_gradient_kernel
+        from .statistics_forward import statistics_forward_kernel
 
-        _KERNELS = SimpleNamespace(
-            forward=statistics_forward_kernel, jsd=jsd_forward_kernel, backward=logits_backward_kernel,
-            hidden=hidden_backward_kernel, weight=weight_backward_kernel, slots=SLOTS,
-            interpreted=_interpret_requested(),
-        )
+        if tile_math.STATE_FIELDS != partials.FIELDS:  # the kernels write the partials in this order
+            raise ImportError(f"triton/tile_math.py keeps {tile_math.STATE_FIELDS}, core/partials.py merges "
+                              f"{partials.FIELDS}: update the kernels' state")
+        _KERNELS = SimpleNamespace(forward=statistics_forward_kernel, jsd=jsd_forward_kernel,
+                                   gradient=logits_gradient_kernel, tm=tile_math,
+                                   interpreted=_interpret_requested())
     return _KERNELS
 
 
@@ -125,77 +127,540 @@ def _interpreter_numpy_compat() -> None:
 
 
 # ----------------------------------------------------------------------------------------------
-# Configuration
+# Tile configurations
 
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
+    """One launch configuration, shared by the forward and the gradient kernel of a problem (the gradient
+    forms the forward's logits bit for bit only with the forward's tile shape). ``slots``: programs the
+    GPU runs at once (None: one per SM, what these tiles' shared memory and registers allow on sm_80+);
+    the forward splits the vocabulary to fill whole waves of them."""
+
     block_m: int
     block_v: int
     block_k: int
-    block_d: int
     num_warps: int
     num_stages: int
-    target_programs: int  # the forward splits the vocabulary until about this many programs run
-    scratch_bytes: int  # bound of the fp32 d weight scratch of one vocabulary chunk
+    slots: Optional[int] = None
 
 
-_OVERRIDE: Optional[dict] = None
+# Candidates for the autotuner, by operand dtype and epilogue ("lean": the logits' normaliser and the target;
+# "heavy": entropy, TRL's extras, the mean logit or a soft-cap, whose per-element terms need twice the
+# registers; "teacher": a second product); the first is the default (deterministic mode, CUDA graph capture
+# and the cost model). A 128 x 128 tile on 8 warps holds 64 fp32 values per thread per tile-sized temporary:
+# enough for the lean epilogue, a spill for the heavy ones, which take 64 x 128; a teacher's second product
+# and its statistics fit 64 x 64 (64 x 128 sits at 255 registers and spills with some feature sets). Each
+# candidate compiles for sm_90 to wgmma without spills and within 227 KB of shared memory
+# (tests/test_triton_backend.py::test_kernels_compile_for_sm90).
+GPU_CANDIDATES = {
+    ("half", "lean"): (TileConfig(128, 128, 64, 8, 4), TileConfig(128, 128, 64, 8, 3)),
+    ("half", "heavy"): (TileConfig(64, 128, 64, 8, 4), TileConfig(64, 128, 64, 8, 3)),
+    ("half", "teacher"): (TileConfig(64, 64, 64, 8, 3),),
+    ("fp32", "lean"): (TileConfig(128, 64, 32, 8, 3), TileConfig(64, 128, 32, 8, 3)),
+    ("fp32", "heavy"): (TileConfig(64, 64, 32, 8, 3),),
+    ("fp32", "teacher"): (TileConfig(64, 64, 32, 8, 3),),
+    ("fp64", "lean"): (TileConfig(32, 32, 32, 4, 1),),
+    ("fp64", "heavy"): (TileConfig(32, 32, 32, 4, 1),),
+    ("fp64", "teacher"): (TileConfig(32, 32, 32, 4, 1),),
+}
+# The eager path's forward also stores each capped logits tile for the gradient pass: that store holds a tile
+# more in registers, so it runs on tiles with more headroom (and, forming the logits once, shares its tile with
+# no other kernel). Not tuned: one configuration per class.
+EAGER_TILES = {
+    ("half", "lean"): TileConfig(64, 128, 64, 8, 4),
+    ("half", "heavy"): TileConfig(64, 64, 64, 8, 4),
+    ("half", "teacher"): TileConfig(64, 64, 64, 8, 3),
+    ("fp32", "lean"): TileConfig(128, 64, 32, 8, 3),
+    ("fp32", "heavy"): TileConfig(64, 64, 32, 8, 3),
+    ("fp32", "teacher"): TileConfig(64, 64, 32, 8, 3),
+    ("fp64", "lean"): TileConfig(32, 32, 32, 4, 1),
+    ("fp64", "heavy"): TileConfig(32, 32, 32, 4, 1),
+    ("fp64", "teacher"): TileConfig(32, 32, 32, 4, 1),
+}
+# The eager path's gradient pass reads the kept logits back: no product, so no reason to share the forward's
+# tile. Loaded tiles are laid out one row per thread and warp-wide along the vocabulary, so every thread
+# holds every per-row value of its rows (coefficients, normalisers, the float64 target column): 4 rows of
+# 512 columns keep that at 4 values per row quantity and 16 per tile-sized one (a teacher's terms need ~8).
+ELEMENTWISE_TILES = TileConfig(4, 512, 16, 4, 1)
+# The interpreter: small tiles and a few resident programs, so tiny test shapes still cross every tile border
+# and the vocabulary splits (tests pass other configurations through the ``tiles`` argument).
+INTERPRETER_TILES = TileConfig(16, 32, 16, 4, 1, slots=4)
 
 
-@contextlib.contextmanager
-def override_config(**fields):
-    """Replace fields of the tile configuration (tests use tiny blocks to exercise many tiles)."""
-    global _OVERRIDE
-    previous = _OVERRIDE
-    _OVERRIDE = dict(previous or {}, **fields)
-    try:
-        yield
-    finally:
-        _OVERRIDE = previous
+def _dtype_class(dtype: torch.dtype) -> str:
+    return {torch.float64: "fp64", torch.float32: "fp32"}.get(dtype, "half")
 
 
-def _config(dtype: torch.dtype, device: torch.device) -> TileConfig:
-    if device.type == "cuda":
-        sms = torch.cuda.get_device_properties(device).multi_processor_count
-        if dtype == torch.float64:
-            cfg = TileConfig(32, 32, 32, 32, 4, 1, 2 * sms, 256 << 20)
-        elif dtype == torch.float32:
-            cfg = TileConfig(64, 64, 32, 64, 8, 2, 2 * sms, 256 << 20)
-        else:
-            cfg = TileConfig(64, 128, 64, 64, 8, 3, 2 * sms, 256 << 20)
-    else:  # the interpreter: small tiles, a few splits, so tiny test shapes still cross tile borders
-        cfg = TileConfig(16, 32, 16, 16, 4, 1, 4, 256 << 20)
-    return dataclasses.replace(cfg, **_OVERRIDE) if _OVERRIDE else cfg
+def epilogue(p: StatsProblem) -> str:
+    """"teacher", "heavy" or "lean": which candidates' registers hold the problem's per-element terms."""
+    if p.has_teacher:
+        return "teacher"
+    heavy = p.want_entropy or p.want_extras or p.want_mean_logit or p.transform.softcap is not None
+    return "heavy" if heavy else "lean"
 
 
-def _fp32_precision() -> str:
-    choice = config.from_environment().triton_fp32_precision
-    if choice:
-        if choice not in ("ieee", "tf32", "tf32x3"):
-            raise ValueError(f"FUSEDLOSS_TRITON_FP32_PRECISION must be ieee, tf32 or tf32x3, got {choice!r}")
-        return choice
-    return "tf32" if torch.backends.cuda.matmul.allow_tf32 else "ieee"
+def candidates(dtype: torch.dtype, kind: str, path: str = "composable") -> tuple:
+    """The tile configurations a problem class may run with on a GPU (the first: the default)."""
+    if path == "eager":
+        return (EAGER_TILES[(_dtype_class(dtype), kind)],)
+    return GPU_CANDIDATES[(_dtype_class(dtype), kind)]
+
+
+def d_bucket(d: int) -> int:
+    """The hidden sizes that share a tuning result: the power of two at or above D (at most 16384)."""
+    return min(16384, 1 << max(0, (d - 1).bit_length()))
+
+
+# Tuning results of this process, one per (device, dtype, D bucket, epilogue): N, V and the exact D never enter
+# the key, so no sequence length retunes (or recompiles).
+_TUNED: dict = {}
+
+
+def autotune(key, configs: tuple, measure: Callable[[TileConfig], float]) -> TileConfig:
+    """The fastest of ``configs`` by ``measure`` (seconds of one run), measured once per ``key``."""
+    if key not in _TUNED:
+        _TUNED[key] = min(configs, key=measure) if len(configs) > 1 else configs[0]
+    return _TUNED[key]
+
+
+def tiles_for(p: StatsProblem, path: str = "composable") -> TileConfig:
+    """The tile configuration of a problem's kernels on ``path`` ("composable": the forward and the gradient
+    kernel, which must share it; "eager": the eager forward): the interpreter's on CPU tensors; on a GPU the
+    tuned one of ``candidates`` (the first without tuning in deterministic mode, where a timing must not
+    choose the summation order, and during CUDA graph capture, where nothing may be timed)."""
+    dev = p.hidden.device
+    if dev.type == "cpu":
+        return INTERPRETER_TILES
+    configs = candidates(p.hidden.dtype, epilogue(p), path)
+    if dev.type != "cuda" or len(configs) == 1 or deterministic() or torch.cuda.is_current_stream_capturing():
+        return configs[0]
+    key = (dev.index if dev.index is not None else torch.cuda.current_device(), p.hidden.dtype,
+           d_bucket(p.hidden.shape[1]), epilogue(p))
+
+    def measure(cfg: TileConfig) -> float:
+        import triton.testing
+
+        return triton.testing.do_bench(lambda: _forward_partials(p, cfg, store=None), warmup=5, rep=20,
+                                       return_mode="median") * 1e-3
+
+    return autotune(key, configs, measure)
+
+
+def fp32_precision(p: StatsProblem, capability: Optional[tuple] = None) -> str:
+    """``tl.dot``'s input precision for fp32 operands: ``FUSEDLOSS_TRITON_FP32_PRECISION`` if set (a tuning
+    override), else ``tf32`` when the problem opts in (``allow_tf32``; unset: ``FUSEDLOSS_ALLOW_TF32=1``), else
+    ``tf32x3`` (fp32's accuracy on the tensor cores of sm_80 and newer; ``ieee`` before them). PyTorch's
+    global TF32 flags play no part: fp32 stays fp32 unless asked (the interpreter ignores the choice)."""
+    env = config.from_environment()
+    if env.triton_fp32_precision:
+        return env.triton_fp32_precision
+    if _allow_tf32(p):
+        return "tf32"
+    return "tf32x3" if capability is None or capability[0] >= 8 else "ieee"
 
 
 def deterministic() -> bool:
-    """Whether the backward runs the atomic-free, bit-reproducible kernels."""
+    """Whether the caller asked for bit-reproducible results (``torch.use_deterministic_algorithms`` or
+    ``FUSEDLOSS_DETERMINISTIC=1``): every path is deterministic by construction, so this only pins what a
+    measurement would otherwise choose (the tile autotuner, the workspace from free memory)."""
     return torch.are_deterministic_algorithms_enabled() or bool(config.from_environment().deterministic)
 
 
-def _alloc(shape, dtype: torch.dtype, device: torch.device, zero: bool = True) -> torch.Tensor:
-    """Every device buffer of this backend is made here (tests wrap it to check the memory bounds)."""
-    return torch.zeros(shape, dtype=dtype, device=device) if zero else torch.empty(shape, dtype=dtype, device=device)
+# ----------------------------------------------------------------------------------------------
+# Grids, chunks and the plan (core/cost.py): the same functions size the launches and the model
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@lru_cache(maxsize=1024)
+def forward_grid(n: int, v: int, block_m: int, block_v: int, slots: int) -> tuple:
+    """(row blocks, tiles per split, splits, group of row blocks) of the forward. Every program walks
+    ``tiles per split`` tiles, so the time is about (waves of programs) x (tiles per program): the split
+    count minimises that product (ties: fewer splits, fewer partials to merge), which fills the last wave
+    where a plain 2 x SMs rule left 19-31% of the GPU idle at N = 1024-4096. The group puts about one wave
+    of programs on a few row blocks, so their hidden rows and weight tiles stay in L2."""
+    row_blocks, vtiles = _cdiv(n, block_m), _cdiv(v, block_v)
+    max_splits = min(vtiles, max(1, _cdiv(64 * slots, row_blocks)))
+    best = None
+    s = 1
+    while s <= max_splits:
+        per = _cdiv(vtiles, s)
+        splits = _cdiv(vtiles, per)
+        key = (_cdiv(row_blocks * splits, slots) * per, splits)
+        if best is None or key < best[0]:
+            best = (key, per, splits)
+        if per == 1:
+            break
+        s = _cdiv(vtiles, per - 1)  # the next split count with fewer tiles per program
+    _, per, splits = best
+    group = max(1, min(row_blocks, slots // splits))
+    return row_blocks, per, splits, group
+
+
+GRADIENT_GROUP = 8  # row blocks per group of the gradient kernel's one-tile programs (the matmul swizzle)
+
+# Bounds of the workspace when its size comes from the free memory: a share of it, at least enough for
+# useful chunks, and no more than what already makes the products large enough to run at full rate.
+WORKSPACE_SHARE = 8
+MIN_WORKSPACE = 64 << 20
+MAX_WORKSPACE = 2 << 30
+FIXED_WORKSPACE = 1 << 30  # deterministic mode: the chunking (the order of fp32 sums) must not follow free memory
+
+
+def workspace_budget(workspace_mb: Optional[float], free_bytes: Optional[int], gpu: cost.GPUSpec) -> int:
+    """Bytes of workspace for one call: ``workspace_mb`` if given (problem field or FUSEDLOSS_WORKSPACE_MB),
+    else 1/8 of the free memory (half the GPU's memory if unknown) within [64 MiB, 2 GiB]; fixed at 1 GiB in
+    deterministic mode."""
+    if workspace_mb is None:
+        workspace_mb = config.from_environment().workspace_mb
+    if workspace_mb is not None:
+        return max(1, int(workspace_mb * 2**20))
+    if deterministic():
+        return FIXED_WORKSPACE
+    free = gpu.memory_bytes // 2 if free_bytes is None else free_bytes
+    return int(min(MAX_WORKSPACE, max(MIN_WORKSPACE, free // WORKSPACE_SHARE)))
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                torch.float64: "float64"}
+_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
+
+def _sizes(dtype: str):
+    """(operand bytes, accumulation bytes, dx bytes) of a dtype."""
+    e = _BYTES[dtype]
+    acc = 8 if dtype == "float64" else 4
+    return e, acc, (e if e < 4 else acc)
+
+
+def backward_chunks(n: int, v: int, d: int, dtype: str, budget: int, cfg: TileConfig) -> tuple:
+    """(rows, vocabulary columns) of one block of the composable backward's workspace: the dx block plus the
+    fp32 d weight block of the chunk (for a bf16/fp16 weight) within ``budget``. All rows when a few tiles of
+    columns fit that way (d weight is then complete after one product per chunk); otherwise a few tiles of
+    columns and as many row blocks as fit. Multiples of the tiles, so that the row blocks are the forward's;
+    one row block of one tile when even that exceeds the budget."""
+    e, acc, e_dx = _sizes(dtype)
+    scratch = acc * d if e != acc else 0
+    v_pad, n_pad = _cdiv(v, cfg.block_v) * cfg.block_v, _cdiv(n, cfg.block_m) * cfg.block_m
+    cols = budget // max(1, n_pad * e_dx + scratch) // cfg.block_v * cfg.block_v
+    if cols >= min(v_pad, 4 * cfg.block_v):
+        return n_pad, min(cols, v_pad)
+    cols = max(cfg.block_v, min(v_pad, 8 * cfg.block_v,
+                                budget // (cfg.block_m * e_dx + scratch) // cfg.block_v * cfg.block_v))
+    rows = max(cfg.block_m, (budget - cols * scratch) // (cols * e_dx) // cfg.block_m * cfg.block_m)
+    return min(rows, n_pad), cols
+
+
+def _eager_row_align(cfg: TileConfig, elementwise: TileConfig) -> int:
+    return max(cfg.block_v, elementwise.block_v)
+
+
+def eager_row_bytes(v: int, dtype: str, teacher: bool) -> int:
+    """Workspace bytes per row of an eager chunk: the capped logits (and the teacher's) in the accumulation
+    dtype, plus dx in the input dtype for bf16/fp16 (in place otherwise), rows padded to whole tiles."""
+    e, acc, e_dx = _sizes(dtype)
+    ld = _cdiv(v, ELEMENTWISE_TILES.block_v) * ELEMENTWISE_TILES.block_v
+    return ld * (acc * (2 if teacher else 1) + (e_dx if e_dx != acc else 0))
+
+
+def eager_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: TileConfig) -> int:
+    """Rows of one eager chunk within the budget, a multiple of BLOCK_M (at least one row block)."""
+    rows = budget // eager_row_bytes(v, dtype, teacher) // cfg.block_m * cfg.block_m
+    return max(cfg.block_m, min(rows, _cdiv(n, cfg.block_m) * cfg.block_m))
+
+
+_PASS_FIELDS = {f.name for f in dataclasses.fields(cost.Pass)}
+# Small launches per step: the split merge and finalisation (~25 torch ops), per eager chunk the merge, the
+# loss's per-token math and the masks (~50), per backward block the gradient kernel, two products, a sum.
+MERGE_LAUNCHES, EAGER_CHUNK_LAUNCHES, BACKWARD_BLOCK_LAUNCHES = 25, 50, 5
+
+
+def _pass(name: str, flops: float, hbm_bytes: float, math: str, *, efficiency: float = 1.0,
+          launches: int = 0) -> cost.Pass:
+    """A ``cost.Pass``, with the efficiency of a skinny product and the fixed cost of small launches where the
+    cost model has those fields (``Pass.efficiency``, ``Pass.fixed_us``)."""
+    extra = {}
+    if "efficiency" in _PASS_FIELDS:
+        extra["efficiency"] = efficiency
+    if "fixed_us" in _PASS_FIELDS and launches:
+        extra["fixed_us"] = launches * getattr(cost, "LAUNCH_US", 0.0)
+    return cost.Pass(name, flops, hbm_bytes, math, **extra)
+
+
+def _cublas_efficiency(m: int, n: int, k: int, gpu: cost.GPUSpec) -> float:
+    """``cost.gemm_efficiency`` of a cuBLAS product with an [m, n] output and inner dimension k, where the
+    model has it."""
+    fn = getattr(cost, "gemm_efficiency", None)
+    return fn(m, n, k, gpu) if fn is not None else 1.0
+
+
+def _product_math(dtype: str, precision: str, gpu: Optional[cost.GPUSpec] = None) -> tuple:
+    """(cost-model rate key, products per GEMM-sized product) of a Triton product: tf32x3 is three TF32
+    products; float64 at the float64 rate (the fp32 one where the model has none)."""
+    if dtype in ("bfloat16", "float16"):
+        return dtype, 1
+    if dtype == "float64":
+        return ("float64" if gpu is not None and "float64" in gpu.tflops else "float32"), 1
+    return ("tf32", 3) if precision == "tf32x3" else ("tf32", 1) if precision == "tf32" else ("float32", 1)
+
+
+def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, prefix: str,
+                    store_bytes: float = 0.0) -> list:
+    """The statistics kernel over ``n`` rows: products, operand traffic (the weight once per group of row
+    blocks, which share it through L2), the programs the last wave leaves idle, and the split merge."""
+    e, acc, _ = _sizes(w.dtype)
+    math_key, factor = _product_math(w.dtype, precision, gpu)
+    slots = cfg.slots or gpu.sm_count
+    row_blocks, per, splits, group = forward_grid(n, w.v, cfg.block_m, cfg.block_v, slots)
+    d_all = w.d + _teacher_d(w)
+    flops = 2.0 * n * w.v * d_all * factor
+    groups = _cdiv(row_blocks, group)
+    traffic = groups * w.v * d_all * e + n * d_all * e + 12 * splits * n * acc + store_bytes
+    busy = row_blocks * _cdiv(w.v, cfg.block_v)
+    capacity = _cdiv(row_blocks * splits, slots) * slots * per
+    passes = [_pass(f"{prefix}: logits and statistics", flops, traffic, math_key, launches=1),
+              _pass(f"{prefix}: idle in the last wave", flops * (capacity / busy - 1.0), 0.0, math_key),
+              _pass(f"{prefix}: split merge", 0.0, 4 * 12 * splits * n * acc, "cuda_core", launches=MERGE_LAUNCHES)]
+    if w.op == "distill_jsd":  # the mixture's second sweep
+        passes.append(_pass(f"{prefix}: JSD pass", 0.0 if store_bytes else flops,
+                            2 * n * w.v * acc if store_bytes else traffic, math_key, launches=2))
+    return passes
+
+
+def _teacher_d(w: cost.Workload) -> int:
+    return (w.teacher_d or w.d) if w.has_teacher else 0
+
+
+def _cublas_math(dtype: str, allow_tf32: bool, gpu: cost.GPUSpec) -> str:
+    if dtype in ("bfloat16", "float16"):
+        return dtype
+    if dtype == "float64":
+        return "float64" if "float64" in gpu.tflops else "float32"
+    return "tf32" if allow_tf32 else "float32"
+
+
+def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] = None, *,
+         tiles: Optional[TileConfig] = None, eager_tiles: Optional[TileConfig] = None,
+         workspace_mb: Optional[float] = None, workspace: Optional[int] = None, precision: Optional[str] = None,
+         allow_tf32: bool = False, path: Optional[str] = None) -> cost.Plan:
+    """This backend's execution of ``workload`` on ``gpu`` as a ``cost.Plan``: the eager 3-product path for a
+    row-local loss when the model finds it cheaper, else the composable statistics op (forward, then the
+    gradient kernel and two cuBLAS products per vocabulary chunk). ``params`` carries what the backend runs
+    with: ``tiles``, ``forward_grid``, ``row_chunk`` and ``vocab_chunk`` (composable), ``eager_rows``,
+    ``workspace_bytes`` (``workspace``, in bytes, or ``workspace_mb`` fix it; else the free memory sizes it). ``tiles`` / ``eager_tiles`` (the composable and the eager path's) default to the
+    first candidates (what the autotuner starts from); ``path`` ("eager" or "composable") asks for one path
+    instead of the cheaper."""
+    kind = "teacher" if workload.has_teacher else "heavy" if workload.op == "token_logprobs_entropy" else "lean"
+    dtype = getattr(torch, workload.dtype)
+    cfg = tiles or candidates(dtype, kind)[0]
+    eager_cfg = eager_tiles or candidates(dtype, kind, "eager")[0]
+    precision = precision or ("tf32" if allow_tf32 else "tf32x3")
+    if path not in (None, "eager", "composable"):
+        raise ValueError(f"path must be None, 'eager' or 'composable', got {path!r}")
+    budget = max(1, int(workspace)) if workspace is not None else workspace_budget(workspace_mb, free_bytes, gpu)
+    if path == "eager":
+        return _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
+    composable = _composable_plan(workload, gpu, cfg, precision, allow_tf32, budget)
+    grads = workload.hidden_grad or workload.weight_grad
+    if path == "composable" or not (workload.row_local and grads):
+        return composable
+    eager = _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
+    model = workload
+    if workload.dtype not in gpu.tflops:  # a model without float64 rates: compare the two paths at fp32's
+        model = dataclasses.replace(workload, dtype="float32")
+    if cost.evaluate(eager, model, gpu).model_ms <= cost.evaluate(composable, model, gpu).model_ms:
+        return eager
+    return composable
+
+
+def _common_params(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, budget: int) -> dict:
+    return dict(tiles=dataclasses.asdict(cfg), precision=precision if w.dtype == "float32" else "native",
+                teacher_products=float(w.has_teacher),
+                forward_grid=forward_grid(w.n, w.v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count),
+                workspace_bytes=budget, eager_rows=eager_rows(w.n, w.v, w.dtype, w.has_teacher, budget, cfg))
+
+
+def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int, math: str,
+                       dx_bytes: float) -> list:
+    """d hidden and d weight through cuBLAS from dx blocks of ``rows`` x ``cols``, with their fp32
+    accumulators' traffic and the efficiency of products of that shape."""
+    e, acc, e_dx = _sizes(w.dtype)
+    rows, cols = min(rows, w.n), min(cols, w.v)
+    chunks_r, chunks_v = _cdiv(w.n, rows), _cdiv(w.v, cols)
+    flops = 2.0 * w.n * w.v * w.d
+    passes = []
+    if w.hidden_grad:
+        passes.append(_pass("d hidden (cuBLAS)", flops, dx_bytes + chunks_r * w.v * w.d * e
+                            + chunks_v * 2 * w.n * w.d * acc, math,
+                            efficiency=_cublas_efficiency(rows, w.d, cols, gpu)))
+        if e != acc:
+            passes.append(_pass("d hidden: round to the input dtype", 0.0, w.n * w.d * (acc + e), "cuda_core",
+                                launches=1))
+    if w.weight_grad:
+        cast = w.v * w.d * (acc + e) if e != acc else 0
+        passes.append(_pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e
+                            + (2 * chunks_r - 1) * w.v * w.d * acc + cast, math,
+                            efficiency=_cublas_efficiency(cols, w.d, rows, gpu)))
+        passes.append(_pass("d weight: rows without gradient masked", 0.0, 2 * w.n * w.d * e, "cuda_core",
+                            launches=1))
+    return passes
+
+
+def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
+                     budget: int) -> cost.Plan:
+    e, acc, e_dx = _sizes(w.dtype)
+    params = _common_params(w, gpu, cfg, precision, budget)
+    passes = _forward_passes(w, w.n, gpu, cfg, precision, "forward")
+    grads = int(w.hidden_grad) + int(w.weight_grad)
+    if grads:
+        rows, cols = backward_chunks(w.n, w.v, w.d, w.dtype, budget, cfg)
+        chunks_r, chunks_v = _cdiv(w.n, rows), _cdiv(w.v, cols)
+        params.update(row_chunk=rows, vocab_chunk=cols)
+        math_key, factor = _product_math(w.dtype, precision, gpu)
+        teacher_d = _teacher_d(w)
+        flops = 2.0 * w.n * w.v * (w.d + teacher_d) * factor
+        groups = chunks_v * _cdiv(_cdiv(min(rows, w.n), cfg.block_m), GRADIENT_GROUP) * chunks_r
+        dx_bytes = w.n * w.v * e_dx
+        passes.append(_pass("backward: logits again and dx", flops,
+                            groups * cols * (w.d + teacher_d) * e + chunks_v * w.n * (w.d + teacher_d) * e
+                            + dx_bytes, math_key, launches=chunks_r * chunks_v * BACKWARD_BLOCK_LAUNCHES))
+        passes += _gradient_products(w, gpu, rows, cols, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
+    return cost.Plan(backend="triton", path="composable", products=1.0 + (1.0 + grads if grads else 0.0),
+                     passes=passes, params=params)
+
+
+def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
+                budget: int) -> cost.Plan:
+    e, acc, e_dx = _sizes(w.dtype)
+    params = _common_params(w, gpu, cfg, precision, budget)
+    rows = params["eager_rows"]
+    chunks = _cdiv(w.n, rows)
+    logits = w.n * w.v * acc * (2 if w.has_teacher else 1)
+    passes = []
+    for r0 in range(0, w.n, rows):
+        passes += _forward_passes(w, min(rows, w.n - r0), gpu, cfg, precision, "eager logits", store_bytes=logits
+                                  * min(rows, w.n - r0) / w.n)
+    dx_bytes = w.n * w.v * e_dx
+    # dx: the kept logits read back, dx written (in place over them for fp32 / float64)
+    passes.append(_pass("eager dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",
+                        launches=chunks * EAGER_CHUNK_LAUNCHES))
+    passes += _gradient_products(w, gpu, rows, w.v, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
+    return cost.Plan(backend="triton", path="eager", products=1.0 + int(w.hidden_grad) + int(w.weight_grad),
+                     passes=passes, params=params)
+
+
+def workload_of(p: StatsProblem, needs: GradientNeeds, row_local: bool) -> cost.Workload:
+    """The cost model's description of a problem (the op only says what the bound counts: a row-local loss
+    can finish a chunk in the forward; a teacher adds its products)."""
+    if p.has_teacher:
+        op = ("distill_jsd" if p.jsd_beta is not None else
+              "distill_forward_kl" if p.want_kl_fwd and not p.want_kl_rev else "distill_reverse_kl")
+    else:
+        op = "cross_entropy" if row_local else "token_logprobs_entropy" if p.want_entropy else "token_logprobs"
+    return cost.Workload(op=op, n=max(1, p.hidden.shape[0]), d=p.hidden.shape[1], v=p.weight.shape[0],
+                         dtype=_DTYPE_NAMES[p.hidden.dtype],
+                         teacher_d=p.teacher_hidden.shape[1] if p.has_teacher else None,
+                         hidden_grad=needs.hidden, weight_grad=needs.weight)
+
+
+@lru_cache(maxsize=16)
+def _device_gpu(index: int) -> cost.GPUSpec:
+    props = torch.cuda.get_device_properties(index)
+    base = cost.GPUS["b200" if props.major >= 10 else "h200" if props.major == 9 else "a100"]
+    return dataclasses.replace(base, name=props.name, sm_count=props.multi_processor_count,
+                               memory_bytes=props.total_memory)
+
+
+def gpu_of(device: torch.device) -> cost.GPUSpec:
+    """The GPU a problem runs on; the H200 the model targets for CPU (interpreter) and meta tensors."""
+    if device.type != "cuda":
+        return cost.GPUS["h200"]
+    return _device_gpu(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _free_bytes(device: torch.device) -> Optional[int]:
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: Optional[TileConfig] = None):
+    """``plan`` for a problem at run time: its device, its free memory, its tiles (``tiles``: the given path's)
+    and precision."""
+    dev = p.hidden.device
+    capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    cfg = tiles if tiles is not None and path == "composable" else tiles_for(p)
+    eager_cfg = tiles if tiles is not None and path == "eager" else tiles_for(p, "eager")
+    return plan(workload_of(p, needs, row_local=path != "composable"), gpu_of(dev), _free_bytes(dev), tiles=cfg,
+                eager_tiles=eager_cfg, workspace_mb=p.workspace_mb, precision=fp32_precision(p, capability),
+                allow_tf32=_allow_tf32(p), path=path)
+
+
+def _allow_tf32(p: StatsProblem) -> bool:
+    """The problem's ``allow_tf32`` when the caller set it, else ``FUSEDLOSS_ALLOW_TF32`` (default: no)."""
+    if p.allow_tf32 is None:
+        return bool(config.from_environment().allow_tf32)
+    return bool(p.allow_tf32)
+
+
+# ----------------------------------------------------------------------------------------------
+# Launch arguments
+
+
+def _on_device(t: torch.Tensor):
+    """Triton launches on the current device: make it the tensors' (they may live on cuda:1)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def _cublas_tf32(device: torch.device, allowed: bool):
+    """cuBLAS products of an fp32 problem use TF32 exactly when the problem allows it, whatever the global
+    flags say. PyTorch refuses to mix its legacy (``allow_tf32``) and new (``fp32_precision``) flag APIs, so
+    the flag is set and restored through the one the caller's state can be read with, and only when it
+    differs from what the problem needs."""
+    matmul = torch.backends.cuda.matmul
+    if device.type != "cuda" or (matmul.fp32_precision == "tf32") == allowed:
+        yield
+        return
+    try:
+        legacy = matmul.allow_tf32
+    except RuntimeError:
+        legacy = None
+    if legacy is not None:
+        matmul.allow_tf32 = allowed
+        try:
+            yield
+        finally:
+            matmul.allow_tf32 = legacy
+    else:
+        previous = matmul.fp32_precision
+        matmul.fp32_precision = "tf32" if allowed else "ieee"
+        try:
+            yield
+        finally:
+            matmul.fp32_precision = previous
 
 
 @lru_cache(maxsize=64)
-def _params_tensor(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    # Cached: building it copies from the host, which must not happen (and synchronise) every step.
-    return torch.tensor(values, dtype=dtype, device=device)
+def _cached_params(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return _device_params(values, dtype, device)
+
+
+def _device_params(values: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The scalars as a device tensor written by fill kernels: no host-to-device copy, so building it inside
+    a CUDA graph capture records the fills (a copy from pageable memory would break the capture)."""
+    t = torch.empty(len(values), dtype=dtype, device=device)
+    for i, x in enumerate(values):
+        t[i].fill_(x)
+    return t
 
 
 def _params(p: StatsProblem, acc: torch.dtype) -> torch.Tensor:
-    """Scalars in the accumulation dtype, in tile_math's P_* order."""
+    """Scalars in the accumulation dtype, in tile_math's ``P_*`` order, cached per value set; during a CUDA
+    graph capture made fresh (a cached tensor filled by a captured kernel holds nothing until a replay)."""
     tf, tt = p.transform, p.teacher_transform
     beta = p.jsd_beta
     values = (
@@ -204,54 +669,125 @@ def _params(p: StatsProblem, acc: torch.dtype) -> torch.Tensor:
         math.log1p(-beta) if beta is not None else 0.0, math.log(beta) if beta is not None else 0.0,
         float(tf.logit_scale) / float(tf.temperature),
     )
-    return _params_tensor(values, acc, p.hidden.device)
+    dev = p.hidden.device
+    if dev.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return _device_params(values, acc, dev)
+    return _cached_params(values, acc, dev)
 
 
-# ----------------------------------------------------------------------------------------------
-# Launch arguments shared by every kernel
+def _alloc(shape, dtype: torch.dtype, device: torch.device, zero: bool = True) -> torch.Tensor:
+    """Every device buffer of this backend is made here (tests wrap it to check the memory bounds)."""
+    return torch.zeros(shape, dtype=dtype, device=device) if zero else torch.empty(shape, dtype=dtype, device=device)
+
+
+def _align(*strides: int) -> int:
+    """The largest power of two, at most 16, dividing every row stride (in elements)."""
+    a = 16
+    for s in strides:
+        while a > 1 and s % a:
+            a //= 2
+    return a
+
+
+@dataclasses.dataclass
+class _Launch:
+    """What every kernel of one call needs: the two heads, the scalars, the tile constants."""
+
+    p: StatsProblem
+    cfg: TileConfig
+    acc: torch.dtype
+    student: tuple
+    teacher: tuple
+    params: torch.Tensor
+    tiles: tuple
+    dummy: torch.Tensor
+
+    def run(self, kernel, programs: int, *args, flags) -> None:
+        import triton.language as tl
+
+        kernel[(programs,)](*args, F=flags, T=self.tiles, ACC=tl.float64 if self.acc == torch.float64 else tl.float32,
+                            num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
+
+    def workspace(self, c: Optional[torch.Tensor], zt: Optional[torch.Tensor]) -> tuple:
+        """The eager path's kept tiles as a Head (c, z_t, row stride); the student head when unused."""
+        if c is None:
+            return self.student
+        ld = c.stride(0)
+        return _kernels().tm.Head(c, zt if zt is not None else c, self.dummy, ld, ld)
 
 
 def _teacher_tensors(p: StatsProblem, acc: torch.dtype):
-    """Teacher hidden/weight/bias in one dtype the kernels can multiply with ``acc`` accumulation."""
-    th, tw, tb = p.teacher_hidden, p.teacher_weight, p.teacher_bias
+    """Teacher hidden/weight in a dtype the kernels can multiply with ``acc`` accumulation (a float64 problem
+    multiplies a teacher in float64; an fp32 teacher beside a bf16 student stays fp32, on tf32x3)."""
+    th, tw = p.teacher_hidden, p.teacher_weight
     want = th.dtype
     if (acc == torch.float64) != (want == torch.float64):
         want = torch.float64 if acc == torch.float64 else torch.float32
-    return th.to(want), tw.to(want), tb
+    return th.to(want), tw.to(want)
 
 
-def _common(p: StatsProblem, acc: torch.dtype):
-    """(pointer args, integer args, flag kwargs) common to all kernels."""
+def _launch(p: StatsProblem, cfg: TileConfig) -> _Launch:
+    tm = _kernels().tm
+    acc = p.acc_dtype
     h, w = p.hidden, p.weight
+    dummy = h
+    student = tm.Head(h, w, p.bias if p.bias is not None else dummy, h.stride(0), w.stride(0))
+    strides = [h.stride(0), w.stride(0)]
+    teacher = student
     if p.has_teacher:
-        th, tw, tb = _teacher_tensors(p, acc)
-    else:
-        th, tw, tb = h, w, None
-    tgt = p.targets if p.targets is not None else h
-    pointers = (h, w, p.bias if p.bias is not None else h, th, tw, tb if tb is not None else h, tgt)
-    ints = (h.shape[0], w.shape[0], h.shape[1], th.shape[1], h.stride(0), w.stride(0), th.stride(0), tw.stride(0))
-    flags = dict(
-        HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.transform.softcap is not None,
-        HAS_TEACHER_BIAS=p.has_teacher and tb is not None,
-        HAS_TEACHER_SOFTCAP=p.has_teacher and p.teacher_transform.softcap is not None,
-        HAS_TARGETS=p.targets is not None,
-    )
-    return pointers, ints, flags
+        th, tw = _teacher_tensors(p, acc)
+        teacher = tm.Head(th, tw, p.teacher_bias if p.teacher_bias is not None else dummy, th.stride(0), tw.stride(0))
+        strides += [th.stride(0), tw.stride(0)]
+    dev = h.device
+    capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    tiles = tm.Tiles(cfg.block_m, cfg.block_v, cfg.block_k, fp32_precision(p, capability) if acc != torch.float64
+                     else "ieee", _align(*strides))
+    return _Launch(p, cfg, acc, student, teacher, _params(p, acc), tiles, dummy)
 
 
-def _tl_acc(acc: torch.dtype):
-    import triton.language as tl
+def _rows(p: StatsProblem, r0: int, r1: int) -> StatsProblem:
+    """The problem restricted to rows [r0, r1) (views; r0 a multiple of BLOCK_M keeps the forward's blocks)."""
+    if r0 == 0 and r1 == p.hidden.shape[0]:
+        return p
+    return dataclasses.replace(
+        p, hidden=p.hidden[r0:r1], targets=None if p.targets is None else p.targets[r0:r1],
+        teacher_hidden=None if p.teacher_hidden is None else p.teacher_hidden[r0:r1])
 
-    return tl.float64 if acc == torch.float64 else tl.float32
+
+def _forward_flags(p: StatsProblem, store: bool):
+    tm = _kernels().tm
+    return tm.Flags(HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.transform.softcap is not None,
+                    HAS_TEACHER=p.has_teacher, HAS_TEACHER_BIAS=p.has_teacher and p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=p.has_teacher and p.teacher_transform.softcap is not None,
+                    HAS_TARGETS=p.targets is not None, WANT_E=p.want_entropy, WANT_S2=p.want_extras,
+                    WANT_SZ=p.want_mean_logit, WANT_TOP1=p.want_extras and p.targets is not None,
+                    STORE_LOGITS=store)
 
 
-def _launch_options(cfg: TileConfig, acc: torch.dtype, with_d: bool) -> dict:
-    opts = dict(BLOCK_M=cfg.block_m, BLOCK_V=cfg.block_v, BLOCK_K=cfg.block_k, ACC=_tl_acc(acc),
-                PRECISION="ieee" if acc == torch.float64 else _fp32_precision(),
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    if with_d:
-        opts["BLOCK_D"] = cfg.block_d
-    return opts
+def _jsd_flags(p: StatsProblem, load: bool):
+    tm = _kernels().tm
+    if load:  # the kept tiles are c and z_t: only the student's temperature is applied again
+        return tm.Flags(HAS_TEACHER=True, HAS_TARGETS=p.targets is not None, LOAD_LOGITS=True)
+    return tm.Flags(HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.transform.softcap is not None, HAS_TEACHER=True,
+                    HAS_TEACHER_BIAS=p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=p.teacher_transform.softcap is not None, HAS_TARGETS=p.targets is not None)
+
+
+def _gradient_flags(p: StatsProblem, load: bool):
+    """Only the terms the problem can produce: c2 log p with reverse KL, c3 p with forward KL, c4 log m with
+    the JSD (a teacher's -inf entry never meets a zero coefficient), c1 log q with entropy, reverse KL or
+    JSD, c5 with the mean logit."""
+    tm = _kernels().tm
+    t = p.has_teacher
+    kl_rev, kl_fwd, jsd = t and p.want_kl_rev, t and p.want_kl_fwd, t and p.jsd_beta is not None
+    teacher = t and (kl_rev or kl_fwd or jsd)
+    return tm.Flags(HAS_BIAS=p.bias is not None and not load, HAS_SOFTCAP=p.transform.softcap is not None,
+                    HAS_TEACHER=teacher, HAS_TEACHER_BIAS=teacher and not load and p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=teacher and not load and p.teacher_transform.softcap is not None,
+                    HAS_TARGETS=p.targets is not None,
+                    HAS_LOG_TERMS=p.want_entropy or p.want_kl_rev or p.jsd_beta is not None,
+                    HAS_KL_REV=kl_rev, HAS_KL_FWD=kl_fwd, HAS_JSD=jsd, HAS_MEAN_LOGIT=p.want_mean_logit,
+                    LOAD_LOGITS=load)
 
 
 def _check_inputs(p: StatsProblem) -> None:
@@ -265,133 +801,235 @@ def _check_inputs(p: StatsProblem) -> None:
 # Forward
 
 
-def _split_plan(n: int, v: int, cfg: TileConfig):
-    """(row blocks, vocabulary tiles per split, splits): split the vocabulary until about
-    ``target_programs`` programs run; every split holds at least one real tile."""
-    row_blocks = triton_cdiv(n, cfg.block_m)
-    vtiles = triton_cdiv(v, cfg.block_v)
-    splits = max(1, min(vtiles, triton_cdiv(cfg.target_programs, row_blocks)))
-    per_split = triton_cdiv(vtiles, splits)
-    return row_blocks, per_split, triton_cdiv(vtiles, per_split)
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def forward_statistics(p: StatsProblem) -> Statistics:
-    _check_inputs(p)
-    acc = p.acc_dtype
-    n, v = p.hidden.shape[0], p.weight.shape[0]
-    dev = p.hidden.device
-    out = _alloc((len(Statistics._fields), n), acc, dev)
-    if n == 0:
-        return Statistics(*out.unbind(0))
+def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], launch: Optional[_Launch] = None):
+    """Launch the statistics kernel on all rows of ``p``; returns the ``[12, splits, N]`` partials. ``store``:
+    the eager path's (c, z_t) workspace views to keep the tiles in."""
     k = _kernels()
-    cfg = _config(p.hidden.dtype, dev)
-    row_blocks, per_split, splits = _split_plan(n, v, cfg)
-    pointers, ints, flags = _common(p, acc)
-    params = _params(p, acc)
-    opts = _launch_options(cfg, acc, with_d=False)
+    lc = launch or _launch(p, cfg)
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    gpu = gpu_of(p.hidden.device)
+    row_blocks, per, splits, group = forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count)
+    part = _alloc((len(partials.FIELDS), splits, n), lc.acc, p.hidden.device, zero=False)
+    ws = lc.workspace(*(store or (None, None)))
+    tgt = p.targets if p.targets is not None else lc.dummy
+    lc.run(k.forward, row_blocks * splits, lc.student, lc.teacher, ws, tgt, lc.params, part,
+           n, v, p.hidden.shape[1], p.teacher_hidden.shape[1] if p.has_teacher else 0, per, splits, group,
+           flags=_forward_flags(p, store is not None))
+    return part, (row_blocks, per, splits, group)
 
-    part = _alloc((len(k.slots), splits, n), acc, dev, zero=False)
-    k.forward[(row_blocks, splits)](
-        *pointers, params, part, *ints, per_split, splits, HAS_TEACHER=p.has_teacher, WANT_E=p.want_entropy,
-        WANT_S2=p.want_extras, WANT_SZ=p.want_mean_logit, WANT_TOP1=p.want_extras and p.targets is not None,
-        **flags, **opts,
-    )
-    stats = partials.finalize(partials.merge(dict(zip(k.slots, part.unbind(0)))), p, v)
-    o = Statistics(*out.unbind(0))
-    for name, value in stats.items():
-        getattr(o, name).copy_(value)
+
+def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None) -> dict:
+    """Every statistic of ``p``'s rows, ``{name: [N]}`` (zeros on ignored rows and where not asked)."""
+    k = _kernels()
+    lc = _launch(p, cfg)
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    part, (row_blocks, per, splits, group) = _forward_partials(p, cfg, store, lc)
+    out = {name: torch.zeros(n, dtype=lc.acc, device=p.hidden.device) for name in Statistics._fields}
+    out.update(partials.finalize(partials.merge(dict(zip(partials.FIELDS, part.unbind(0)))), p, v))
     if p.jsd_beta is not None:
-        norm = torch.stack((o.lse, o.lse_lo))
-        norm_t = torch.stack((o.lse_t, o.lse_t_lo))
-        part2 = _alloc((2, splits, n), acc, dev, zero=False)
-        k.jsd[(row_blocks, splits)](*pointers, params, norm, norm_t, part2, *ints, per_split, splits,
-                                    **flags, **opts)
+        norm = torch.stack((out["lse"], out["lse_lo"]))
+        norm_t = torch.stack((out["lse_t"], out["lse_t_lo"]))
+        part2 = _alloc((2, splits, n), lc.acc, p.hidden.device, zero=False)
+        tgt = p.targets if p.targets is not None else lc.dummy
+        lc.run(k.jsd, row_blocks * splits, lc.student, lc.teacher, lc.workspace(*(store or (None, None))), tgt,
+               lc.params, norm, norm_t, part2, n, v, p.hidden.shape[1], p.teacher_hidden.shape[1], per, splits,
+               group, flags=_jsd_flags(p, store is not None))
         qm, pm = part2.sum(1).unbind(0)
-        o.kl_qm.copy_(qm)
-        o.jsd.copy_(p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm)
+        out["kl_qm"] = qm
+        out["jsd"] = p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm
     if p.targets is not None:
-        out = torch.where((p.targets >= 0)[None, :], out, torch.zeros((), dtype=acc, device=dev))
-    return Statistics(*out.unbind(0))
+        valid = p.targets >= 0
+        out = {name: torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)) for name, x in out.items()}
+    return out
 
 
-def _saved_normaliser(saved: Statistics, name: str) -> torch.Tensor:
-    """The (hi, lo) normaliser of a saved statistic (``lse``/``lse_lo`` or ``lse_t``/``lse_t_lo``)."""
-    hi = getattr(saved, name)
-    return torch.stack((hi, getattr(saved, name + "_lo").to(hi.dtype)))
+def forward_statistics(p: StatsProblem, *, tiles: Optional[TileConfig] = None) -> Statistics:
+    """Every statistic the problem asks for. ``tiles``: a launch configuration other than ``tiles_for``'s
+    (tests use it to cross tile and split borders; the backward must then be given the same one)."""
+    _check_inputs(p)
+    n = p.hidden.shape[0]
+    if n == 0:
+        zero = torch.zeros(n, dtype=p.acc_dtype, device=p.hidden.device)
+        return Statistics(*([zero] * len(Statistics._fields)))
+    with _on_device(p.hidden):
+        out = _statistics(p, tiles or tiles_for(p))
+    return Statistics(**out)
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward
+# Backward: the gradient kernel into the workspace, cuBLAS products out of it
 
 
-def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds):
-    """(d hidden, d weight, d bias), each None when not needed; see the module docstring."""
+def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
+    """``out = a @ b`` (``out += a @ b`` when ``accumulate``), summed in ``out``'s dtype (fp32 or float64)
+    whatever the operands' (cuBLAS's fp32-output GEMM for bf16/fp16 operands). Older PyTorch versions lack
+    an fp32 ``self`` beside half operands in ``addmm(out_dtype=...)``: they add a separate product."""
+    if a.dtype == out.dtype:
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    if a.device.type == "cpu":  # the interpreter's host products: no mixed-dtype GEMM on the CPU
+        a, b = a.to(out.dtype), b.to(out.dtype)
+        if accumulate:
+            out.addmm_(a, b)
+        else:
+            torch.mm(a, b, out=out)
+        return
+    if not accumulate:
+        torch.mm(a, b, out_dtype=out.dtype, out=out)
+        return
+    try:
+        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
+    except RuntimeError:
+        out += torch.mm(a, b, out_dtype=out.dtype)
+
+
+def _gradient_block(lc: _Launch, p: StatsProblem, coeffs: torch.Tensor, norm: torch.Tensor, norm_t: torch.Tensor,
+                    v0: int, v1: int, dx: torch.Tensor, store: Optional[tuple] = None) -> None:
+    """dx of rows ``p`` (a row chunk) and columns [v0, v1) into ``dx`` (``[rows, v1 - v0]`` view)."""
+    n = p.hidden.shape[0]
+    cfg = lc.cfg
+    programs = _cdiv(n, cfg.block_m) * _cdiv(v1 - v0, cfg.block_v)
+    tgt = p.targets if p.targets is not None else lc.dummy
+    lc.run(_kernels().gradient, programs, lc.student, lc.teacher, lc.workspace(*(store or (None, None))), tgt,
+           lc.params, coeffs, norm, norm_t, dx, n, v0, v1, p.hidden.shape[1],
+           p.teacher_hidden.shape[1] if p.has_teacher else 0, dx.stride(0), GRADIENT_GROUP,
+           flags=_gradient_flags(p, store is not None))
+
+
+def _dx_dtype(p: StatsProblem) -> torch.dtype:
+    return p.hidden.dtype if p.hidden.dtype in (torch.bfloat16, torch.float16) else p.acc_dtype
+
+
+def _masked_rows(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """h with the rows that carry no gradient zeroed: dx is 0 there, but 0 * NaN is not (NaN padding rows
+    of a fully masked attention must stay out of d weight)."""
+    return torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
+
+
+def _normalisers(saved: Statistics, acc: torch.dtype, teacher: bool) -> tuple:
+    """``[3, N]`` (lse, lse_lo, logp) of the student, ``[2, N]`` (lse_t, lse_t_lo) of the teacher."""
+    norm = torch.stack((saved.lse, saved.lse_lo, saved.logp)).to(acc).contiguous()
+    if not teacher:
+        return norm, norm
+    return norm, torch.stack((saved.lse_t, saved.lse_t_lo)).to(acc).contiguous()
+
+
+def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds, *,
+                       tiles: Optional[TileConfig] = None):
+    """(d hidden, d weight, d bias), each None when not needed; see the module docstring. ``tiles`` must be
+    the forward's."""
     _check_inputs(p)
     acc = p.acc_dtype
     h, w, b = p.hidden, p.weight, p.bias
     n, v, d = h.shape[0], w.shape[0], h.shape[1]
     dev = h.device
     need_h, need_w, need_b = needs.hidden, needs.weight, needs.bias and b is not None
-    # The gradients themselves. Same-dtype-as-acc gradients are accumulated in place.
     dh = _alloc(h.shape, h.dtype, dev) if need_h else None
     dw = _alloc(w.shape, w.dtype, dev) if need_w else None
     db = _alloc(b.shape, b.dtype, dev) if need_b else None
     if n == 0 or not (need_h or need_w or need_b):
         return dh, dw, db
-
-    k = _kernels()
-    cfg = _config(h.dtype, dev)
-    pointers, ints, flags = _common(p, acc)
-    flags.update(HAS_TEACHER=p.has_teacher, HAS_JSD=p.has_teacher and p.jsd_beta is not None,
-                 HAS_KL_FWD=p.has_teacher and p.want_kl_fwd, HAS_MEAN_LOGIT=p.want_mean_logit)
-    params = _params(p, acc)
-    opts = _launch_options(cfg, acc, with_d=True)
-    coeffs = coeffs.to(acc).contiguous()
-    norm = _saved_normaliser(saved, "lse").to(acc).contiguous()
-    norm_t = _saved_normaliser(saved, "lse_t").to(acc).contiguous() if p.has_teacher else norm
-    common = (*pointers, params, coeffs, norm, norm_t)
-
-    dh_acc = (dh if dh.dtype == acc else _alloc((n, d), acc, dev)) if need_h else None
-    db_acc = (db if db.dtype == acc else _alloc((v,), acc, dev)) if need_b else None
-    chunk = v
-    if need_w and w.dtype != acc:
-        chunk = max(cfg.block_v, (cfg.scratch_bytes // (d * acc.itemsize)) // cfg.block_v * cfg.block_v)
-        chunk = min(chunk, v)
-    dw_scratch = _alloc((chunk, d), acc, dev, zero=False) if need_w and w.dtype != acc else None
-    dummy = h
-    row_blocks = triton_cdiv(n, cfg.block_m)
-    determ = deterministic()
-
-    if determ and need_h:
-        k.hidden[(row_blocks,)](*common, dh_acc, *ints, dh_acc.stride(0), **flags, **opts)
-    # The vocabulary is walked in chunks so that the fp32 d weight scratch stays bounded; the fast
-    # path also adds d hidden in these launches, the deterministic path only d weight and d bias.
-    vocab_pass = need_w or need_b or (need_h and not determ)
-    for v0 in range(0, v, chunk) if vocab_pass else ():
-        v1 = min(v, v0 + chunk)
-        dw_out = db_out = dummy
-        if need_w:
-            dw_out = dw[v0:v1] if dw_scratch is None else dw_scratch[: v1 - v0].zero_()
-        if need_b:
-            db_out = db_acc[v0:v1]
-        stride_dw = dw_out.stride(0) if need_w else 0
-        vblocks = triton_cdiv(v1 - v0, cfg.block_v)
-        if determ:
-            k.weight[(vblocks,)](*common, dw_out, db_out, *ints, stride_dw, v0, v1,
-                                 NEED_WEIGHT=need_w, NEED_BIAS=need_b, **flags, **opts)
-        else:
-            k.backward[(row_blocks, vblocks)](
-                *common, dh_acc if need_h else dummy, dw_out, db_out, *ints,
-                dh_acc.stride(0) if need_h else 0, stride_dw, v0, v1,
-                NEED_HIDDEN=need_h, NEED_WEIGHT=need_w, NEED_BIAS=need_b, **flags, **opts)
-        if dw_scratch is not None:
-            dw[v0:v1].copy_(dw_out)
-    if need_h and dh_acc is not dh:
-        dh.copy_(dh_acc)
-    if need_b and db_acc is not db:
-        db.copy_(db_acc)
+    cfg = tiles or tiles_for(p)
+    with _on_device(h), _cublas_tf32(dev, _allow_tf32(p)):
+        pl = _plan_of(p, GradientNeeds(need_h, need_w, need_b), "composable", cfg)
+        rows, cols = pl.params.get("row_chunk"), pl.params.get("vocab_chunk")
+        if rows is None:  # only d bias: the model's chunks are those of the products
+            rows, cols = backward_chunks(n, v, d, _DTYPE_NAMES[h.dtype], pl.params["workspace_bytes"], cfg)
+        lc = _launch(p, cfg)
+        coeffs = coeffs.to(acc).contiguous()
+        norm, norm_t = _normalisers(saved, acc, p.has_teacher)
+        dh_acc = (dh if dh.dtype == acc else _alloc((n, d), acc, dev)) if need_h else None
+        db_acc = (db if db.dtype == acc else _alloc((v,), acc, dev)) if need_b else None
+        dw_block = _alloc((min(cols, v), d), acc, dev, zero=False) if need_w and w.dtype != acc else None
+        h_w = _masked_rows(h, (coeffs != 0).any(dim=0)) if need_w else None
+        # Rows of a whole number of tiles: the kernel stores them without a column mask.
+        work = _alloc((min(rows, n), _cdiv(min(cols, v), cfg.block_v) * cfg.block_v), _dx_dtype(p), dev, zero=False)
+        for v0 in range(0, v, cols):
+            v1 = min(v, v0 + cols)
+            dw_out = None if not need_w else dw[v0:v1] if dw_block is None else dw_block[: v1 - v0]
+            for r0 in range(0, n, rows):
+                r1 = min(n, r0 + rows)
+                part = _rows(p, r0, r1)
+                chunk_lc = lc if part is p else _launch(part, cfg)
+                dx = work[: r1 - r0, : v1 - v0]
+                _gradient_block(chunk_lc, part, coeffs[:, r0:r1].contiguous(), norm[:, r0:r1].contiguous(),
+                                norm_t[:, r0:r1].contiguous(), v0, v1, dx)
+                if need_h:
+                    _product(dh_acc[r0:r1], dx, w[v0:v1], accumulate=True)
+                if need_w:
+                    _product(dw_out, dx.T, h_w[r0:r1], accumulate=r0 > 0)
+                if need_b:
+                    db_acc[v0:v1] += dx.sum(0, dtype=acc)
+            if dw_block is not None:
+                dw[v0:v1].copy_(dw_out)
+        if need_h and dh_acc is not dh:
+            dh.copy_(dh_acc)
+        if need_b and db_acc is not db:
+            db.copy_(db_acc)
     return dh, dw, db
+
+
+# ----------------------------------------------------------------------------------------------
+# Eager path: 3 products for losses known in the forward (core/eager.py)
+
+
+def eager_pays(p: StatsProblem) -> bool:
+    """Whether the cost model puts the eager path below the composable one for this problem (on CPU tensors,
+    i.e. the interpreter, the model of the H200 decides, so tests take the path a GPU would)."""
+    needs = GradientNeeds(p.hidden.requires_grad, p.weight.requires_grad, p.bias is not None and p.bias.requires_grad)
+    if not (needs.hidden or needs.weight):
+        needs = GradientNeeds(True, True, needs.bias)
+    return _plan_of(p, needs, None).path == "eager"
+
+
+def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: Optional[TileConfig] = None):
+    """3-product path: ``(loss, (d hidden, d weight, d bias))`` in the accumulation dtype (the caller scales,
+    then rounds once). For each chunk of rows the forward keeps its logits tiles in the workspace, gives the
+    statistics, ``chunk_fn(stats, slice(r0, r1)) -> (chunk loss, [7, rows] coefficients)`` gives the
+    coefficients, the gradient kernel reads the tiles back into dx, and cuBLAS does d hidden (complete per
+    chunk) and d weight (summed over chunks in fp32)."""
+    _check_inputs(p)
+    acc = p.acc_dtype
+    h, w = p.hidden, p.weight
+    n, v, d = h.shape[0], w.shape[0], h.shape[1]
+    dev = h.device
+    dh = _alloc((n, d), acc, dev) if needs.hidden else None
+    dw = _alloc((v, d), acc, dev) if needs.weight else None
+    db = _alloc((v,), acc, dev) if needs.bias and p.bias is not None else None
+    loss = torch.zeros((), dtype=acc, device=dev)
+    if n == 0:
+        return loss, (dh, dw, db)
+    cfg = tiles or tiles_for(p, "eager")
+    with _on_device(h), _cublas_tf32(dev, _allow_tf32(p)):
+        step = _plan_of(p, needs, "eager", cfg).params["eager_rows"]
+        elementwise = cfg if dev.type == "cpu" else ELEMENTWISE_TILES
+        # Rows of a whole number of both kernels' tiles: they move the kept tiles without a column mask.
+        ld = _cdiv(v, _eager_row_align(cfg, elementwise)) * _eager_row_align(cfg, elementwise)
+        m_max = min(step, n)
+        c_ws = _alloc((m_max, ld), acc, dev, zero=False)
+        zt_ws = _alloc((m_max, ld), acc, dev, zero=False) if p.has_teacher else None
+        dx_ws = c_ws if _dx_dtype(p) == acc else _alloc((m_max, ld), _dx_dtype(p), dev, zero=False)
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            m = r1 - r0
+            part = _rows(p, r0, r1)
+            store = (c_ws[:m], None if zt_ws is None else zt_ws[:m])
+            stats = _statistics(part, cfg, store)
+            chunk_loss, coeffs = chunk_fn(Statistics(**stats), slice(r0, r1))
+            if tuple(coeffs.shape) != (7, m):
+                raise ValueError(f"chunk_fn must return coefficients of shape [7, {m}], got {tuple(coeffs.shape)}")
+            loss = loss + chunk_loss.to(acc)
+            coeffs = coeffs.to(acc).contiguous()
+            norm, norm_t = _normalisers(Statistics(**stats), acc, p.has_teacher)
+            dx = dx_ws[:m, :v]
+            _gradient_block(_launch(part, elementwise), part, coeffs, norm, norm_t, 0, v, dx, store)
+            if dh is not None:
+                _product(dh[r0:r1], dx, w, accumulate=False)
+            if dw is not None:
+                _product(dw, dx.T, _masked_rows(part.hidden, (coeffs != 0).any(dim=0)), accumulate=r0 > 0)
+            if db is not None:
+                db += dx.sum(0, dtype=acc)
+    return loss, (dh, dw, db)

@@ -1,24 +1,39 @@
-"""Tile math shared by the Triton kernels: one ``[BLOCK_M, BLOCK_V]`` logits tile, its online
-statistics update, and its gradient. Every kernel of this package is a loop around these helpers,
-so the statistics and their gradient are written once, with the names of ``core/problem.py``.
+"""Tile math shared by the Triton kernels: one ``[BLOCK_M, BLOCK_V]`` logits tile, its online statistics
+update and its gradient. Every kernel of this package is a loop around these helpers, so the statistics and
+their gradient are written once, with the names of ``core/problem.py`` and ``core/partials.py``.
+
+Arguments travel in three named groups instead of long positional lists:
+
+* ``Head`` (a runtime tuple): the pointers and row strides of one side's logits, student or teacher;
+* ``Flags`` (a constexpr): which statistics and which gradient terms the problem has. A flag that is off
+  removes its code from the compiled kernel, and it is what keeps a term the problem cannot produce from
+  ever being formed (a teacher's -inf entry times a zero coefficient would be NaN);
+* ``Tiles`` (a constexpr): block shapes, the ``tl.dot`` precision of fp32 operands and the alignment (in
+  elements) that every row stride is known to have.
 
 Conventions shared by all kernels:
 
 * ``params`` is a small tensor in the accumulation dtype holding the scalars of the problem
-  (see ``backend._params``). Scalars travel in memory rather than as kernel arguments because
-  Triton passes Python floats as fp32 (and so does the CPU interpreter), which would round
-  ``temperature = 0.7`` before a float64 computation.
-* Padded columns (``cols >= V``) get ``z = -inf`` and contribute exactly zero to every sum;
-  padded rows are loaded as zeros and never stored. Row and column offsets are int64, so
-  ``V * D`` or ``N * D`` above 2**31 never wraps.
+  (``backend._params`` builds it in the ``P_*`` order below). Scalars travel in memory rather than as
+  kernel arguments because Triton passes Python floats as fp32, which would round ``temperature = 0.7``
+  before a float64 computation.
+* Padded columns (``cols >= V``) get ``z = -inf`` and contribute exactly zero to every sum; padded rows
+  are loaded as zeros and never stored. Row and column offsets are int64, so ``V * D`` or ``N * D`` above
+  2**31 never wraps.
 * Products accumulate in ``ACC`` (fp32, or float64 for float64 inputs) whatever the input dtype.
+* The logits of a row are a function of that row alone and of the tile shape along D: ``logits_tile`` is
+  the only place they are formed, and the forward and the backward call it with the same ``Tiles`` and the
+  same row blocks, so the backward sees the forward's logits bit for bit (``log q = (z - lse) - lse_lo``
+  relies on it; docs/design.md, "Numerical doctrine").
 """
+
+from typing import Any, NamedTuple
 
 import triton
 import triton.language as tl
 
-# Offsets into the params tensor (backend._params builds it in this order). Globals read by a kernel
-# must be tl.constexpr. P_T_SCALE is also the offset of the teacher's (scale, cap, temperature).
+# Offsets into the params tensor. Globals read by a kernel must be tl.constexpr. P_T_SCALE is also the
+# offset of the teacher's (scale, cap, temperature).
 P_SCALE = tl.constexpr(0)
 P_CAP = tl.constexpr(1)
 P_TEMP = tl.constexpr(2)
@@ -26,6 +41,98 @@ P_T_SCALE = tl.constexpr(3)
 P_LOG1M_BETA = tl.constexpr(6)
 P_LOG_BETA = tl.constexpr(7)
 P_DX_SCALE = tl.constexpr(8)
+NUM_PARAMS = 9
+# The running state of ``online_update``, in the order of core/partials.FIELDS (the backend checks it).
+STATE_FIELDS = ("m", "s", "t", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb")
+NUM_STATE = tl.constexpr(len(STATE_FIELDS))
+
+# -ln 2: the target column takes the expm1 form only above it (q_y > 1/2), where q_y - 1 is what carries
+# the digits; below it a + q_y inner has no cancellation to avoid.
+NEG_LN2 = tl.constexpr(-0.6931471805599453)
+
+
+class Head(NamedTuple):
+    """One side of the logits, ``x = hidden @ weight.T + bias``: pointers and row strides (elements).
+    ``bias`` is any valid pointer when the side has none (``Flags`` says whether it is read)."""
+
+    hidden: Any
+    weight: Any
+    bias: Any
+    stride_h: Any
+    stride_w: Any
+
+
+class Flags(NamedTuple):
+    """Features of one launch (compile-time). The backend sets only the flags a kernel reads, so problems
+    that differ in a flag a kernel ignores share its compiled variant."""
+
+    HAS_BIAS: bool = False
+    HAS_SOFTCAP: bool = False
+    HAS_TEACHER: bool = False
+    HAS_TEACHER_BIAS: bool = False
+    HAS_TEACHER_SOFTCAP: bool = False
+    HAS_TARGETS: bool = False
+    # forward statistics
+    WANT_E: bool = False
+    WANT_S2: bool = False
+    WANT_SZ: bool = False
+    WANT_TOP1: bool = False
+    # gradient terms: c1 log q (entropy, reverse KL, JSD), c2 log p (reverse KL), c3 p (forward KL),
+    # c4 log m (JSD), c5 (mean logit)
+    HAS_LOG_TERMS: bool = False
+    HAS_KL_REV: bool = False
+    HAS_KL_FWD: bool = False
+    HAS_JSD: bool = False
+    HAS_MEAN_LOGIT: bool = False
+    # eager path: the forward stores the capped logits c (and the teacher's z_t) in a workspace, the JSD
+    # pass and the gradient read them back instead of forming the products again
+    STORE_LOGITS: bool = False
+    LOAD_LOGITS: bool = False
+
+
+class Tiles(NamedTuple):
+    """Block shapes (compile-time). ``PRECISION``: ``tl.dot``'s input precision for fp32 operands (ignored
+    for bf16/fp16/float64). ``ALIGN``: a power of two dividing every row stride, so that rows of a hidden size
+    that is not a multiple of 16 still load with vector instructions."""
+
+    BLOCK_M: int
+    BLOCK_V: int
+    BLOCK_K: int
+    PRECISION: str
+    ALIGN: int
+
+
+@triton.jit
+def grouped_program(pid, row_blocks, col_blocks, group_m):
+    """(row block, column block) of program ``pid`` in a grouped launch order: ``group_m`` row blocks take
+    every column block before the next rows start, so the programs resident at one time share a few
+    hidden blocks and a few weight blocks, which stay in L2."""
+    per_group = group_m * col_blocks
+    group = pid // per_group
+    first = group * group_m
+    size = tl.minimum(row_blocks - first, group_m)
+    local = pid - group * per_group
+    return first + local % size, local // size
+
+
+@triton.jit
+def split_program(N, num_splits, group_m, tgt_ptr, HAS_TARGETS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The (row block, vocabulary split) of a forward program: (split, rows, row mask, targets, rows that
+    count)."""
+    pid_m, split = grouped_program(tl.program_id(0), tl.cdiv(N, BLOCK_M), num_splits, group_m)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_mask = rows < N
+    tgt, active = load_targets(tgt_ptr, rows, row_mask, HAS_TARGETS)
+    return split, rows, row_mask, tgt, active
+
+
+@triton.jit
+def split_tile(split, tiles_per_split, i, V, BLOCK_V: tl.constexpr):
+    """First column, columns and column mask of the split's i-th vocabulary tile (past V when the last split
+    is short: the caller checks the first column against V, cheaper than the products of exact zeros)."""
+    v0 = (split * tiles_per_split + i) * BLOCK_V
+    cols = v0 + tl.arange(0, BLOCK_V)
+    return v0, cols, cols < V
 
 
 @triton.jit
@@ -73,33 +180,95 @@ def expm1(x):
 
 
 @triton.jit
-def logits_tile(h_ptr, stride_h, w_ptr, stride_w, b_ptr, params_ptr, rows, row_mask, cols, col_mask, D,
-                P_OFF: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
-                ACC: tl.constexpr, PRECISION: tl.constexpr):
-    """(z, c) for one tile: x = h @ W.T (+ b) with a K-loop over D, then
-    c = softcap * tanh(logit_scale * x / softcap) (or logit_scale * x) and z = c / temperature.
-    Padded columns get z = -inf. ``P_OFF`` selects the student or the teacher scalars."""
-    h_rows = h_ptr + rows.to(tl.int64)[:, None] * stride_h
-    w_rows = w_ptr + cols.to(tl.int64)[:, None] * stride_w
-    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=ACC)
-    for k0 in range(0, D, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
+def raw_product(head: Head, D, rows, row_mask, cols, col_mask, T: tl.constexpr, ACC: tl.constexpr):
+    """x = h[rows] @ W[cols].T accumulated in ACC: full BLOCK_K steps without a mask along D (their loads
+    vectorise), then one masked step for the remainder of a hidden size that is not a multiple of BLOCK_K."""
+    # The alignment of the row offsets (a hint on the products: a kernel argument carries none) lets rows of
+    # D = 1000 load 16 bytes at a time like rows of D = 4096.
+    h_rows = head.hidden + tl.multiple_of(rows.to(tl.int64)[:, None] * head.stride_h, [T.ALIGN, T.ALIGN])
+    w_rows = head.weight + tl.multiple_of(cols.to(tl.int64)[:, None] * head.stride_w, [T.ALIGN, T.ALIGN])
+    acc = tl.zeros((T.BLOCK_M, T.BLOCK_V), dtype=ACC)
+    d_full = D - D % T.BLOCK_K
+    for k0 in range(0, d_full, T.BLOCK_K):
+        ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, T.BLOCK_K), T.BLOCK_K), T.BLOCK_K)
+        h = tl.load(h_rows + ks[None, :], mask=row_mask[:, None], other=0.0)
+        w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None], other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=T.PRECISION, out_dtype=ACC)
+    if d_full < D:
+        ks = d_full + tl.arange(0, T.BLOCK_K)
         k_mask = ks < D
         h = tl.load(h_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc, input_precision=PRECISION, out_dtype=ACC)
+        acc = tl.dot(h, tl.trans(w), acc, input_precision=T.PRECISION, out_dtype=ACC)
+    return acc
+
+
+@triton.jit
+def capped(x, head: Head, params_ptr, cols, col_mask, P_OFF: tl.constexpr, HAS_BIAS: tl.constexpr,
+           HAS_SOFTCAP: tl.constexpr):
+    """c = softcap * tanh(logit_scale * (x + b) / softcap), or logit_scale * (x + b) without a soft-cap."""
     if HAS_BIAS:
-        acc += tl.load(b_ptr + cols, mask=col_mask, other=0.0).to(ACC)[None, :]
-    u = acc * tl.load(params_ptr + P_OFF + P_SCALE)
+        x += tl.load(head.bias + cols, mask=col_mask, other=0.0).to(x.dtype)[None, :]
+    u = x * tl.load(params_ptr + P_OFF + P_SCALE)
     if HAS_SOFTCAP:
         cap = tl.load(params_ptr + P_OFF + P_CAP)
-        c = cap * tanh(u / cap)
-    else:
-        c = u
+        u = cap * tanh(u / cap)
+    return u
+
+
+@triton.jit
+def tempered(c, params_ptr, col_mask, P_OFF: tl.constexpr):
+    """z = c / temperature, -inf on padded columns."""
     z = c / tl.load(params_ptr + P_OFF + P_TEMP)
-    z = tl.where(col_mask[None, :], z, float("-inf"))
-    return z, c
+    return tl.where(col_mask[None, :], z, float("-inf"))
+
+
+@triton.jit
+def logits_tile(head: Head, D, params_ptr, rows, row_mask, cols, col_mask, P_OFF: tl.constexpr,
+                HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr):
+    """(z, c) of one side for one tile: the product, bias, logit_scale and soft-cap give c, the temperature
+    gives z. ``P_OFF`` selects the student or the teacher scalars."""
+    c = capped(raw_product(head, D, rows, row_mask, cols, col_mask, T, ACC), head, params_ptr, cols, col_mask,
+               P_OFF, HAS_BIAS, HAS_SOFTCAP)
+    return tempered(c, params_ptr, col_mask, P_OFF), c
+
+
+@triton.jit
+def both_tiles(student: Head, teacher: Head, ws: Head, D, DT, params_ptr, rows, row_mask, cols, col_mask,
+               WANT_TEACHER: tl.constexpr, F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr):
+    """(z, c, z_t) of a tile: formed from the products, or (``F.LOAD_LOGITS``) read back from the workspace
+    ``ws`` that the forward filled (``store_tiles``). z_t is z unless ``WANT_TEACHER``. Workspace rows hold a
+    whole number of tiles (the backend pads them), so the columns need no mask and move 16 bytes at a time;
+    what lies past V is never used (z = -inf there)."""
+    if F.LOAD_LOGITS:
+        offs = rows.to(tl.int64)[:, None] * ws.stride_h + cols[None, :]
+        mask = row_mask[:, None]
+        c = tl.load(ws.hidden + offs, mask=mask, other=0.0)
+        z = tempered(c, params_ptr, col_mask, 0)
+    else:
+        z, c = logits_tile(student, D, params_ptr, rows, row_mask, cols, col_mask, 0, F.HAS_BIAS, F.HAS_SOFTCAP,
+                           T, ACC)
+    zt = z
+    if WANT_TEACHER:
+        if F.LOAD_LOGITS:
+            zt = tl.load(ws.weight + offs, mask=mask, other=0.0)
+            zt = tl.where(col_mask[None, :], zt, float("-inf"))
+        else:
+            zt, ct = logits_tile(teacher, DT, params_ptr, rows, row_mask, cols, col_mask, P_T_SCALE,
+                                 F.HAS_TEACHER_BIAS, F.HAS_TEACHER_SOFTCAP, T, ACC)
+    return z, c, zt
+
+
+@triton.jit
+def store_tiles(c, zt, ws: Head, rows, row_mask, cols, col_mask, WANT_TEACHER: tl.constexpr):
+    """Keep a tile for the eager path: c in ``ws.hidden``, z_t in ``ws.weight`` (row stride ``ws.stride_h``).
+    c rather than z: z = c / temperature is recomputed bit for bit, and the
+    soft-cap's chain rule needs c."""
+    offs = rows.to(tl.int64)[:, None] * ws.stride_h + cols[None, :]
+    mask = row_mask[:, None] & col_mask[None, :]  # (without the column mask the 128 x 128 tile spills)
+    tl.store(ws.hidden + offs, c, mask=mask)
+    if WANT_TEACHER:
+        tl.store(ws.weight + offs, zt, mask=mask)
 
 
 @triton.jit
@@ -115,37 +284,48 @@ def rebase(m_old, tile_max):
 
 
 @triton.jit
-def online_update(z, zt, zy, tgt, cols, col_mask, m, s, t, e, s2, sz, mt, st, a, b,
-                  HAS_TEACHER: tl.constexpr, WANT_E: tl.constexpr, WANT_S2: tl.constexpr, WANT_SZ: tl.constexpr,
-                  HAS_TARGETS: tl.constexpr):
-    """Fold one tile into the running statistics, all relative to the running maxima
-    (torch_backend's partial statistics, merged into the running ones element-wise):
+def empty_state(BLOCK_M: tl.constexpr, ACC: tl.constexpr):
+    """The partial statistics of no columns (``core/partials.FIELDS`` order): maxima -inf, sums 0."""
+    neg_inf = tl.full((BLOCK_M,), float("-inf"), ACC)
+    zero = tl.zeros((BLOCK_M,), ACC)
+    return neg_inf, zero, zero, zero, zero, zero, neg_inf, zero, zero, zero, zero, neg_inf
+
+
+@triton.jit
+def online_update(state, z, zt, tgt, cols, col_mask, F: tl.constexpr):
+    """Fold one tile into the running partial statistics (``core/partials.py``), all relative to the
+    running maxima::
 
         s = sum e^(z-m)        e = sum e^(z-m) (z-m)        s2 = sum e^(2(z-m))       sz = sum z
         st = sum e^(zt-mt)     a = sum e^(z-m) ((z-m) - (zt-mt))      b = sum e^(zt-mt) ((zt-mt) - (z-m))
         t = s - 1, the sum without the running maximum column's own e^0 = 1 (log s = log1p(t))
+        zy = z at the target        mb = max of z over the columns before the target
 
-    and the target logit zy. t never cancels: when the tile holds a new (strictly larger) maximum, the
-    old columns become f (1 + t) and the tile's first maximum column is left out of its sum; otherwise
-    every column of the tile is added (a column tied with the running maximum adds exactly 1).
-    Terms with e^(.) = 0 (padded columns) are dropped explicitly: 0 * -inf would be NaN."""
+    t never cancels: when the tile holds a new (strictly larger) maximum, the old columns become
+    f (1 + t) and the tile's first maximum column is left out of its sum; otherwise every column of the
+    tile is added (a column tied with the running maximum adds exactly 1). Terms with e^(.) = 0 (padded
+    columns) are dropped explicitly: 0 * -inf would be NaN."""
+    m, s, t, e, s2, sz, mt, st, a, b, zy, mb = state
     tile_max = tl.max(z, axis=1)
     m_new, f, dm, m_sub = rebase(m, tile_max)
     zc = z - m_sub[:, None]
     ez = tl.exp(zc)
     s_old = s
-    s = f * s + tl.sum(ez, axis=1)
-    new_max = tile_max > m
-    first_max = tl.min(tl.where(z == tile_max[:, None], cols[None, :], 2147483647), axis=1)
-    left_out = new_max[:, None] & (cols[None, :] == first_max[:, None])
-    t = tl.where(new_max, f * (1.0 + t), t) + tl.sum(tl.where(left_out, 0.0, ez), axis=1)
-    if WANT_E:
+    tile_sum = tl.sum(ez, axis=1)
+    s = f * s + tile_sum
+    # The columns at the tile's maximum each add exactly e^0 = 1 (none when the row is all -inf): leaving
+    # one of them out is subtracting 1 from their count, not from a rounded sum.
+    at_max = tl.where(z == tile_max[:, None], ez, 0.0)
+    ties = tl.sum(at_max, axis=1)
+    rest = tl.sum(ez - at_max, axis=1) + tl.maximum(ties - 1.0, 0.0)
+    t = tl.where(tile_max > m, f * (1.0 + t) + rest, t + tile_sum)
+    if F.WANT_E:
         e = f * (e + s_old * dm) + tl.sum(tl.where(ez == 0.0, 0.0, ez * zc), axis=1)
-    if WANT_S2:
+    if F.WANT_S2:
         s2 = f * f * s2 + tl.sum(ez * ez, axis=1)
-    if WANT_SZ:
+    if F.WANT_SZ:
         sz += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
-    if HAS_TEACHER:
+    if F.HAS_TEACHER:
         mt_new, g, dmt, mt_sub = rebase(mt, tl.max(zt, axis=1))
         ztc = zt - mt_sub[:, None]
         ezt = tl.exp(ztc)
@@ -155,22 +335,49 @@ def online_update(z, zt, zy, tgt, cols, col_mask, m, s, t, e, s2, sz, mt, st, a,
         a = f * (a + s_old * (dm - dmt)) + tl.sum(tl.where(ez == 0.0, 0.0, ez * diff), axis=1)
         b = g * (b + st_old * (dmt - dm)) - tl.sum(tl.where(ezt == 0.0, 0.0, ezt * diff), axis=1)
         mt = mt_new
-    if HAS_TARGETS:
+    if F.HAS_TARGETS:
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
-    return zy, m_new, s, t, e, s2, sz, mt, st, a, b
+        if F.WANT_TOP1:
+            # with it, is_top1 follows argmax's rule on ties: the target must be the first maximum
+            mb = tl.maximum(mb, tl.max(tl.where(cols[None, :] < tgt[:, None], z, float("-inf")), axis=1))
+    return m_new, s, t, e, s2, sz, mt, st, a, b, zy, mb
 
 
 @triton.jit
-def max_before_target(z, tgt, cols):
-    """max of z over the tile's columns before each row's target (-inf where there are none; padded
-    columns are -inf already). With it, is_top1 follows argmax's rule on ties: the first maximum."""
-    return tl.max(tl.where(cols[None, :] < tgt[:, None], z, float("-inf")), axis=1)
+def store_state(state, part_ptr, split, num_splits, N, rows, row_mask):
+    """Partial statistics of one (row block, split) into ``part[field, split, row]``."""
+    out = part_ptr + split.to(tl.int64) * N + rows
+    plane = num_splits.to(tl.int64) * N
+    for i in tl.static_range(NUM_STATE):
+        tl.store(out + i * plane, state[i], mask=row_mask)
+
+
+@triton.jit
+def load_targets(tgt_ptr, rows, row_mask, HAS_TARGETS: tl.constexpr):
+    """(targets, rows that count): -1 and the row mask itself without targets."""
+    tgt = tl.full(rows.shape, -1, tl.int64)
+    active = row_mask
+    if HAS_TARGETS:
+        tgt = tl.load(tgt_ptr + rows, mask=row_mask, other=-1).to(tl.int64)
+        active = row_mask & (tgt >= 0)
+    return tgt, active
+
+
+@triton.jit
+def load_normaliser(ptr, N, rows, mask):
+    """A log-normaliser as an unevaluated sum hi + lo (``[2, N]``: row 0 hi, row 1 lo). In fp32 the lse of a
+    confident row (~30) carries an absolute rounding error of 1e-6, which log q = z - lse would pass to
+    1 - q_y ~ 1e-2 as a 1e-4 relative error; with lo = (m - hi) + log s the gradient is as accurate as a
+    naive log-softmax."""
+    hi = tl.load(ptr + rows, mask=mask, other=0.0)
+    lo = tl.load(ptr + N + rows, mask=mask, other=0.0)
+    return hi, lo
 
 
 @triton.jit
 def load_coefficients(coef_ptr, N, rows, row_mask):
     """The seven per-row dz coefficients (problem.py order a, c0, c1, c2, c3, c4, c5; ``[7, N]``
-    contiguous) and which rows have any non-zero one (the others are skipped)."""
+    contiguous) and which rows have any non-zero one (the others get dx = 0 without being formed)."""
     a = tl.load(coef_ptr + rows, mask=row_mask, other=0.0)
     c0 = tl.load(coef_ptr + N + rows, mask=row_mask, other=0.0)
     c1 = tl.load(coef_ptr + 2 * N + rows, mask=row_mask, other=0.0)
@@ -179,60 +386,73 @@ def load_coefficients(coef_ptr, N, rows, row_mask):
     c4 = tl.load(coef_ptr + 5 * N + rows, mask=row_mask, other=0.0)
     c5 = tl.load(coef_ptr + 6 * N + rows, mask=row_mask, other=0.0)
     active = row_mask & ((a != 0) | (c0 != 0) | (c1 != 0) | (c2 != 0) | (c3 != 0) | (c4 != 0) | (c5 != 0))
-    return a, c0, c1, c2, c3, c4, c5, active
+    return (a, c0, c1, c2, c3, c4, c5), active
 
 
 @triton.jit
-def load_normaliser(ptr, N, rows, mask):
-    """A log-normaliser as an unevaluated sum hi + lo (``[2, N]``: row 0 hi, row 1 lo). In fp32 the
-    lse of a confident row (~30) carries an absolute rounding error of 1e-6, which log q = z - lse
-    would pass to 1 - q_y ~ 1e-2 as a 1e-4 relative error; with lo = (m - hi) + log s the gradient is
-    as accurate as a naive log-softmax."""
-    hi = tl.load(ptr + rows, mask=mask, other=0.0)
-    lo = tl.load(ptr + N + rows, mask=mask, other=0.0)
-    return hi, lo
+def target_column(a, logq_y, inner_y):
+    """dz at the target column, a + q_y inner_y, per row:
+
+    * q_y == 0 (a masked logit): exactly ``a``, as 0 log 0 -> 0 on every other column (inner_y holds
+      c1 log 0 = -inf there, and 0 * inf would be NaN);
+    * q_y > 1/2: (a + inner) + inner expm1(log q_y). For log-probability terms a + inner cancels exactly
+      (a = -c0), so a confident row keeps the digits of 1 - q_y (in fp32, 1 - q_y = 1e-4 would otherwise
+      carry q's rounding, 6e-8, as 6e-4 relative); expm1 in float64;
+    * otherwise a + q_y inner_y, which has no cancellation to avoid, while the expm1 form would lose
+      q_y inner_y next to inner (an improbable target under an entropy or KL term)."""
+    confident = logq_y > NEG_LN2
+    qm1 = expm1(tl.where(confident, logq_y, 0.0).to(tl.float64)).to(logq_y.dtype)
+    q_y = tl.exp(logq_y)
+    at_y = tl.where(confident, (a + inner_y) + inner_y * qm1, a + q_y * inner_y)
+    return tl.where(q_y == 0.0, a, at_y)
 
 
 @triton.jit
-def logits_gradient(z, c, zt, lse, lse_lo, lse_t, lse_t_lo, tgt, cols, col_mask, active, a, c0, c1, c2, c3, c4, c5,
-                    params_ptr,
-                    HAS_TEACHER: tl.constexpr, HAS_JSD: tl.constexpr, HAS_KL_FWD: tl.constexpr,
-                    HAS_MEAN_LOGIT: tl.constexpr, HAS_TARGETS: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
-    """dx for one tile (torch_backend.logits_gradient_tile): the generic dz of problem.py,
+def logits_gradient(z, c, zt, norm, norm_t, coef, logq_y, tgt, cols, col_mask, active, params_ptr,
+                    F: tl.constexpr):
+    """dx for one tile (``torch_backend.logits_gradient_tile``): the generic dz of problem.py,
 
         dz_j = a [j = y] + q_j (c0 + c1 log q_j + c2 log p_j + c4 log m_j) + c3 p_j + c5,
 
-    then the chain rule dx = dz * (logit_scale / temperature) * (1 - (c / softcap)**2).
-    Padded columns and inactive rows are forced to exactly 0 (their q may be inf * 0 = NaN)."""
+    with only the terms the problem can produce (``Flags``), then the chain rule
+    dx = dz * (logit_scale / temperature) * (1 - (c / softcap)**2). The target column is formed per row
+    (``target_column``) from ``logq_y``, the forward's log-probability of the target, ``(z_y - m) - log s``:
+    the most accurate form of it there is. Padded columns and inactive rows are forced to exactly 0 (their
+    q may be inf * 0 = NaN)."""
+    a, c0, c1, c2, c3, c4, c5 = coef
+    lse, lse_lo = norm
     logq = (z - lse[:, None]) - lse_lo[:, None]
-    inner = c0[:, None] + c1[:, None] * logq
-    if HAS_TEACHER:
+    inner = c0[:, None]
+    inner_y = c0
+    if F.HAS_LOG_TERMS:
+        inner = inner + c1[:, None] * logq
+        inner_y = inner_y + c1 * logq_y
+    if F.HAS_KL_REV or F.HAS_KL_FWD or F.HAS_JSD:
+        lse_t, lse_t_lo = norm_t
         logpt = (zt - lse_t[:, None]) - lse_t_lo[:, None]
-        inner += c2[:, None] * logpt
-        if HAS_JSD:
-            log_m = logaddexp(logq + tl.load(params_ptr + P_LOG1M_BETA), logpt + tl.load(params_ptr + P_LOG_BETA))
-            inner += c4[:, None] * log_m
+        if F.HAS_TARGETS and (F.HAS_KL_REV or F.HAS_JSD):
+            zt_y = tl.sum(tl.where(cols[None, :] == tgt[:, None], zt, 0.0), axis=1)
+            logpt_y = (zt_y - lse_t) - lse_t_lo
+        if F.HAS_KL_REV:
+            inner = inner + c2[:, None] * logpt
+            if F.HAS_TARGETS:
+                inner_y = inner_y + c2 * logpt_y
+        if F.HAS_JSD:
+            log1m_beta = tl.load(params_ptr + P_LOG1M_BETA)
+            log_beta = tl.load(params_ptr + P_LOG_BETA)
+            inner = inner + c4[:, None] * logaddexp(logq + log1m_beta, logpt + log_beta)
+            if F.HAS_TARGETS:
+                inner_y = inner_y + c4 * logaddexp(logq_y + log1m_beta, logpt_y + log_beta)
     q = tl.exp(logq)
     dz = tl.where(q == 0.0, 0.0, q * inner)  # q_j log q_j -> 0 where q_j = 0 (a -inf logit)
-    if HAS_TARGETS:
-        # The target column: a + q inner = (a + inner) + inner (q - 1) with q - 1 = expm1(log q). For
-        # log-probability terms a + inner cancels exactly (a = -c0), so a confident row keeps the digits
-        # of 1 - q_y (1e-4 in fp32 would otherwise carry q's rounding, 6e-8, as 6e-4 relative). Formed
-        # per row ([BLOCK_M]) on the gathered target column, with expm1 in float64.
-        is_y = cols[None, :] == tgt[:, None]
-        logq_y = tl.sum(tl.where(is_y, logq, 0.0), axis=1)
-        inner_y = tl.sum(tl.where(is_y, inner, 0.0), axis=1)
-        q_y = tl.sum(tl.where(is_y, q, 0.0), axis=1)
-        qm1_y = expm1(logq_y.to(tl.float64)).to(logq_y.dtype)
-        at_y = tl.where(q_y != 0.0, (a + inner_y) + inner_y * qm1_y, q_y * inner_y + a)
-        dz = tl.where(is_y, at_y[:, None], dz)
-    if HAS_TEACHER:
-        if HAS_KL_FWD:
-            dz += c3[:, None] * tl.exp(logpt)
-    if HAS_MEAN_LOGIT:
+    if F.HAS_TARGETS:
+        dz = tl.where(cols[None, :] == tgt[:, None], target_column(a, logq_y, inner_y)[:, None], dz)
+    if F.HAS_KL_FWD:
+        dz += c3[:, None] * tl.exp(logpt)
+    if F.HAS_MEAN_LOGIT:
         dz += c5[:, None]
     dx_scale = tl.load(params_ptr + P_DX_SCALE)
-    if HAS_SOFTCAP:
+    if F.HAS_SOFTCAP:
         r = c / tl.load(params_ptr + P_CAP)
         dx = dz * (dx_scale * (1.0 - r * r))
     else:

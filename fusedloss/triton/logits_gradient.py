@@ -1,0 +1,64 @@
+"""Backward kernel: d loss / d x for one [rows, vocabulary chunk] block of the logits, into a workspace.
+
+A 1-D grid over the (row block, vocabulary tile) pairs of the block, in grouped order. Each program forms
+its ``[BLOCK_M, BLOCK_V]`` tile of logits again (or, with ``F.LOAD_LOGITS``, reads the tile the eager
+forward kept), turns it into dx with the per-row coefficients (``tile_math.logits_gradient``) and stores
+it: in the input dtype for bf16/fp16 (the rounding the naive path applies to its logits gradient), in the
+accumulation dtype otherwise. The backend then multiplies the workspace with cuBLAS,
+``d hidden += dx @ W[chunk]`` and ``d weight[chunk] = dx.T @ h``, in fp32 (float64): no atomics, a fixed
+order of every sum, so the backward is deterministic by construction.
+
+The recomputed tile is the forward's bit for bit: the same ``tile_math.logits_tile`` with the same
+``Tiles`` on the same row blocks (the backend's row chunks are multiples of BLOCK_M and the rows are
+loaded whether or not they carry gradient), because ``log q = (z - lse) - lse_lo`` takes the forward's
+lse, and a confident row's ``1 - q_y`` lives in the last bits of z. ``norm`` holds the forward's
+(lse, lse_lo, logp) per row (``[3, N]``): the target column takes logp itself. Row blocks without any row
+that carries gradient write zeros and skip the product.
+"""
+
+import triton
+import triton.language as tl
+
+from .tile_math import (
+    Head,
+    both_tiles,
+    grouped_program,
+    load_coefficients,
+    load_normaliser,
+    load_targets,
+    logits_gradient,
+)
+
+
+@triton.jit(do_not_specialize=["N", "v_start", "v_end", "D", "DT", "stride_dx", "group_m"])
+def logits_gradient_kernel(
+    student: Head, teacher: Head, ws: Head, tgt_ptr, params_ptr, coef_ptr, norm_ptr, norm_t_ptr, dx_ptr,
+    N, v_start, v_end, D, DT, stride_dx, group_m,
+    F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
+):
+    row_blocks = tl.cdiv(N, T.BLOCK_M)
+    col_blocks = tl.cdiv(v_end - v_start, T.BLOCK_V)
+    pid_m, pid_v = grouped_program(tl.program_id(0), row_blocks, col_blocks, group_m)
+    rows = pid_m * T.BLOCK_M + tl.arange(0, T.BLOCK_M)
+    row_mask = rows < N
+    # Chunks start at multiples of BLOCK_V and workspace rows at multiples of 16 elements (the backend
+    # allocates them so): hints on the products, so that the tile moves 16 bytes at a time.
+    cols = tl.multiple_of(v_start + pid_v * T.BLOCK_V, 16) + tl.arange(0, T.BLOCK_V)
+    col_mask = cols < v_end
+    coef, active = load_coefficients(coef_ptr, N, rows, row_mask)
+    dx = tl.zeros((T.BLOCK_M, T.BLOCK_V), ACC)
+    if tl.max(active.to(tl.int32), axis=0) > 0:
+        tgt, _ = load_targets(tgt_ptr, rows, row_mask, F.HAS_TARGETS)
+        norm = load_normaliser(norm_ptr, N, rows, active)
+        logq_y = tl.load(norm_ptr + 2 * N + rows, mask=active, other=0.0)  # the forward's logp
+        norm_t = norm
+        want_teacher: tl.constexpr = F.HAS_KL_REV or F.HAS_KL_FWD or F.HAS_JSD
+        if want_teacher:
+            norm_t = load_normaliser(norm_t_ptr, N, rows, active)
+        z, c, zt = both_tiles(student, teacher, ws, D, DT, params_ptr, rows, row_mask, cols, col_mask,
+                              want_teacher, F, T, ACC)
+        dx = logits_gradient(z, c, zt, norm, norm_t, coef, logq_y, tgt, cols, col_mask, active, params_ptr, F)
+    out = (dx_ptr + tl.multiple_of(rows.to(tl.int64)[:, None] * stride_dx, [16, 16])
+           + (pid_v * T.BLOCK_V + tl.arange(0, T.BLOCK_V))[None, :])
+    # The workspace's rows hold a whole number of tiles: dx is 0 past the chunk, and stored unmasked there.
+    tl.store(out, dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None])

@@ -1,0 +1,242 @@
+"""The Triton backend's plan (``core/cost.py``) and its run-time choices, on the CPU.
+
+``backend.plan`` is what the cost model evaluates and what the backend runs with (chunks, grid, path), so
+these tests check both: the modelled time against the product-count bound at the acceptance shape, and that
+the parameters the plan reports are the ones the launches use. Also the choices that no interpreter run can
+see: the fp32 product precision under every state of PyTorch's TF32 flags, the cuBLAS flag handling, the
+autotuner's cache, the scalars' device tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fusedloss.core import cost
+from fusedloss.core.problem import LogitTransform, StatsProblem
+
+tb = pytest.importorskip("fusedloss.triton.backend")
+
+H200 = cost.GPUS["h200"]
+ACCEPTANCE = dict(n=16384, d=4096, v=151936, dtype="bfloat16")
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The cost model at the acceptance shape (N = 16384, D = 4096, V = 151936, bf16, H200)
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "token_logprobs", "token_logprobs_entropy", "grpo",
+                                "distill_reverse_kl"])
+def test_modelled_time_within_1_3x_of_the_product_bound(op):
+    w = cost.Workload(op=op, teacher_d=4096 if op.startswith("distill") else None, **ACCEPTANCE)
+    plan = tb.plan(w, H200)
+    estimate = cost.evaluate(plan, w, H200)
+    assert estimate.ratio <= 1.3, (op, plan.path, estimate.model_ms, estimate.bound_ms, estimate.pass_ms)
+    # the losses known in the forward take the 3-product path, the composable op its 4 products
+    assert plan.path == ("eager" if w.row_local else "composable")
+    assert plan.products == (3.0 if w.row_local else 4.0)
+
+
+def test_a_frozen_head_drops_the_d_weight_product():
+    w = cost.Workload(op="token_logprobs", weight_grad=False, **ACCEPTANCE)
+    plan = tb.plan(w, H200)
+    assert plan.products == 3.0 and not any(p.name.startswith("d weight") for p in plan.passes)
+    assert cost.evaluate(plan, w, H200).ratio <= 1.3
+
+
+def test_a_small_workspace_can_make_the_composable_path_the_cheaper():
+    """Tiny eager chunks re-read and re-write the fp32 d weight accumulator once per chunk: with a 16 MiB
+    workspace the model prefers recomputing the logits, and says so."""
+    w = cost.Workload(op="cross_entropy", **ACCEPTANCE)
+    small = tb.plan(w, H200, workspace_mb=16)
+    eager = tb.plan(w, H200, workspace_mb=16, path="eager")
+    composable = tb.plan(w, H200, workspace_mb=16, path="composable")
+    times = {p.path: cost.evaluate(p, w, H200).model_ms for p in (eager, composable)}
+    assert small.path == min(times, key=times.get)
+    assert times["eager"] > times["composable"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Grids and chunks
+
+
+def _wave_efficiency(n, v, block_m, block_v, slots, splits_rule):
+    row_blocks, vtiles = -(-n // block_m), -(-v // block_v)
+    splits = splits_rule(row_blocks, vtiles)
+    per = -(-vtiles // splits)
+    splits = -(-vtiles // per)
+    waves = -(-(row_blocks * splits) // slots)
+    return row_blocks * vtiles / (waves * slots * per)
+
+
+@pytest.mark.parametrize("n", [1, 7, 300, 1024, 2048, 4096, 8192, 16384])
+def test_forward_splits_fill_whole_waves(n):
+    """The split count minimises (waves) x (tiles per program): at least 95% of the 132 SMs stay busy, where
+    the old rule (splits = 2 x SMs / row blocks, 64-row blocks) left 19-31% idle at N = 1024-4096."""
+    v, slots = 151936, 132
+    row_blocks, per, splits, group = tb.forward_grid(n, v, 128, 128, slots)
+    new = _wave_efficiency(n, v, 128, 128, slots, lambda rb, vt: splits)
+    old = _wave_efficiency(n, v, 64, 128, slots, lambda rb, vt: max(1, min(vt, -(-2 * slots // rb))))
+    assert new >= 0.95 and new >= old - 1e-9, (n, new, old)
+    assert 1 <= group <= row_blocks and group * splits <= max(slots, splits)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_backward_chunks_fit_the_budget_and_keep_the_forward_row_blocks(seed):
+    g = torch.Generator().manual_seed(seed)
+    n, v, d = (int(torch.randint(1, hi, (1,), generator=g)) for hi in (70000, 300000, 9000))
+    budget = int(torch.randint(1 << 16, 1 << 32, (1,), generator=g))
+    for dtype in ("bfloat16", "float32"):
+        cfg = tb.candidates(getattr(torch, dtype), "lean")[0]
+        rows, cols = tb.backward_chunks(n, v, d, dtype, budget, cfg)
+        assert rows % cfg.block_m == 0 and cols % cfg.block_v == 0 and rows >= cfg.block_m
+        e_dx = 2 if dtype == "bfloat16" else 4
+        scratch = 4 * d if dtype == "bfloat16" else 0
+        if rows > cfg.block_m or cols > cfg.block_v:  # one row block of one tile is the floor
+            assert rows * cols * e_dx + cols * scratch <= budget, (n, v, d, budget, rows, cols)
+
+
+def test_workspace_budget(monkeypatch):
+    monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB", raising=False)
+    monkeypatch.delenv("FUSEDLOSS_CUDA_WORKSPACE_MB", raising=False)
+    monkeypatch.delenv("FUSEDLOSS_DETERMINISTIC", raising=False)
+    assert tb.workspace_budget(64.0, 10**12, H200) == 64 << 20  # the problem's own budget wins
+    assert tb.workspace_budget(None, 80 * 2**30, H200) == tb.MAX_WORKSPACE  # a share of free memory, bounded
+    assert tb.workspace_budget(None, 2**30, H200) == 2**30 // tb.WORKSPACE_SHARE
+    assert tb.workspace_budget(None, 2**20, H200) == tb.MIN_WORKSPACE
+    monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", "3")
+    assert tb.workspace_budget(None, 2**40, H200) == 3 << 20
+    monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB")
+    monkeypatch.setenv("FUSEDLOSS_DETERMINISTIC", "1")
+    # the chunking sets the order of fp32 sums: it must not follow the free memory of the moment
+    assert tb.workspace_budget(None, 2**30, H200) == tb.workspace_budget(None, 80 * 2**30, H200) == tb.FIXED_WORKSPACE
+
+
+def test_plan_parameters_are_the_ones_the_backend_runs_with():
+    w = cost.Workload(op="token_logprobs", n=300, d=1000, v=32003, dtype="float16")
+    cfg = tb.candidates(torch.float16, "lean")[0]
+    plan = tb.plan(w, H200, workspace_mb=8, tiles=cfg)
+    budget = 8 << 20
+    assert plan.params["workspace_bytes"] == budget
+    assert plan.params["forward_grid"] == tb.forward_grid(300, 32003, cfg.block_m, cfg.block_v, H200.sm_count)
+    assert (plan.params["row_chunk"], plan.params["vocab_chunk"]) == tb.backward_chunks(300, 32003, 1000, "float16",
+                                                                                        budget, cfg)
+    assert plan.params["eager_rows"] == tb.eager_rows(300, 32003, "float16", False, budget, cfg)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# fp32 stays fp32
+
+
+def _fp32_problem(allow_tf32=None):
+    return StatsProblem(hidden=torch.zeros(2, 4), weight=torch.zeros(3, 4), bias=None, targets=None,
+                        transform=LogitTransform(), allow_tf32=allow_tf32)
+
+
+@pytest.mark.parametrize("torch_tf32", [False, True])
+@pytest.mark.parametrize("problem_tf32", [None, False, True])
+@pytest.mark.parametrize("env", [{}, {"FUSEDLOSS_ALLOW_TF32": "1"}, {"FUSEDLOSS_ALLOW_TF32": "0"},
+                                 {"FUSEDLOSS_TRITON_FP32_PRECISION": "ieee"}])
+def test_fp32_precision_for_every_flag_state(torch_tf32, problem_tf32, env, monkeypatch):
+    """PyTorch's global TF32 flag (what ``set_float32_matmul_precision("high")`` and HF's ``tf32=True`` set)
+    never turns fp32 into TF32: tf32x3 on sm_80+, ieee before; TF32 only by the problem's own ``allow_tf32``
+    (the call's argument), or ``FUSEDLOSS_ALLOW_TF32=1`` when the call leaves it unset (None);
+    ``FUSEDLOSS_TRITON_FP32_PRECISION`` overrides everything (experiments)."""
+    for name in ("FUSEDLOSS_ALLOW_TF32", "FUSEDLOSS_TRITON_FP32_PRECISION"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    previous = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch_tf32
+    try:
+        p = _fp32_problem(problem_tf32)
+        if "FUSEDLOSS_TRITON_FP32_PRECISION" in env:
+            expected = {(9, 0): "ieee", (7, 5): "ieee"}
+        elif problem_tf32 or (problem_tf32 is None and env.get("FUSEDLOSS_ALLOW_TF32") == "1"):
+            expected = {(9, 0): "tf32", (7, 5): "tf32"}
+        else:
+            expected = {(9, 0): "tf32x3", (7, 5): "ieee"}
+        for capability, want in expected.items():
+            assert tb.fp32_precision(p, capability) == want, (capability, torch_tf32, problem_tf32, env)
+        # what the launches carry (no device here: the sm_80+ choice; the interpreter ignores it)
+        cfg = tb.INTERPRETER_TILES
+        assert tb._launch(p, cfg).tiles.PRECISION == expected[(9, 0)]
+        # the cost model prices the same choice
+        w = cost.Workload(op="token_logprobs", n=4096, d=4096, v=32000, dtype="float32")
+        pl = tb.plan(w, H200, precision=tb.fp32_precision(p, (9, 0)), allow_tf32=tb._allow_tf32(p))
+        assert pl.params["precision"] == expected[(9, 0)]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = previous
+
+
+_FLAG_SCRIPT = r"""
+import json, sys, torch
+from fusedloss.triton.backend import _cublas_tf32
+m = torch.backends.cuda.matmul
+mode = sys.argv[1]
+if mode == "legacy": m.allow_tf32 = True
+elif mode == "new": m.fp32_precision = "tf32"
+elif mode == "high": torch.set_float32_matmul_precision("high")
+before = m.fp32_precision
+out = {}
+for allowed in (False, True):
+    with _cublas_tf32(torch.device("cuda"), allowed):
+        out[str(allowed)] = m.fp32_precision
+out["after"] = m.fp32_precision
+out["before"] = before
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.parametrize("mode", ["default", "legacy", "new", "high"])
+def test_cublas_products_of_fp32_problems_ignore_the_global_tf32_flag(mode):
+    """The fp32 cuBLAS products (d hidden, d weight) run with TF32 exactly when the problem allows it, and the
+    caller's flags come back unchanged, however they were set (PyTorch refuses to mix its two flag APIs).
+    A subprocess: the flags are process-wide."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", _FLAG_SCRIPT, mode], env=env, cwd=root, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["False"] in ("ieee", "none") and out["True"] == "tf32"  # "none": PyTorch's default, TF32 off
+    # the caller's TF32 state comes back ("none", PyTorch's untouched default, may read "ieee": both are off)
+    assert (out["after"] == "tf32") == (out["before"] == "tf32")
+    if mode != "default":
+        assert out["after"] == out["before"]
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Autotuning, scalars
+
+
+def test_autotune_measures_once_per_key_and_picks_the_fastest(monkeypatch):
+    monkeypatch.setattr(tb, "_TUNED", {})
+    configs = tb.candidates(torch.bfloat16, "lean")
+    calls = []
+
+    def measure(cfg):
+        calls.append(cfg)
+        return {configs[0]: 2.0, configs[1]: 1.0}[cfg]
+
+    key = (0, torch.bfloat16, tb.d_bucket(4096), "lean")
+    assert tb.autotune(key, configs, measure) == configs[1]
+    assert tb.autotune(key, configs, measure) == configs[1]  # cached: no second measurement
+    assert calls == list(configs)
+    # sequence lengths never enter the key; hidden sizes share a bucket up to the next power of two
+    assert tb.d_bucket(4000) == tb.d_bucket(4096) == 4096 and tb.d_bucket(4097) == 8192
+
+
+def test_scalars_are_exact_in_float64_and_cached():
+    p = StatsProblem(hidden=torch.zeros(2, 4, dtype=torch.float64), weight=torch.zeros(3, 4, dtype=torch.float64),
+                     bias=None, targets=None, transform=LogitTransform(0.7, 1.3, 30.0))
+    params = tb._params(p, torch.float64)
+    assert params.dtype == torch.float64
+    assert params[0].item() == 1.3 and params[1].item() == 30.0 and params[2].item() == 0.7
+    assert params[8].item() == 1.3 / 0.7
+    assert tb._params(p, torch.float64) is params
