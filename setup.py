@@ -83,7 +83,8 @@ def nvcc_version(nvcc: str) -> str:
 
 
 def archs() -> list[str]:
-    return [a.strip() for a in os.environ.get("FUSEDLOSS_CUDA_ARCHS", "80;90a").replace(",", ";").split(";") if a.strip()]
+    spec = os.environ.get("FUSEDLOSS_CUDA_ARCHS", "80;90a")
+    return [a.strip() for a in spec.replace(",", ";").split(";") if a.strip()]
 
 
 # The oldest Linux driver each CUDA major version's runtime runs on (CUDA minor version compatibility,

@@ -3,15 +3,15 @@
 Each function here has the name and the arguments (minus ``backend``) of its public counterpart, and
 computes the same thing on *materialised* logits with plain PyTorch: ``logits = hidden @ weight.T + bias``,
 then logit_scale, soft-cap and temperature (docs/design.md, "The statistics problem"), then
-``torch.log_softmax``. Nothing is tiled,
-fused or clever, so that it can be read against the formulas line by line. Every backend is tested
-against it.
+``torch.log_softmax``. Nothing is tiled, fused or clever, so that it can be read against the formulas line
+by line. Every backend is tested against it.
 
 Precision. In float64 this is the ground truth. For fp32/bf16/fp16 inputs it is the *naive same-dtype
 path* of a plain trainer: the product ``hidden @ weight.T + bias`` is computed in the input dtype (so half
 inputs give logits rounded to half), then upcast to fp32 for the transform and the softmax. The fused
-path's error is judged against the error of this path (docs/design.md, "Numerical doctrine"). Per-token outputs and losses are
-fp32 (float64 for float64 inputs); gradients reach ``hidden``, ``weight`` and ``bias`` through autograd.
+path's error is judged against the error of this path (docs/design.md, "Numerical doctrine"). Per-token
+outputs and losses are fp32 (float64 for float64 inputs); gradients reach ``hidden``, ``weight`` and ``bias``
+through autograd.
 
 Ignored positions (``ignore_index`` targets, ``completion_mask == 0``) give 0 per-token outputs and no
 gradient; they are selected with ``torch.where`` rather than multiplied by a mask, so that an inf or NaN
@@ -51,7 +51,8 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 def logits(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None, *,
            temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None) -> torch.Tensor:
-    """``z = softcap(logit_scale * (hidden @ weight.T + bias)) / temperature`` (docs/design.md, "The statistics problem").
+    """``z = softcap(logit_scale * (hidden @ weight.T + bias)) / temperature`` (docs/design.md, "The statistics
+    problem").
 
     The product and the bias are in the input dtype (the naive path); the result is upcast to fp32
     (float64 for float64 inputs) before the transform."""

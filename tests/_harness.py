@@ -11,11 +11,10 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+from conftest import cotangent_like, rel_err
 
 import fusedloss
 from fusedloss import reference
-
-from conftest import cotangent_like, rel_err
 
 # The LM-head tensors take the dtype under test; other float inputs (advantages, old log-probs, ...)
 # take the accumulation dtype (fp32, or float64 for float64 runs), as a trainer would pass them.
@@ -101,7 +100,7 @@ def run(fn_name, inputs, options, backend, dtype, device, cotangent_seed=1234) -
     result = call(fn_name, prepared, options, backend)
     outputs = flatten(result)
     objective = None
-    for i, (name, out) in enumerate(outputs):
+    for i, (_name, out) in enumerate(outputs):
         if out is None or not out.requires_grad:
             continue
         cot = cotangent_like(out, cotangent_seed + i).to(device=out.device, dtype=out.dtype)
@@ -112,8 +111,8 @@ def run(fn_name, inputs, options, backend, dtype, device, cotangent_seed=1234) -
     return Run(outputs, {k: v.grad for k, v in leaves.items()})
 
 
-# fp32 criterion (docs/design.md, "Numerical doctrine"): 1e-5 norm-wise relative. Peaked logits near 30 carry an absolute
-# rounding error of ~2e-6 in any fp32 computation (the ulp of 30), so an output that is small against the
+# fp32 criterion (docs/design.md, "Numerical doctrine"): 1e-5 norm-wise relative. Peaked logits near 30 carry an
+# absolute rounding error of ~2e-6 in any fp32 computation (the ulp of 30), so an output that is small against the
 # terms it is made of (a loss whose per-token terms cancel, the log-prob of a near-certain token) is
 # ill-conditioned in fp32 whatever the algorithm. There the naive fp32 path (reference.py run in fp32)
 # measures what fp32 can do, and the fused path must stay within NAIVE_FACTOR of it.

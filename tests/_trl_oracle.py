@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+
 @contextlib.contextmanager
 def float64_default(enabled: bool = True):
     """Run TRL's code in float64: constants from ``torch.tensor(...)`` take the default dtype, and TRL's

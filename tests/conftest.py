@@ -3,8 +3,8 @@
 * ``backend``: every backend that ``fusedloss.backend_status()`` reports "available" joins the
   parametrisation by itself. Without a CUDA device the Triton backend runs under the Triton
   interpreter (``TRITON_INTERPRET=1``, set below before anything imports triton).
-* Data helpers build the inputs that catch the bugs peers shipped (docs/design.md, "Numerical doctrine"): peaked rows (a few
-  logits ~30 above the rest), prime vocabulary sizes, token counts of 1 and odd, all-ignored rows,
+* Data helpers build the inputs that catch the bugs peers shipped (docs/design.md, "Numerical doctrine"):
+  peaked rows (a few logits ~30 above the rest), prime vocabulary sizes, token counts of 1 and odd, all-ignored rows,
   extreme logits. Shapes stay tiny because the Triton interpreter is slow.
 * ``rel_err``: the norm-wise relative error every comparison uses.
 """
@@ -135,7 +135,7 @@ def make_head(n, d, v, *, seed=0, peaked=True, bias=False, extreme=False, leadin
     the peak (logp ~ 0) while others sit far below it (logp ~ -30).
     peak_ids: the three peaked vocabulary entries (default: drawn from the seed); a teacher given the
     student's peak_ids agrees with it where it is confident.
-    extreme: the logits are scaled to magnitudes in the thousands (extreme logits: docs/design.md, "Numerical doctrine").
+    extreme: the logits are scaled to magnitudes in the thousands (docs/design.md, "Numerical doctrine").
     Values are exactly representable in ``dtype`` (generated in float64 and rounded), returned in float64
     on the CPU; cast with ``.to(dtype)`` for the run under test."""
     g = generator(seed)

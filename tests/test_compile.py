@@ -16,9 +16,10 @@ import shutil
 
 import pytest
 import torch
+from conftest import make_head, rel_err
 
 import fusedloss
-from conftest import make_head, rel_err
+
 
 @pytest.fixture(autouse=True)
 def _fresh_dynamo():

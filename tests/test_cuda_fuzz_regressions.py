@@ -181,7 +181,7 @@ def test_the_backward_uses_the_forwards_tiles():
                      transform=LogitTransform())
     with cuda.override_plan(workspace_mb=1):
         forward = cuda._shapes(p)[0]
-        p_frozen = StatsProblem(hidden=h, weight=w.requires_grad_(False), bias=None, targets=-torch.ones(300, dtype=torch.long),
-                                transform=LogitTransform())
+        p_frozen = StatsProblem(hidden=h, weight=w.requires_grad_(False), bias=None,
+                                targets=-torch.ones(300, dtype=torch.long), transform=LogitTransform())
         assert cuda._shapes(p_frozen)[0] == forward
     assert forward.row_chunks * forward.vocab_tiles > 1  # the case is really tiled

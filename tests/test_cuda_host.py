@@ -53,7 +53,8 @@ def make_problem(n, v, d=19, *, seed=0, peaked=False, teacher=False, bias=False,
             y[i] = -1
     kw = {}
     if teacher:
-        kw = dict(teacher_hidden=torch.randn(n, d, generator=g), teacher_weight=torch.randn(v, d, generator=g) / math.sqrt(d),
+        kw = dict(teacher_hidden=torch.randn(n, d, generator=g),
+                  teacher_weight=torch.randn(v, d, generator=g) / math.sqrt(d),
                   teacher_bias=torch.randn(v, generator=g) if bias else None, teacher_transform=LogitTransform(ttemp))
     cast = (lambda t: None if t is None else t.to(dtype))
     p = StatsProblem(hidden=h.to(dtype), weight=w.to(dtype), bias=cast(b), targets=y, transform=tf, jsd_beta=jsd_beta,
@@ -63,8 +64,9 @@ def make_problem(n, v, d=19, *, seed=0, peaked=False, teacher=False, bias=False,
 
 def as64(p: StatsProblem) -> StatsProblem:
     c = lambda t: None if t is None else t.to(F64)  # noqa: E731
-    return dataclasses.replace(p, hidden=c(p.hidden), weight=c(p.weight), bias=c(p.bias), teacher_hidden=c(p.teacher_hidden),
-                               teacher_weight=c(p.teacher_weight), teacher_bias=c(p.teacher_bias))
+    return dataclasses.replace(p, hidden=c(p.hidden), weight=c(p.weight), bias=c(p.bias),
+                               teacher_hidden=c(p.teacher_hidden), teacher_weight=c(p.teacher_weight),
+                               teacher_bias=c(p.teacher_bias))
 
 
 def logits64(h, w, b, tf):
@@ -288,8 +290,8 @@ def confident_problem(n, gap, *, seed=0, top=30.0, v=131, d=19, peaked_weight=Fa
 @pytest.mark.parametrize("gap", [6.0, 8.0, 10.0, 13.0])
 @pytest.mark.parametrize("tiles", ["whole", "small"])
 def test_fp32_confident_rows_within_1e5(n, gap, tiles, request):
-    """docs/design.md, "Numerical doctrine" on peaked fp32 rows (lse ~ 30): logp and the gradients of sum(logp) within 1e-5
-    (norm-wise relative) of float64, through the recompute backward and the eager path. Needs both
+    """docs/design.md, "Numerical doctrine" on peaked fp32 rows (lse ~ 30): logp and the gradients of sum(logp)
+    within 1e-5 (norm-wise relative) of float64, through the recompute backward and the eager path. Needs both
     log s = log1p(t) (s - 1 kept apart from the maximum's 1) and log q = (z - lse) - lse_lo."""
     if tiles == "small":
         request.getfixturevalue("small_tiles")

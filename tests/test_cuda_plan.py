@@ -8,8 +8,6 @@ issue 11's shapes and check that the run-time code follows the plan (tile shapes
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 

@@ -99,7 +99,8 @@ def test_availability_names_a_driver_older_than_the_runtime(monkeypatch):
 @built
 def test_availability_when_the_runtimes_disagree(monkeypatch):
     monkeypatch.setattr(cuda, "_C", _fake_extension(0, 12040, 12080, "all CUDA-capable devices are busy"))
-    assert cuda.availability() == "built; the extension's CUDA 12.4 runtime sees no device (all CUDA-capable devices are busy)"
+    assert cuda.availability() == ("built; the extension's CUDA 12.4 runtime sees no device "
+                                   "(all CUDA-capable devices are busy)")
     monkeypatch.setattr(cuda, "_C", _fake_extension(1, 12040, 12080))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert cuda.availability().startswith("built; torch ") and "sees no CUDA device" in cuda.availability()
@@ -148,7 +149,8 @@ def test_tile_arguments_are_checked_with_sentences():
     ]
     for change, sentence in cases:
         b = _C.TileArgs()
-        b.x, b.ld, b.rows, b.cols, b.vocab, b.out, b.out_stride = a.x, a.ld, a.rows, a.cols, a.vocab, a.out, a.out_stride
+        for field in ("x", "ld", "rows", "cols", "vocab", "out", "out_stride"):
+            setattr(b, field, getattr(a, field))
         for k, v in change.items():
             setattr(b, k, v)
         with pytest.raises(ValueError, match="fusedloss fold_tile: ") as info:

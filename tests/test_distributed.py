@@ -14,12 +14,12 @@ The fast subset (P = 2 and 3, a handful of layouts, every loss) runs by default;
 
 from __future__ import annotations
 
+import _distributed_harness as harness
 import pytest
 import torch
 import torch.distributed as dist
 from conftest import make_head, make_teacher, rel_err
 
-import _distributed_harness as harness
 import fusedloss
 
 F64 = torch.float64
@@ -354,7 +354,8 @@ FAST = {
     3: [("empty_first", True, True), ("padding_rank", True, False)],
 }
 FAST_FP32 = ("cross_entropy", "distill_jsd", "grpo")
-BACKEND_CHECKS = {2: [("triton", torch.float32), ("cuda", torch.float32)], 3: [("triton", F64), ("cuda", torch.float32)]}
+BACKEND_CHECKS = {2: [("triton", torch.float32), ("cuda", torch.float32)],
+                  3: [("triton", F64), ("cuda", torch.float32)]}
 MISUSE = ("target_in_padding", "shards_do_not_add_up", "vocab_size_too_large", "start_on_some_ranks",
           "teacher_sharded_differently")
 

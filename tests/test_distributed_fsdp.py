@@ -10,11 +10,11 @@ The head has padding rows past ``vocab_size`` and an odd vocabulary, so the shar
 
 from __future__ import annotations
 
+import _distributed_harness as harness
 import pytest
 import torch
 import torch.nn.functional as F
 
-import _distributed_harness as harness
 import fusedloss
 
 F64 = torch.float64

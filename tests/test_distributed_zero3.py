@@ -18,7 +18,7 @@ import torch.nn.functional as F
 pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: the ZeRO-3 head path cannot be exercised here")
 
 import _distributed_harness as harness  # noqa: E402
-from test_distributed_fsdp import PAD, TOKENS, V, Tiny, _batch  # noqa: E402
+from test_distributed_fsdp import PAD, Tiny, V, _batch  # noqa: E402
 
 MODULE = __name__
 
@@ -27,6 +27,7 @@ def check_step(rank, world, *, mode):
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world))
     import deepspeed
+
     import fusedloss
     from fusedloss.integrations import trl as trl_integration
 

@@ -10,12 +10,10 @@ sizes, odd token counts and ignored rows (conftest.make_head).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
-
-from conftest import FP32_TOL, fp64_tol, make_head, make_teacher, peak_ids_of, rel_err
 from _harness import compare
+from conftest import FP32_TOL, fp64_tol, make_head, make_teacher, peak_ids_of, rel_err
 
 import fusedloss
 from fusedloss import reference
@@ -262,7 +260,7 @@ GRPO_CASES = [
 
 def _grpo_ids():
     out = []
-    for i, (kw, opt) in enumerate(GRPO_CASES):
+    for i, (_kw, opt) in enumerate(GRPO_CASES):
         tag = "-".join(f"{k}={v}" for k, v in opt.items() if k in ("loss_type", "importance_sampling_level"))
         out.append(f"{i}-{tag}")
     return out

@@ -11,7 +11,6 @@ import math
 
 import pytest
 import torch
-
 from conftest import make_head, make_teacher, peak_ids_of
 
 import fusedloss
@@ -100,8 +99,8 @@ def test_gradcheck_grpo_loss(backend, device, loss_type, level):
 
     def fn(h, w, b):
         loss, details = fusedloss.grpo_loss(h, w, ids, adv, mask, old_logprobs=old, ref_logprobs=ref, bias=b,
-                                            loss_type=loss_type, beta=0.1, importance_sampling_level=level, return_details=True,
-                                            backend=backend)
+                                            loss_type=loss_type, beta=0.1, importance_sampling_level=level,
+                                            return_details=True, backend=backend)
         return loss, details.logprobs
 
     _check(fn, leaves, backend)

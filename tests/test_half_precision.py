@@ -1,5 +1,5 @@
-"""Reduced precision, judged the way docs/design.md ("Numerical doctrine") says: for every output and gradient, the error of the
-fused path against the float64 reference is no larger than the error of the naive reference run in the
+"""Reduced precision, judged the way docs/design.md ("Numerical doctrine") says: for every output and gradient,
+the error of the fused path against the float64 reference is no larger than the error of the naive reference run in the
 same dtype (logits rounded to that dtype before an fp32 softmax), plus a small slack
 (``_harness.HALF_SLACK``: about one rounding of the output dtype).
 
@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from conftest import FP32_TOL, make_head, make_teacher, peak_ids_of
 from _harness import compare
+from conftest import FP32_TOL, make_head, make_teacher, peak_ids_of
 from test_equivalence import dpo_inputs, grpo_inputs, token_case
 
 HALF = [torch.float16, torch.bfloat16]

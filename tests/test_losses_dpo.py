@@ -14,14 +14,14 @@ import torch
 
 pytest.importorskip("trl")
 
+from _harness import compare  # noqa: E402
+from _trl_oracle import trl_dpo  # noqa: E402
+from conftest import FP32_TOL, fp64_tol, make_head, rel_err  # noqa: E402
+from test_losses_grpo import ALL_BACKENDS, _backend  # noqa: E402
+
 import fusedloss  # noqa: E402
 from fusedloss import reference  # noqa: E402
 from fusedloss.losses.dpo import LOSS_TYPES  # noqa: E402
-
-from conftest import FP32_TOL, fp64_tol, make_head, rel_err  # noqa: E402
-from _harness import compare  # noqa: E402
-from _trl_oracle import trl_dpo  # noqa: E402
-from test_losses_grpo import ALL_BACKENDS, _backend  # noqa: E402
 
 F64 = torch.float64
 PAIRS, L, D, V = 3, 8, 11, 37

@@ -24,14 +24,14 @@ import torch
 
 pytest.importorskip("trl")
 
+from _harness import compare  # noqa: E402
+from _trl_oracle import trl_grpo  # noqa: E402
+from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, make_head, rel_err  # noqa: E402
+
 import fusedloss  # noqa: E402
 from fusedloss import reference  # noqa: E402
 from fusedloss.core import backends  # noqa: E402
 from fusedloss.cuda import backend as cuda_backend  # noqa: E402
-
-from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, make_head, rel_err  # noqa: E402
-from _harness import compare  # noqa: E402
-from _trl_oracle import trl_grpo  # noqa: E402
 
 B, C, D, V = 3, 5, 11, 37
 RATIOS = torch.tensor([0.5, 0.7, 0.9, 1.0, 1.1, 1.37, 1.7], dtype=torch.float64)

@@ -13,14 +13,14 @@ import torch
 
 pytest.importorskip("trl")
 
+from _harness import compare  # noqa: E402
+from _trl_oracle import trl_cpo, trl_kto, trl_orpo  # noqa: E402
+from conftest import FP32_TOL, fp64_tol, make_head, rel_err  # noqa: E402
+from test_losses_grpo import ALL_BACKENDS, _backend  # noqa: E402
+
 import fusedloss  # noqa: E402
 import fusedloss.nn  # noqa: E402
 from fusedloss import reference  # noqa: E402
-
-from conftest import FP32_TOL, fp64_tol, make_head, rel_err  # noqa: E402
-from _harness import compare  # noqa: E402
-from _trl_oracle import trl_cpo, trl_kto, trl_orpo  # noqa: E402
-from test_losses_grpo import ALL_BACKENDS, _backend  # noqa: E402
 
 F64 = torch.float64
 L, D, V = 8, 11, 37
@@ -419,7 +419,7 @@ def test_preference_losses_compile_as_one_graph():
         "orpo": lambda h, w: fusedloss.orpo_loss(h, w, labels, nll_labels=nll, backend="torch"),
         "cpo": lambda h, w: fusedloss.cpo_loss(h, w, labels, loss_type="simpo", alpha=0.2, backend="torch"),
     }
-    for name, fn in steps.items():
+    for fn in steps.values():
         _compiled_matches_eager(fn, (_f32(d["h"][:, :-1]), _f32(d["w"])))
 
     def kto(h, w):

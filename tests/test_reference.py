@@ -12,7 +12,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import BACKENDS, device_for, make_head, make_teacher, rel_err
 
 import fusedloss

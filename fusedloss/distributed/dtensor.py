@@ -15,8 +15,6 @@ dimension, a hidden state sharded on the vocabulary's mesh dimension) is a Value
 
 from __future__ import annotations
 
-import torch
-
 
 def is_dtensor(t) -> bool:
     try:

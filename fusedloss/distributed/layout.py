@@ -91,7 +91,8 @@ def _layout(group_name: str, local_rows: int, vocab_start: int, vocab_size: int,
     key = (group_name, local_rows, vocab_start, vocab_size, device_type)
     if key not in _CACHE:
         group = _comm.resolve(group_name)
-        device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device(device_type)
+        device = (torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda"
+                  else torch.device(device_type))
         mine = torch.tensor([local_rows, vocab_start, vocab_size], dtype=torch.int64, device=device)
         table = [tuple(int(x) for x in row) for row in _comm.all_gather(mine, group).cpu().tolist()]
         _CACHE[key] = (_comm.rank(group),) + _checked(table)

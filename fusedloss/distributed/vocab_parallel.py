@@ -25,6 +25,7 @@ valid row enters the same collectives as the others.
 from __future__ import annotations
 
 import dataclasses
+
 import torch
 
 from ..core import backends

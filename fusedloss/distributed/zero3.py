@@ -30,8 +30,8 @@ def is_partitioned(t) -> bool:
 
 def gathered(*params):
     """Gather the ZeRO-3 parameters among ``params`` that are not gathered now, for the ``with`` block."""
-    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
     import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
     todo = [p for p in params if p is not None and is_partitioned(p) and p.ds_status == ZeroParamStatus.NOT_AVAILABLE]
     return deepspeed.zero.GatheredParameters(todo, modifier_rank=None) if todo else contextlib.nullcontext()
@@ -91,8 +91,9 @@ def token_statistics(hidden: torch.Tensor, weight, *, bias=None, backend: str, t
     """``core.token_statistics`` for a ZeRO-3 ``weight`` (and ``bias``), gathered or not at the call (TRL
     calls inside its own gather). A frozen ZeRO-3 teacher head is gathered once."""
     if teacher is not None and is_partitioned(teacher.weight):
-        teacher = teacher._replace(weight=frozen_copy(teacher.weight, teacher.hidden.dtype),
-                                   bias=None if teacher.bias is None else frozen_copy(teacher.bias, teacher.hidden.dtype))
+        dtype = teacher.hidden.dtype
+        teacher = teacher._replace(weight=frozen_copy(teacher.weight, dtype),
+                                   bias=None if teacher.bias is None else frozen_copy(teacher.bias, dtype))
     head = Zero3Head(weight, bias, None)
     w, b = head.stand_ins(hidden)
     logits = _Logits(hidden, w, b, backend)

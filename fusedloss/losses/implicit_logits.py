@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from .. import _validation as v
-from ..core import LogitTransform, Statistics, TeacherHead, backends, eager, token_statistics
 from ..config import RunOptions
+from ..core import LogitTransform, Statistics, TeacherHead, backends, eager, token_statistics
 from ..core.statistics import autocast_dtype, build_problem
 from ..distributed.head import prepare_head
 
@@ -145,10 +145,10 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
         # outside the autocast region). One behaviour for every backend and device.
         hidden, weight, bias = (_autocast(t, cast) for t in (hidden, weight, bias))
     lead = tuple(hidden.shape[:-1])
-    return ImplicitLogits(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])), weight=_rows_contiguous(weight),
-                  bias=None if bias is None else bias.contiguous(),
-                  transform=LogitTransform(float(temperature), float(logit_scale),
-                                           None if softcap is None else float(softcap)),
+    return ImplicitLogits(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])),
+                          weight=_rows_contiguous(weight), bias=None if bias is None else bias.contiguous(),
+                          transform=LogitTransform(float(temperature), float(logit_scale),
+                                                   None if softcap is None else float(softcap)),
                   lead_shape=lead, backend=name, distributed=spread, run=run)
 
 
