@@ -11,8 +11,17 @@ against. ``fusedloss.nn`` wraps each loss as a ``torch.nn.Module``.
 from __future__ import annotations
 
 from .core import backends as _backends
-from .losses import (cpo_loss, cross_entropy, distillation_loss, dpo_loss, group_advantages, grpo_loss, kto_loss,
-                     orpo_loss, token_logprobs)
+from .losses import (
+    cpo_loss,
+    cross_entropy,
+    distillation_loss,
+    dpo_loss,
+    group_advantages,
+    grpo_loss,
+    kto_loss,
+    orpo_loss,
+    token_logprobs,
+)
 from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails
 
 __version__ = "0.1.0"

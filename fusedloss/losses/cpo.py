@@ -26,22 +26,20 @@ import torch.nn.functional as F
 from .. import _validation as v
 from ..types import CPODetails
 from . import sequences
-from .docs import RUN, SHARDING, shared_arguments
 from .implicit_logits import implicit_logits
+from .options import RUN, SHARDING, shared_arguments, shared_options
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "simpo")
 
 
-@shared_arguments(*RUN, *SHARDING)
+@shared_options(*RUN, *SHARDING)
+@shared_arguments("backend", *RUN, *SHARDING)
 def cpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, beta: float = 0.1,
              loss_type: Literal["sigmoid", "hinge", "ipo", "simpo"] = "sigmoid", label_smoothing: float = 0.0,
              cpo_alpha: float = 1.0, simpo_gamma: float = 0.5, alpha: float = 0.0, bias: Optional[torch.Tensor] = None,
              temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
              ignore_index: int = -100, return_details: bool = False,
-             backend: str = "auto", workspace_mb: Optional[float] = None,
-             allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
-             vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
-             fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, CPODetails]]:
+             backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, CPODetails]]:
     """CPO's loss from the hidden states (option names and defaults are TRL's CPOConfig's).
 
     Args:
@@ -66,9 +64,7 @@ def cpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *
     for name, value in (("cpo_alpha", cpo_alpha), ("simpo_gamma", simpo_gamma), ("alpha", alpha)):
         v.require_real(name, value)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend, workspace_mb=workspace_mb,
-                             allow_tf32=allow_tf32, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             softcap=softcap, backend=backend, **head)
     pairs = sequences.require_rows(logits, paired=True)
     tokens = sequences.token_logps(logits, labels, ignore_index)
     logps = tokens.means() if loss_type in ("ipo", "simpo") else tokens.sums()

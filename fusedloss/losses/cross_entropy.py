@@ -7,21 +7,19 @@ from typing import Literal, Optional
 import torch
 
 from .. import _validation as v
-from .docs import HEAD, RUN, SHARDING, shared_arguments
 from .implicit_logits import implicit_logits
+from .options import HEAD, RUN, SHARDING, shared_arguments, shared_options
 from .reductions import reduced_token_loss
 
 
-@shared_arguments(*HEAD, "ignore_index", *RUN, "eager", *SHARDING)
+@shared_options(*RUN, "eager", *SHARDING)
+@shared_arguments(*HEAD, "ignore_index", "backend", *RUN, "eager", *SHARDING)
 def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                   bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
                   reduction: Literal["mean", "sum", "none"] = "mean", label_smoothing: float = 0.0,
                   z_loss: float = 0.0, temperature: float = 1.0, logit_scale: float = 1.0,
                   softcap: Optional[float] = None, num_items_in_batch=None, backend: str = "auto",
-                  eager: Optional[bool] = None, workspace_mb: Optional[float] = None,
-                  allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
-                  vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
-                  fsdp_vocab_parallel: bool = False) -> torch.Tensor:
+                  **head) -> torch.Tensor:
     """``torch.nn.functional.cross_entropy(hidden @ weight.T + bias, targets)`` plus a z-loss, without the
     logits. Per valid token::
 
@@ -56,9 +54,7 @@ def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         raise ValueError(f"label_smoothing must be in [0, 1], got {label_smoothing!r}")
     v.require_real("z_loss", z_loss, nonnegative=True)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                             backend=backend, eager=eager, workspace_mb=workspace_mb, allow_tf32=allow_tf32,
-                             process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             backend=backend, **head)
     tgt = logits.targets("targets", targets, ignore_index)
     valid = tgt >= 0
     wants = dict(targets=tgt, want_mean_logit=label_smoothing > 0)

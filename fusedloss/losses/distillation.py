@@ -18,22 +18,20 @@ import torch
 from .. import _validation as v
 from ..core import LogitTransform, TeacherHead
 from ..distributed.head import check_same_rows
-from .docs import RUN, SHARDING, shared_arguments
 from .implicit_logits import implicit_logits
+from .options import RUN, SHARDING, shared_arguments, shared_options
 from .reductions import reduced_token_loss
 
 
-@shared_arguments("bias", "ignore_index", *RUN, "eager", *SHARDING)
+@shared_options(*RUN, "eager", *SHARDING)
+@shared_arguments("bias", "ignore_index", "backend", *RUN, "eager", *SHARDING)
 def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
                       teacher_weight: torch.Tensor, targets: Optional[torch.Tensor] = None, *, beta: float = 1.0,
                       temperature: float = 1.0, hard_weight: float = 0.0, soft_weight: float = 1.0,
                       t_squared: bool = False, bias: Optional[torch.Tensor] = None,
                       teacher_bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
                       reduction: Literal["batchmean", "sum", "none"] = "batchmean", num_items_in_batch=None,
-                      backend: str = "auto", eager: Optional[bool] = None, workspace_mb: Optional[float] = None,
-                      allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
-                      vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
-                      fsdp_vocab_parallel: bool = False) -> torch.Tensor:
+                      backend: str = "auto", **head) -> torch.Tensor:
     """Distillation from a frozen teacher over the full vocabulary (TRL's ``generalized_jsd_loss`` convention),
     from both models' hidden states, without either's logits.
 
@@ -76,13 +74,12 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden
     v.require_real("soft_weight", soft_weight)
     v.require_choice("reduction", reduction, ("batchmean", "sum", "none"))
     v.require_bool("t_squared", t_squared)
-    sharding = dict(process_group=process_group, vocab_start=vocab_start, vocab_size=vocab_size,
-                    fsdp_vocab_parallel=fsdp_vocab_parallel)
-    student = implicit_logits(hidden, weight, bias, temperature=temperature, backend=backend, eager=eager,
-                              workspace_mb=workspace_mb, allow_tf32=allow_tf32,
-                              reduce_hidden_grad=reduce_hidden_grad, **sharding)
+    student = implicit_logits(hidden, weight, bias, temperature=temperature, backend=backend, **head)
+    # The teacher's head is laid out as the student's (its gradient is never asked: no reduction option).
+    placement = {k: head[k] for k in SHARDING if k != "reduce_hidden_grad"}
     teacher = implicit_logits(teacher_hidden, teacher_weight, teacher_bias, temperature=temperature, backend="torch",
-                      hidden_name="teacher_hidden", weight_name="teacher_weight", bias_name="teacher_bias", **sharding)
+                              hidden_name="teacher_hidden", weight_name="teacher_weight", bias_name="teacher_bias",
+                              **placement)
     if teacher.lead_shape != student.lead_shape:
         raise ValueError(f"teacher_hidden must have the leading shape of hidden {student.lead_shape}, "
                          f"got {teacher.lead_shape}")

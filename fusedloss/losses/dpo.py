@@ -43,8 +43,8 @@ import torch.nn.functional as F
 from .. import _validation as v
 from ..types import DPODetails
 from . import sequences
-from .docs import RUN, SHARDING, shared_arguments
 from .implicit_logits import count_or_one, implicit_logits
+from .options import RUN, SHARDING, shared_arguments, shared_options
 
 LOSS_TYPES = ("sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", "bco_pair", "sppo_hard", "aot",
               "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm")
@@ -57,7 +57,8 @@ LossType = Literal["sigmoid", "hinge", "ipo", "exo_pair", "nca_pair", "robust", 
                    "aot_unpaired", "apo_zero", "apo_down", "discopop", "sft", "sigmoid_norm"]
 
 
-@shared_arguments(*RUN, *SHARDING)
+@shared_options(*RUN, *SHARDING)
+@shared_arguments("backend", *RUN, *SHARDING)
 def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ref_chosen_logps: torch.Tensor,
              ref_rejected_logps: torch.Tensor, *, beta: float = 0.1,
              loss_type: Union[LossType, Sequence[LossType]] = "sigmoid",
@@ -66,10 +67,7 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
              ld_alpha: Optional[float] = None, discopop_tau: float = 0.05, use_weighting: bool = False,
              bias: Optional[torch.Tensor] = None, temperature: float = 1.0, logit_scale: float = 1.0,
              softcap: Optional[float] = None, ignore_index: int = -100, return_details: bool = False,
-             backend: str = "auto", workspace_mb: Optional[float] = None,
-             allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
-             vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
-             fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, DPODetails]]:
+             backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, DPODetails]]:
     """TRL 1.16 DPOTrainer's loss from the hidden states (option names and defaults are DPOConfig's).
 
     Args:
@@ -101,9 +99,7 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
                    f_alpha_divergence_coef=f_alpha_divergence_coef, ld_alpha=ld_alpha, discopop_tau=discopop_tau,
                    use_weighting=use_weighting)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend, workspace_mb=workspace_mb,
-                             allow_tf32=allow_tf32, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             softcap=softcap, backend=backend, **head)
     pairs = sequences.require_rows(logits, paired=True)
     sequences.require_pair_refs(pairs, hidden, ref_chosen_logps=ref_chosen_logps,
                                 ref_rejected_logps=ref_rejected_logps)

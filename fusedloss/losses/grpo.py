@@ -39,8 +39,8 @@ import torch
 
 from .. import _validation as v
 from ..types import GRPODetails
-from .docs import RUN, SHARDING, shared_arguments
 from .implicit_logits import ImplicitLogits, count_or_one, implicit_logits, items_divisor
+from .options import RUN, SHARDING, shared_arguments, shared_options
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -51,7 +51,8 @@ _VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's clamp range of VESPO's log sequence w
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
 
 
-@shared_arguments(*RUN, "eager", *SHARDING)
+@shared_options(*RUN, "eager", *SHARDING)
+@shared_arguments("backend", *RUN, "eager", *SHARDING)
 def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, advantages: torch.Tensor,
               completion_mask: torch.Tensor, *, old_logprobs: Optional[torch.Tensor] = None,
               ref_logprobs: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
@@ -65,10 +66,7 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
               top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
               max_completion_length: Optional[int] = None, num_items_in_batch=None, num_processes: int = 1,
               importance_weights: Optional[torch.Tensor] = None, return_details: bool = False,
-              backend: str = "auto", eager: Optional[bool] = None, workspace_mb: Optional[float] = None,
-             allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
-             vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
-             fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, GRPODetails]]:
+              backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, GRPODetails]]:
     """TRL 1.16 GRPOTrainer's loss (``_compute_loss``, gradient accumulation 1) from the hidden states.
 
     Option names and defaults are GRPOConfig's (``epsilon_low`` is its ``epsilon``).
@@ -125,9 +123,7 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
                        vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
                        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend, eager=eager, workspace_mb=workspace_mb,
-                             allow_tf32=allow_tf32, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             softcap=softcap, backend=backend, **head)
     batch = _Completions.of(logits, opts, completion_ids, advantages, completion_mask, old_logprobs=old_logprobs,
                             ref_logprobs=ref_logprobs, sampling_logprobs=sampling_logprobs,
                             importance_weights=importance_weights)

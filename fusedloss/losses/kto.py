@@ -23,13 +23,14 @@ import torch
 from .. import _validation as v
 from ..types import KTODetails
 from . import sequences
-from .docs import RUN, SHARDING, shared_arguments
 from .implicit_logits import implicit_logits
+from .options import RUN, SHARDING, shared_arguments, shared_options
 
 LOSS_TYPES = ("kto", "apo_zero_unpaired")
 
 
-@shared_arguments(*RUN, *SHARDING)
+@shared_options(*RUN, *SHARDING)
+@shared_arguments("backend", *RUN, *SHARDING)
 def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, preference_labels: torch.Tensor,
              ref_logps: torch.Tensor, *, kl_hidden: Optional[torch.Tensor] = None,
              kl_labels: Optional[torch.Tensor] = None, ref_kl_logps: Optional[torch.Tensor] = None,
@@ -37,10 +38,7 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
              desirable_weight: float = 1.0, undesirable_weight: float = 1.0, bias: Optional[torch.Tensor] = None,
              temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
              ignore_index: int = -100, return_details: bool = False,
-             backend: str = "auto", workspace_mb: Optional[float] = None,
-             allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
-             vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
-             fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, KTODetails]]:
+             backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, KTODetails]]:
     """TRL 1.16 KTOTrainer's loss from the hidden states (option names and defaults are KTOConfig's).
 
     Args:
@@ -80,9 +78,7 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
     if kl is not None and not isinstance(kl, torch.Tensor):
         v.require_real("kl", kl)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend, workspace_mb=workspace_mb,
-                             allow_tf32=allow_tf32, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             softcap=softcap, backend=backend, **head)
     rows = sequences.require_rows(logits, paired=False)
     desirable = v.require_mask("preference_labels", preference_labels, (rows,)) != 0
     v.require_tensor("ref_logps", ref_logps, floating=True)
@@ -93,7 +89,8 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
     z0 = torch.zeros((), dtype=acc, device=logps.device)
     if loss_type == "kto":
         z0 = _reference_point(kl, kl_hidden, kl_labels, ref_kl_logps, weight, bias, acc, ignore_index,
-                              dict(temperature=temperature, logit_scale=logit_scale, softcap=softcap, backend=backend))
+                              dict(temperature=temperature, logit_scale=logit_scale, softcap=softcap, backend=backend,
+                                   **head))
     u = logps - ref_logps.to(acc)
     if loss_type == "kto":
         gain, loss_ = 1 - torch.sigmoid(beta * (u - z0)), 1 - torch.sigmoid(beta * (z0 - u))

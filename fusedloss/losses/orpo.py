@@ -25,19 +25,17 @@ import torch.nn.functional as F
 from .. import _validation as v
 from ..types import ORPODetails
 from . import sequences
-from .docs import RUN, SHARDING, shared_arguments
 from .implicit_logits import implicit_logits
+from .options import RUN, SHARDING, shared_arguments, shared_options
 
 
-@shared_arguments(*RUN, *SHARDING)
+@shared_options(*RUN, *SHARDING)
+@shared_arguments("backend", *RUN, *SHARDING)
 def orpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, beta: float = 0.1,
               nll_labels: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
               temperature: float = 1.0, logit_scale: float = 1.0, softcap: Optional[float] = None,
               ignore_index: int = -100, return_details: bool = False,
-              backend: str = "auto", workspace_mb: Optional[float] = None,
-             allow_tf32: Optional[bool] = None, process_group=None, reduce_hidden_grad: bool = True,
-             vocab_start: Optional[int] = None, vocab_size: Optional[int] = None,
-             fsdp_vocab_parallel: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, ORPODetails]]:
+              backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, ORPODetails]]:
     """ORPO's loss from the hidden states (option names and defaults are TRL's ORPOConfig's).
 
     Args:
@@ -57,9 +55,7 @@ def orpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     """
     v.require_real("beta", beta)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
-                             softcap=softcap, backend=backend, workspace_mb=workspace_mb,
-                             allow_tf32=allow_tf32, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             softcap=softcap, backend=backend, **head)
     pairs = sequences.require_rows(logits, paired=True)
     tokens = sequences.token_logps(logits, labels, ignore_index, extra_labels=nll_labels)
     mean_logps = tokens.means()

@@ -7,8 +7,8 @@ from typing import Literal, Optional, overload
 
 import torch
 
-from .docs import HEAD, RUN, SHARDING, shared_arguments
 from .implicit_logits import implicit_logits
+from .options import HEAD, RUN, SHARDING, shared_arguments, shared_options
 
 
 @overload
@@ -21,13 +21,12 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                    return_entropy: Literal[True], **options) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
-@shared_arguments(*HEAD, "ignore_index", *RUN, *SHARDING)
+@shared_options(*RUN, *SHARDING)
+@shared_arguments(*HEAD, "ignore_index", "backend", *RUN, *SHARDING)
 def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                    bias: Optional[torch.Tensor] = None, temperature: float = 1.0, logit_scale: float = 1.0,
                    softcap: Optional[float] = None, ignore_index: int = -100, return_entropy: bool = False,
-                   backend: str = "auto", workspace_mb: Optional[float] = None, allow_tf32: Optional[bool] = None,
-                   process_group=None, reduce_hidden_grad: bool = True, vocab_start: Optional[int] = None,
-                   vocab_size: Optional[int] = None, fsdp_vocab_parallel: bool = False):
+                   backend: str = "auto", **head):
     """Per-token ``log p(targets)`` and optionally the entropy, from the hidden states, without the logits.
 
     The composable building block: RL trainers gather these and apply their own loss. Its backward recomputes
@@ -51,9 +50,7 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
                                                  temperature=0.7, return_entropy=True)
     """
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
-                             backend=backend, workspace_mb=workspace_mb, allow_tf32=allow_tf32,
-                             process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
-                             vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel)
+                             backend=backend, **head)
     tgt = logits.targets("targets", targets, ignore_index)
     stats = logits.statistics(targets=tgt, want_entropy=bool(return_entropy))
     logp = logits.unflatten(stats.logp)

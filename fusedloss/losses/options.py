@@ -1,13 +1,22 @@
-"""The documentation of the arguments every public loss shares, written once.
+"""The arguments every public loss shares, written once: their documentation and, for the trailing options
+(how to run, where the head's rows live), their names, defaults and types.
 
-A loss's docstring lists its own arguments and ends its ``Args:`` section with a line ``{shared}``; the
-decorator ``shared_arguments(*names)`` replaces that line with the entries below, so that an option means the
-same thing, in the same words, everywhere (help(fusedloss.grpo_loss) shows the whole list).
+A loss's docstring lists its own arguments and ends its ``Args:`` section with a line ``{shared}``;
+``shared_arguments(*names)`` replaces that line with the entries below, so that an option means the same
+thing, in the same words, everywhere (``help(fusedloss.grpo_loss)`` shows the whole list).
+
+``shared_options(*names)`` also adds the trailing keyword-only options (``RUN``, ``SHARDING``, ``eager``) to
+a loss that collects them in ``**head``: its signature (``inspect.signature``, ``help``, the generated
+``fusedloss.nn`` modules) lists each with its default, a call with an unknown keyword raises ``TypeError`` as
+Python would, and the loss passes ``**head`` on to ``implicit_logits`` untouched.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import textwrap
+from typing import Optional
 
 SHARED = {
     "bias": "``[V]`` lm_head bias, or None.",
@@ -43,8 +52,46 @@ SHARED = {
 }
 
 HEAD = ("bias", "temperature", "logit_scale", "softcap")
-RUN = ("backend", "workspace_mb", "allow_tf32")
+RUN = ("workspace_mb", "allow_tf32")
 SHARDING = ("process_group", "reduce_hidden_grad", "vocab_start", "vocab_size", "fsdp_vocab_parallel")
+
+# The trailing keyword-only options: (default, annotation).
+DEFAULTS = {
+    "eager": (None, Optional[bool]),
+    "workspace_mb": (None, Optional[float]),
+    "allow_tf32": (None, Optional[bool]),
+    "process_group": (None, None),
+    "reduce_hidden_grad": (True, bool),
+    "vocab_start": (None, Optional[int]),
+    "vocab_size": (None, Optional[int]),
+    "fsdp_vocab_parallel": (False, bool),
+}
+
+
+def shared_options(*names: str):
+    """Add the keyword-only options ``names`` (keys of ``DEFAULTS``) to a function that takes ``**head``, and
+    document them with the function's other shared arguments (``{shared}``: "backend" and ``names``)."""
+
+    def attach(fn):
+        signature = inspect.signature(fn)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=DEFAULTS[name][0],
+                                   annotation=DEFAULTS[name][1] or inspect.Parameter.empty) for name in names]
+        full = signature.replace(parameters=own + extra)
+        accepted = set(full.parameters)
+
+        @functools.wraps(fn)
+        def call(*args, **kwargs):
+            unknown = sorted(set(kwargs) - accepted)
+            if unknown:
+                raise TypeError(f"{fn.__name__}() got an unexpected keyword argument {unknown[0]!r}")
+            head = {name: kwargs.pop(name, DEFAULTS[name][0]) for name in names}
+            return fn(*args, **kwargs, **head)
+
+        call.__signature__ = full
+        return call
+
+    return attach
 
 
 def shared_arguments(*names: str):
