@@ -29,6 +29,7 @@ from ..core import statistics as core
 from ..core.problem import Statistics
 from . import _comm, dtensor, vocab_parallel
 from . import layout as layouts
+from .head import LaidOutHead
 
 
 def prepare(hidden, weight, bias, *, dim: int, vocab_size, fsdp_vocab_parallel: bool, weight_name: str):
@@ -50,20 +51,10 @@ def prepare(hidden, weight, bias, *, dim: int, vocab_size, fsdp_vocab_parallel: 
     return hidden, w_local, b_local, GatheredHead(layout)
 
 
-class GatheredHead:
+class GatheredHead(LaidOutHead):
     """Each rank's rows of an FSDP2 head, gathered whole for each pass."""
 
     takes_whole_teacher = True
-
-    def __init__(self, layout: layouts.VocabLayout):
-        self.layout = layout
-
-    @property
-    def vocab_size(self) -> int:
-        return self.layout.vocab_size
-
-    def same_rows(self, other) -> bool:
-        return isinstance(other, GatheredHead) and other.layout == self.layout
 
     def statistics(self, logits, *, targets=None, teacher=None, transform=None, **wants) -> Statistics:
         if teacher is not None and teacher.weight.shape[0] != self.layout.vocab_size:
@@ -124,18 +115,8 @@ class _Gathered(torch.autograd.Function):
                 _scatter_mean(db, b_local, layout) if need_b else None, None, None, None)
 
 
-class VocabParallelOverData:
+class VocabParallelOverData(LaidOutHead):
     """An FSDP2 head used as vocabulary-parallel over its data-parallel group (``fsdp_vocab_parallel=True``)."""
-
-    def __init__(self, layout: layouts.VocabLayout):
-        self.layout = layout
-
-    @property
-    def vocab_size(self) -> int:
-        return self.layout.vocab_size
-
-    def same_rows(self, other) -> bool:
-        return isinstance(other, VocabParallelOverData) and other.layout == self.layout
 
     def statistics(self, logits, *, targets=None, teacher=None, transform=None, **wants) -> Statistics:
         group = _comm.resolve(self.layout.group_name)

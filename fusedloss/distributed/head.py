@@ -32,19 +32,28 @@ from . import layout as layouts
 from . import vocab_parallel
 
 
-class VocabParallelHead:
-    """This rank's rows of a head sharded over a process group (``layout``)."""
+class LaidOutHead:
+    """A head whose rows are spread over ranks as ``layout`` says. ``ImplicitLogits.distributed`` holds one; it
+    computes the statistics (``statistics(logits, targets=, teacher=, transform=, **wants)``), and two heads of
+    one loss (student and teacher) must have the same kind and layout (``same_rows``)."""
 
-    def __init__(self, layout: layouts.VocabLayout, reduce_hidden_grad: bool):
+    def __init__(self, layout: layouts.VocabLayout):
         self.layout = layout
-        self.reduce_hidden_grad = reduce_hidden_grad
 
     @property
     def vocab_size(self) -> int:
         return self.layout.vocab_size
 
     def same_rows(self, other) -> bool:
-        return isinstance(other, VocabParallelHead) and other.layout == self.layout
+        return type(other) is type(self) and other.layout == self.layout
+
+
+class VocabParallelHead(LaidOutHead):
+    """This rank's rows of a head sharded over a process group (``layout``)."""
+
+    def __init__(self, layout: layouts.VocabLayout, reduce_hidden_grad: bool):
+        super().__init__(layout)
+        self.reduce_hidden_grad = reduce_hidden_grad
 
     def statistics(self, logits, *, targets=None, teacher=None, transform=None, **wants) -> Statistics:
         return vocab_parallel.token_statistics(self.layout, logits.hidden, logits.weight, bias=logits.bias,

@@ -44,26 +44,23 @@ NOT_HERE = 2**62
 or not, ever reaches, so the row keeps every statistic and gets no target column (-1 would ignore it)."""
 
 
+# Which local statistics the merge needs, in packing order, and when (a few values per token travel).
+_PACKED = (
+    ("lse", lambda p: True), ("lse_lo", lambda p: True),
+    ("logp", lambda p: p.targets is not None),
+    ("entropy", lambda p: p.want_entropy),
+    ("log_sum_sq_probs", lambda p: p.want_extras), ("row_max", lambda p: p.want_extras),
+    ("is_top1", lambda p: p.want_extras and p.targets is not None),
+    ("mean_logit", lambda p: p.want_mean_logit),
+    ("lse_t", lambda p: p.has_teacher), ("lse_t_lo", lambda p: p.has_teacher),
+    ("kl_rev", lambda p: p.has_teacher and p.want_kl_rev),
+    ("kl_fwd", lambda p: p.has_teacher and p.want_kl_fwd),
+)
+
+
 def packed_fields(p: StatsProblem) -> tuple:
     """The local statistics the merge needs for this problem, in packing order."""
-    names = ["lse", "lse_lo"]
-    if p.targets is not None:
-        names.append("logp")
-    if p.want_entropy:
-        names.append("entropy")
-    if p.want_extras:
-        names += ["log_sum_sq_probs", "row_max"]
-        if p.targets is not None:
-            names.append("is_top1")
-    if p.want_mean_logit:
-        names.append("mean_logit")
-    if p.has_teacher:
-        names += ["lse_t", "lse_t_lo"]
-        if p.want_kl_rev:
-            names.append("kl_rev")
-        if p.want_kl_fwd:
-            names.append("kl_fwd")
-    return tuple(names)
+    return tuple(name for name, wanted in _PACKED if wanted(p))
 
 
 _EMPTY_SHARD = {"lse": -math.inf, "lse_t": -math.inf, "row_max": -math.inf}
