@@ -27,6 +27,7 @@
 #                              are at N=16384, so those come first)
 #     BENCH_IMPLS              implementations (default: reference, every fusedloss backend, auto, the peers)
 #     BENCH_OPS                ops (default: all five)
+#     TRITON_CHECK_ARGS        device_check_triton.py's arguments instead of "--skip-timing" (+ --cpu-smoke dry)
 #     BENCH_PARTS              where the benchmark's per-call files are kept for a rerun
 #                              (default benchmarks/out/device-parts, git-ignored)
 #     FUSEDLOSS_COMMIT         commit to record when the copy on the device has no .git
@@ -104,7 +105,7 @@ box() {
 
 _run_boxed() {  # _run_boxed BOX CMD... : a child bash with this script's functions and variables
   timeout -k 10 "$1" bash -c "$(declare -f); $(declare -p DRY ROOT OUT LOG PY TOTAL RESERVE SKIP START \
-    SCRATCH PEER_SITE PARTS BENCH_ARGS BENCH_IMPLS BENCH_OPS RERUN BOX TESTS_K TESTS_ARGS 2>/dev/null); cd \"\$ROOT\"; \"\$@\"" \
+    SCRATCH PEER_SITE PARTS BENCH_ARGS BENCH_IMPLS BENCH_OPS RERUN BOX TESTS_K TESTS_ARGS TRITON_CHECK_ARGS 2>/dev/null); cd \"\$ROOT\"; \"\$@\"" \
     stage "${@:2}"
 }
 
@@ -254,6 +255,7 @@ tests_stage() {
 triton_stage() {
   local extra=(--skip-timing)
   [[ "$DRY" == 1 ]] && extra+=(--cpu-smoke)
+  [[ -n "${TRITON_CHECK_ARGS:-}" ]] && read -r -a extra <<< "$TRITON_CHECK_ARGS"
   "$PY" benchmarks/device_check_triton.py --out "$OUT/triton_check.json" "${extra[@]}"
 }
 

@@ -50,3 +50,29 @@ def test_dry_run_then_rerun_finishes_the_benchmark(tmp_path):
     assert ok == ["fusedloss:torch", "reference", "torch-lce"]
     assert len(merged) == 3  # one record per case across the two calls
     assert "torch-lce" in stdout[stdout.index("---------------- benchmark"):]
+
+
+def test_dry_run_of_the_check_stages(tmp_path):
+    """The stages before the benchmark, dry: the Triton check in the background (here only its cost table, the
+    full CPU smoke run takes minutes), the CUDA check's correctness sections and then its timings alone,
+    the sanitizer's and racecheck's scripts on the host twins; each reports rc=0 and leaves its JSON."""
+    from fusedloss.cuda import backend as cuda
+
+    if not cuda.extension_built():
+        import pytest
+
+        pytest.skip(f"CUDA extension not built: {cuda.availability()}")
+    out = tmp_path / "out"
+    stdout = _call(tmp_path, out, SKIP="peers,build,bench,compile", TRITON_CHECK_ARGS="--cost-table")
+    summary = stdout[stdout.index("device check summary"):].splitlines()
+    for stage in ("env", "triton", "cuda", "sanitize", "racecheck", "cuda_timing"):
+        assert any(line.split()[:2] == [stage, "rc=0"] for line in summary), (stage, summary)
+    log = (out / "device_check.log").read_text()
+    assert "---------------- triton (background) ----------------" in log and '"after_ratio"' in log
+    # the Triton check ends before anything is timed
+    assert log.index("waiting for triton") < log.index("cuda_timing (box")
+    for name in ("cuda_check", "cuda_timing"):
+        report = json.loads((out / f"{name}.json").read_text())
+        assert report["ok"] is True and report["environment"]["smoke"] is True
+    sections = {c["name"] for c in json.loads((out / "cuda_timing.json").read_text())["cases"]}
+    assert sections == {"timings"}
