@@ -1082,23 +1082,17 @@ def main(argv=None) -> int:
 
 
 def plan_groups(ops, runnable, ns, group_by, gpu=False):
-    """Worker groups, in the order they run. On a GPU: the reference and fusedloss's backends for every op
-    and N (smallest N first), then the peers (Liger's first call compiles), then the compiled reference
-    (the slowest to warm up), so a time-boxed run gets the core numbers first. On a CPU: every
-    implementation of one op after the other, then the compiled reference. ``runnable`` is
-    ``[(impl, ops it can run)]``. ``group_by='op'``: one worker per (op, N) (cleanest memory numbers);
-    ``'n'``: one worker per N for all ops (fewer process starts)."""
-    from .peers import PEERS
-
+    """Worker groups, in the order they run: for each N in the order given, every implementation of one op
+    after the other (the reference first, then fusedloss's backends, then the peers, as ``runnable`` lists
+    them), so that a time-boxed run gets whole ops, peers included; then the compiled reference (the slowest
+    to warm up) for every N. ``runnable`` is ``[(impl, ops it can run)]``. ``group_by='op'``: one worker per
+    (op, N), which builds that op's problem once for all its implementations and keeps a crash or a leak
+    inside it (the default on a GPU); ``'n'``: one worker per N for all ops (fewer process starts). ``gpu``
+    is kept for callers; both devices order the same way."""
     can = {name: set(its_ops) for name, its_ops in runnable}
     impls = [name for name, _ in runnable]
     groups = []
-    if gpu:
-        phases = ([i for i in impls if i != "reference+compile" and i not in PEERS],  # ours and the reference
-                  [i for i in impls if i in PEERS],                                  # peers (Liger compiles)
-                  [i for i in impls if i == "reference+compile"])
-    else:  # every implementation of an op in a row: a time-boxed run gets whole ops, peers included
-        phases = ([i for i in impls if i != "reference+compile"], [i for i in impls if i == "reference+compile"])
+    phases = ([i for i in impls if i != "reference+compile"], [i for i in impls if i == "reference+compile"])
     for phase in phases:
         if not phase:
             continue

@@ -164,3 +164,20 @@ def test_a_rerun_measures_only_what_the_first_run_left(tmp_path):
                                                                dtype="float32")["bound_ms"], rel=1e-3)
         assert r["measured_over_bound"] is None  # a CPU measurement is never divided by an H200 figure
         assert r["product_ms"] > 0 and r["floor_ms"] == pytest.approx(3 * r["product_ms"], rel=1e-3)
+
+
+def test_groups_run_whole_ops_in_the_order_of_n_given():
+    """The device run's order: N=16384 first (issue 9's targets), each op in one worker with every
+    implementation, the reference first and the peers after fusedloss's backends; the compiled reference
+    last, once everything else is measured."""
+    runnable = [("reference", list(bench.OP_ORDER)), ("fusedloss:cuda", list(bench.OP_ORDER)),
+                ("trl", ["token_logprobs", "grpo_loss"]), ("liger", ["cross_entropy"]),
+                ("reference+compile", list(bench.OP_ORDER))]
+    groups = bench.plan_groups(["token_logprobs", "cross_entropy"], runnable, [16384, 4096], "op", gpu=True)
+    assert [(g["N"], g["tasks"]) for g in groups] == [
+        (16384, [("token_logprobs", "reference"), ("token_logprobs", "fusedloss:cuda"), ("token_logprobs", "trl")]),
+        (16384, [("cross_entropy", "reference"), ("cross_entropy", "fusedloss:cuda"), ("cross_entropy", "liger")]),
+        (4096, [("token_logprobs", "reference"), ("token_logprobs", "fusedloss:cuda"), ("token_logprobs", "trl")]),
+        (4096, [("cross_entropy", "reference"), ("cross_entropy", "fusedloss:cuda"), ("cross_entropy", "liger")]),
+        (16384, [("token_logprobs", "reference+compile")]), (16384, [("cross_entropy", "reference+compile")]),
+        (4096, [("token_logprobs", "reference+compile")]), (4096, [("cross_entropy", "reference+compile")])]
