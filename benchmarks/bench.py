@@ -11,7 +11,8 @@ dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each 
 
 - ``fwd_bwd_ms``: median wall time of forward + backward (CUDA events on GPU) over the timed calls,
   after an untimed first call; ``fwd_bwd_ms_min`` / ``fwd_bwd_ms_max`` bound them, and ``spread`` is
-  (max - min) / median. ``first_call_ms`` is the first call (compilation, autotuning).
+  (max - min) / median. ``first_call_ms`` is the first call (compilation, autotuning). ``fwd_ms`` and
+  ``bwd_ms``: the same calls split at the loss (the implementation's call; ``loss.backward()``).
 - ``extra_peak_mib``: peak memory during one forward + backward, minus what was allocated before it
   (the inputs) and minus the gradients it returns. GPU: ``torch.cuda.max_memory_allocated``. CPU:
   the process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs before each
@@ -20,6 +21,13 @@ dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each 
 - ``max_rel_err``: the largest norm-wise relative error, over the outputs and the gradients with
   respect to hidden and weight, against ``fusedloss.reference`` in float64 on the same data
   (``errors`` has each one).
+
+On a GPU (or with ``--model-gpu``) each record also carries the cost model's figures for the same call
+(benchmarks/cost_model.py; docs/design.md, "Plans and the cost model"): ``modelled_ms`` /
+``modelled_fwd_ms`` / ``modelled_bwd_ms`` from fusedloss's CUDA and Triton backends' own plans, the
+product-count bound ``bound_ms`` for every implementation, one GEMM-sized product measured in the same
+process (``product_ms``), and the measured time over each (benchmarks/NOTES.md, "The model beside the
+measurement").
 
 Which implementations can run here is decided before any problem is built (one line says what cannot
 and why). Each group of cases runs in a worker process: a crash or a hang in one implementation is
@@ -914,9 +922,9 @@ def availability(name: str, op: str, device: str, compile_mode: str = "default")
 
 
 def resolve_auto(device: str) -> str:
-    from fusedloss.core import backends
-
     import torch
+
+    from fusedloss.core import backends
 
     return "fusedloss:" + backends.resolve("auto", torch.device(device))
 
