@@ -11,7 +11,8 @@ dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each 
 
 - ``fwd_bwd_ms``: median wall time of forward + backward (CUDA events on GPU) over the timed calls,
   after an untimed first call; ``fwd_bwd_ms_min`` / ``fwd_bwd_ms_max`` bound them, and ``spread`` is
-  (max - min) / median. ``first_call_ms`` is the first call (compilation, autotuning).
+  (max - min) / median. ``first_call_ms`` is the first call (compilation, autotuning). ``fwd_ms`` and
+  ``bwd_ms``: the same calls split at the loss (the implementation's call; ``loss.backward()``).
 - ``extra_peak_mib``: peak memory during one forward + backward, minus what was allocated before it
   (the inputs) and minus the gradients it returns. GPU: ``torch.cuda.max_memory_allocated``. CPU:
   the process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs before each
@@ -20,6 +21,13 @@ dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each 
 - ``max_rel_err``: the largest norm-wise relative error, over the outputs and the gradients with
   respect to hidden and weight, against ``fusedloss.reference`` in float64 on the same data
   (``errors`` has each one).
+
+On a GPU (or with ``--model-gpu``) each record also carries the cost model's figures for the same call
+(benchmarks/cost_model.py; docs/design.md, "Plans and the cost model"): ``modelled_ms`` /
+``modelled_fwd_ms`` / ``modelled_bwd_ms`` from fusedloss's CUDA and Triton backends' own plans, the
+product-count bound ``bound_ms`` for every implementation, one GEMM-sized product measured in the same
+process (``product_ms``), and the measured time over each (benchmarks/NOTES.md, "The model beside the
+measurement").
 
 Which implementations can run here is decided before any problem is built (one line says what cannot
 and why). Each group of cases runs in a worker process: a crash or a hang in one implementation is
@@ -198,7 +206,9 @@ def _sync(device):
 
 
 def _one_run(impl, p, device, mem=None):
-    """One forward+backward. Returns (ms, outputs, grads, extra_bytes)."""
+    """One forward+backward. Returns (ms, forward ms, backward ms, outputs, grads, extra_bytes): the forward
+    is the implementation's call (whatever it does there: an eager path finishes its gradients in it), the
+    backward is ``loss.backward()``."""
     import torch
 
     h, w = p.leaves()
@@ -206,23 +216,109 @@ def _one_run(impl, p, device, mem=None):
     if mem is not None:
         mem.start()
     if device.type == "cuda":
-        e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         e0.record()
         loss, outs = impl(p, h, w)
-        loss.backward()
         e1.record()
+        loss.backward()
+        e2.record()
         torch.cuda.synchronize()
-        ms = e0.elapsed_time(e1)
+        fwd, bwd = e0.elapsed_time(e1), e1.elapsed_time(e2)
     else:
         t0 = time.perf_counter()
         loss, outs = impl(p, h, w)
+        t1 = time.perf_counter()
         loss.backward()
-        ms = (time.perf_counter() - t0) * 1e3
+        fwd, bwd = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
     extra = None
     grads = {"hidden": h.grad, "weight": w.grad}
     if mem is not None:
         extra = mem.peak_extra() - sum(g.numel() * g.element_size() for g in grads.values() if g is not None)
-    return ms, outs, grads, extra
+    return fwd + bwd, fwd, bwd, outs, grads, extra
+
+
+def _median(xs):
+    xs = sorted(xs)
+    k = len(xs) // 2
+    return xs[k] if len(xs) % 2 else 0.5 * (xs[k - 1] + xs[k])
+
+
+# ============================================================================ the cost model beside the measurement
+# The benchmark's ops as the cost model names them (benchmarks/cost_model.py, fusedloss/core/cost.py OPS):
+# token_logprobs is timed with its entropy; distillation_loss with beta 1 is the reverse KL.
+MODEL_OP = {"token_logprobs": "token_logprobs_entropy", "cross_entropy": "cross_entropy", "grpo_loss": "grpo",
+            "dpo_loss": "dpo", "distillation_loss": "distill_reverse_kl"}
+MODEL_FIELDS = ("modelled_ms", "modelled_fwd_ms", "modelled_bwd_ms", "bound_ms", "ratio", "measured_over_model",
+                "measured_over_bound", "floor_ms", "measured_over_floor")
+
+
+def gpu_model_key(name: Optional[str]) -> Optional[str]:
+    """The cost model's GPU (``fusedloss.core.cost.GPUS`` key) for a device name, or None."""
+    from fusedloss.core import cost
+
+    upper = (name or "").upper()
+    for key, spec in cost.GPUS.items():
+        if spec.name.upper() in upper or key.upper() in upper:
+            return key
+    return None
+
+
+def free_bytes_now(device) -> Optional[int]:
+    """Memory free for torch on the device: the driver's free memory plus what torch's allocator caches
+    unused (what the CUDA backend sizes its workspace from, fusedloss/cuda/backend.py ``_free_bytes``)."""
+    import torch
+
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+
+
+def modelled(op: str, impl: str, n: int, d: int, v: int, dtype: str, gpu: str, device_type: str,
+             free_bytes: Optional[int] = None) -> dict:
+    """The cost model's figures for one record: for a fusedloss backend with a ``plan`` (cuda, triton; auto
+    as the backend it resolves to here) that plan's modelled forward, backward and total beside the
+    product-count bound; for everything else (the reference, the peers, the torch backend) the bound only.
+    ``model`` holds the details (path, products, HBM bytes, the plan's params, per-pass ms)."""
+    from . import cost_model
+
+    mop = MODEL_OP[op]
+    teacher_d = d if op == "distillation_loss" else None
+    b = cost_model.bound(mop, n, d, v, dtype=dtype, gpu=gpu, teacher_d=teacher_d)
+    info = {"gpu": b["gpu"], "op": mop, "N": n, "D": d, "V": v, "dtype": dtype,
+            "bound_products": b["bound_products"], "bound_teacher_products": b["bound_teacher_products"]}
+    out = {"bound_ms": _sig(b["bound_ms"]), "modelled_ms": None, "modelled_fwd_ms": None,
+           "modelled_bwd_ms": None, "ratio": None}
+    backend = impl.split(":", 1)[1] if impl.startswith("fusedloss:") else None
+    if backend == "auto":
+        import torch
+
+        from fusedloss.core import backends
+
+        backend = backends.resolve("auto", torch.device(device_type))
+        info["auto_resolves_to"] = backend
+    why = None
+    if backend in ("cuda", "triton"):
+        try:
+            e = cost_model.estimate(mop, backend, n, d, v, dtype=dtype, gpu=gpu, teacher_d=teacher_d,
+                                    free_bytes=free_bytes)
+        except Exception as exc:  # a plan that cannot be modelled is recorded, never fatal to the run
+            why = f"{backend}'s plan could not be modelled: {type(exc).__name__}: {exc}"
+        else:
+            out.update(modelled_ms=_sig(e["model_ms"]), modelled_fwd_ms=_sig(e["model_fwd_ms"]),
+                       modelled_bwd_ms=_sig(e["model_bwd_ms"]), ratio=_sig(e["ratio"]))
+            info.update(source=f"{backend}.plan", backend=backend, path=e["path"], products=e["products"],
+                        teacher_products=e["teacher_products"], flops=e["flops"], hbm_bytes=e["hbm_bytes"],
+                        free_bytes=e["free_bytes"], plan=e["plan"], passes=e["passes"],
+                        backward_passes=e["backward_passes"])
+    elif backend is not None:
+        why = f"the {backend} backend has no plan() in the cost model"
+    else:
+        why = f"{impl} has no plan in the cost model (its path is not modelled)"
+    if why is not None:
+        info.update(source="bound only", why=why)
+    out["model"] = info
+    return out
 
 
 def run_group(spec: dict, emit) -> None:
@@ -257,6 +353,12 @@ def run_group(spec: dict, emit) -> None:
             t0 = time.perf_counter()
             p = cases.make_problem(op, spec["N"], spec["V"], spec["D"], dtype, device, seed=spec.get("seed", 0))
             shape = {"N": p.N, "V": p.V, "D": p.D, "input_mib": round(p.input_bytes() / MIB, 1)}
+            if spec.get("model_gpu"):
+                try:
+                    shape["product_ms"] = _sig(product_ms(p, device))
+                    shape["product_tflops"] = _sig(2.0 * p.N * p.V * p.D / shape["product_ms"] * 1e-9)
+                except Exception as exc:
+                    emit({"kind": "note", "op": op, "msg": f"product timing failed: {type(exc).__name__}: {exc}"})
             if not spec.get("no_error"):
                 try:
                     ref_out, ref_grads = cases.reference64(p)
@@ -275,18 +377,19 @@ def run_group(spec: dict, emit) -> None:
         emit({"kind": "start", "op": op, "impl": name})
         if os.environ.get("FUSEDLOSS_BENCH_CRASH") == name:  # self-test of the crash recovery
             os._exit(3)
+        free_at_start = free_bytes_now(device)
         try:
             t1 = time.perf_counter()
-            first_ms, outs, grads, first_extra = _one_run(impl, p, device, mem)
+            first_ms, first_fwd, first_bwd, outs, grads, first_extra = _one_run(impl, p, device, mem)
             rec["first_call_ms"] = round((time.perf_counter() - t1) * 1e3, 2)
             # repeats: as many as fit in the per-implementation time budget, at least one
             budget_ms = spec.get("impl_budget_s", 60) * 1e3
             reps = max(spec.get("min_repeat", 1), min(spec["repeat"], int(budget_ms / max(first_ms, 1e-3))))
-            times, extras = [], []
+            times, fwds, bwds, extras = [], [], [], []
             if spec.get("count_slow_first") and first_ms * (1 + reps) > budget_ms:
                 # A time-boxed run and a slow call: the first call is one of the timed ones (nothing here
                 # compiles on a CPU; its extra cost is the first allocation of its buffers).
-                times, extras, reps = [first_ms], [first_extra], reps - 1
+                times, fwds, bwds, extras, reps = [first_ms], [first_fwd], [first_bwd], [first_extra], reps - 1
             for _ in range(max(0, spec["warmup"] - 1)):
                 if first_ms * reps > budget_ms:
                     break
@@ -295,13 +398,17 @@ def run_group(spec: dict, emit) -> None:
                 if times and deadline and time.time() + times[-1] / 1e3 > deadline:
                     break  # the run's budget: fewer repeats rather than a case cut off
                 outs = grads = None
-                ms, outs, grads, extra = _one_run(impl, p, device, mem)
+                ms, fwd, bwd, outs, grads, extra = _one_run(impl, p, device, mem)
                 times.append(ms)
+                fwds.append(fwd)
+                bwds.append(bwd)
                 extras.append(extra)
             times.sort()
-            median = times[len(times) // 2] if len(times) % 2 else 0.5 * sum(times[len(times) // 2 - 1:][:2])
+            median = _median(times)
             rec.update(status="ok", fwd_bwd_ms=round(median, 3), fwd_bwd_ms_min=round(times[0], 3),
                        fwd_bwd_ms_max=round(times[-1], 3), spread=round((times[-1] - times[0]) / median, 4) if len(times) > 1 else None,
+                       fwd_ms=round(_median(fwds), 3), bwd_ms=round(_median(bwds), 3),
+                       fwd_ms_min=round(min(fwds), 3), bwd_ms_min=round(min(bwds), 3),
                        repeats=len(times), extra_peak_mib=round(max(extras) / MIB, 2) if extras else None)
             if ref_out is not None:
                 errs = {}
@@ -314,12 +421,66 @@ def run_group(spec: dict, emit) -> None:
             else:
                 rec["max_rel_err"] = None
             del outs, grads
+            if spec.get("model_gpu"):
+                rec.update(model_fields(rec, op, name, p, spec, device, free_at_start))
         except Exception as exc:
             rec.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:400]}",
                        traceback=traceback.format_exc()[-2000:])
         if device.type == "cuda":
             torch.cuda.empty_cache()
         emit(rec)
+
+
+def product_ms(p, device, repeat: int = 5) -> float:
+    """One GEMM-sized product of this problem, ``hidden [N, D] @ weight.T`` in its dtype (TF32 off), timed
+    in this process: median of ``repeat`` after two warm-ups. The bound's unit measured, not taken from a
+    datasheet (``floor_ms`` = the bound's products at this time)."""
+    import torch
+
+    h2, w = p.t["hidden"].reshape(-1, p.D), p.t["weight"]
+    times = []
+    for i in range(2 + repeat):
+        _sync(device)
+        if device.type == "cuda":
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            out = torch.mm(h2, w.t())
+            e1.record()
+            torch.cuda.synchronize()
+            ms = e0.elapsed_time(e1)
+        else:
+            t0 = time.perf_counter()
+            out = torch.mm(h2, w.t())
+            ms = (time.perf_counter() - t0) * 1e3
+        del out
+        if i >= 2:
+            times.append(ms)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return _median(times)
+
+
+def model_fields(rec: dict, op: str, impl: str, p, spec: dict, device, free_bytes) -> dict:
+    """``modelled`` for a measured record, with the measured time over the modelled one and over the bound
+    where the measurement was made on a GPU (on a CPU those quotients would compare a CPU with an H200)."""
+    try:
+        m = modelled(op, impl, p.N, p.D, p.V, spec["dtype"], spec["model_gpu"], device.type, free_bytes)
+    except Exception as exc:
+        return {"model": {"source": "none", "why": f"{type(exc).__name__}: {exc}"}}
+    m["measured_over_model"] = m["measured_over_bound"] = m["floor_ms"] = m["measured_over_floor"] = None
+    if rec.get("product_ms"):
+        info = m["model"]
+        m["floor_ms"] = _sig((info["bound_products"] + info["bound_teacher_products"]) * rec["product_ms"])
+    if device.type == "cuda":
+        if m["modelled_ms"]:
+            m["measured_over_model"] = _sig(rec["fwd_bwd_ms"] / m["modelled_ms"])
+        m["measured_over_bound"] = _sig(rec["fwd_bwd_ms"] / m["bound_ms"])
+        if m["floor_ms"]:
+            m["measured_over_floor"] = _sig(rec["fwd_bwd_ms"] / m["floor_ms"])
+    else:
+        m["model"]["note"] = ("measured on a CPU: the model describes the GPU named in `gpu` at this shape, "
+                              "not what ran here")
+    return m
 
 
 def worker_main(spec_path: str, out_path: str) -> None:
@@ -448,9 +609,16 @@ def _progress_line(r: dict) -> str:
         return f"{head} {r.get('status', '?').upper()}: {str(r.get('reason'))[:160]}"
     err = r.get("max_rel_err")
     spread = "-" if r.get("spread") is None else f"{100 * r['spread']:.0f}%"
-    return (f"{head} {r['fwd_bwd_ms']:>9.1f} ms (min {r['fwd_bwd_ms_min']:.1f}, spread {spread}, "
-            f"{r.get('repeats')} runs)  {r['extra_peak_mib']:>8.1f} MiB extra  "
-            f"err {err if err is None else f'{err:.1e}'}")
+    model = ""
+    if r.get("modelled_ms") is not None:
+        model = f"  model {_ms(r['modelled_ms'])} ms"
+    if r.get("measured_over_model") is not None:
+        model += f" (x{r['measured_over_model']:.2f})"
+    if r.get("measured_over_bound") is not None:
+        model += f", x{r['measured_over_bound']:.2f} the bound"
+    return (f"{head} {r['fwd_bwd_ms']:>9.1f} ms (fwd {r.get('fwd_ms', 0):.1f} + bwd {r.get('bwd_ms', 0):.1f}; "
+            f"min {r['fwd_bwd_ms_min']:.1f}, spread {spread}, {r.get('repeats')} runs)  "
+            f"{_f(r.get('extra_peak_mib'), '>8.1f')} MiB extra  err {err if err is None else f'{err:.1e}'}{model}")
 
 
 class Progress:
@@ -508,11 +676,30 @@ def _ok(r):
     return r.get("status") == "ok"
 
 
+def _f(x, fmt):
+    return "-" if x is None else format(x, fmt)
+
+
+def _ms(x):
+    """A modelled or bound time: one decimal from 1 ms up, three significant digits below (tiny shapes)."""
+    return "-" if x is None else f"{x:.1f}" if x >= 1 else f"{x:.3g}"
+
+
+def _sig(x, digits=4):
+    return None if x is None else float(f"{x:.{digits}g}")
+
+
 def table(records: list) -> str:
     """One row per measured case (what could not run here is summarised, not tabled): median time,
-    fastest run, spread, extra memory, each as a ratio to the reference where one was measured."""
-    rows = [("op", "N", "impl", "median ms", "min ms", "spread", "time/ref", "extra MiB", "mem/ref",
-             "max rel err", "status")]
+    fastest run, spread, the forward and backward medians, extra memory, each as a ratio to the reference
+    where one was measured; where the records carry the cost model, the modelled time (forward+backward),
+    the measured time over it, the product-count bound and the measured time over it."""
+    with_model = any(r.get("bound_ms") is not None for r in records)
+    head = ["op", "N", "impl", "median ms", "min ms", "spread", "fwd ms", "bwd ms", "time/ref", "extra MiB",
+            "mem/ref", "max rel err"]
+    if with_model:
+        head += ["model ms", "x model", "bound ms", "x bound"]
+    rows = [tuple(head + ["status"])]
     key = lambda r: (r["op"], r["N"])
     refs = {key(r): r for r in records if r["impl"] == "reference" and _ok(r)}
     order = {op: i for i, op in enumerate(OP_ORDER)}
@@ -525,16 +712,18 @@ def table(records: list) -> str:
             tr = f"{r['fwd_bwd_ms'] / ref['fwd_bwd_ms']:.2f}" if ref else "-"
             mr = (f"{r['extra_peak_mib'] / ref['extra_peak_mib']:.3f}"
                   if ref and ref.get("extra_peak_mib") and r.get("extra_peak_mib") is not None else "-")
-            err = r.get("max_rel_err")
             spread = r.get("spread")
-            rows.append((r["op"], str(r["N"]), r["impl"], f"{r['fwd_bwd_ms']:.1f}",
-                         f"{r.get('fwd_bwd_ms_min', r['fwd_bwd_ms']):.1f}",
-                         "-" if spread is None else f"{100 * spread:.0f}%", tr,
-                         "-" if r.get("extra_peak_mib") is None else f"{r['extra_peak_mib']:.1f}", mr,
-                         "-" if err is None else f"{err:.2e}", "ok"))
+            row = [r["op"], str(r["N"]), r["impl"], f"{r['fwd_bwd_ms']:.1f}",
+                   f"{r.get('fwd_bwd_ms_min', r['fwd_bwd_ms']):.1f}", "-" if spread is None else f"{100 * spread:.0f}%",
+                   _f(r.get("fwd_ms"), ".1f"), _f(r.get("bwd_ms"), ".1f"), tr, _f(r.get("extra_peak_mib"), ".1f"),
+                   mr, _f(r.get("max_rel_err"), ".2e")]
+            if with_model:
+                row += [_ms(r.get("modelled_ms")), _f(r.get("measured_over_model"), ".2f"),
+                        _ms(r.get("bound_ms")), _f(r.get("measured_over_bound"), ".2f")]
+            rows.append(tuple(row + ["ok"]))
         else:
-            rows.append((r["op"], str(r["N"]), r["impl"], "", "", "", "", "", "", "",
-                         f"{r.get('status')}: {str(r.get('reason'))[:70]}"))
+            rows.append(tuple([r["op"], str(r["N"]), r["impl"]] + [""] * (len(head) - 3)
+                              + [f"{r.get('status')}: {str(r.get('reason'))[:70]}"]))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
     out = []
     for row in rows:
@@ -576,10 +765,12 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
     rank = {impl: i for i, impl in enumerate(ALL_IMPLS)}
     impls = sorted(dict.fromkeys(r["impl"] for r in ok), key=lambda i: rank.get(i, 99))
     colors = {impl: plt.get_cmap("tab10")(k % 10) for k, impl in enumerate(impls)}
-    panels = (("time", "time / reference\n(lower is better)"),
+    panels = [("time", "time / reference\n(lower is better)"),
               ("mem", "extra memory / reference\n(lower is better)"),
-              ("err", "max rel. error vs float64\n(lower is better)"))
-    fig, axes = plt.subplots(3, len(ops), figsize=(3.6 * len(ops) + 1, 9), squeeze=False)
+              ("err", "max rel. error vs float64\n(lower is better)")]
+    if any(r.get("bound_ms") is not None for r in ok):
+        panels.append(("bound", "time / product-count bound\n(bars: measured on a GPU;\nblack ticks: the cost model)"))
+    fig, axes = plt.subplots(len(panels), len(ops), figsize=(3.6 * len(ops) + 1, 3 * len(panels)), squeeze=False)
     for j, op in enumerate(ops):
         ns = sorted(set(r["N"] for r in ok if r["op"] == op))  # GRPO/DPO round N to whole sequences
         op_impls = [i for i in impls if any(r["op"] == op and r["impl"] == i for r in ok)]
@@ -593,7 +784,12 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
                     ref = refs.get((op, n))
                     if r is None:
                         continue
-                    if field == "err":
+                    if field == "bound":
+                        if r.get("modelled_ms") is not None and r.get("bound_ms"):
+                            ax.plot([i + (k - (len(op_impls) - 1) / 2) * width], [r["modelled_ms"] / r["bound_ms"]],
+                                    marker="_", color="black", markersize=12, mew=2)
+                        y = r.get("measured_over_bound")
+                    elif field == "err":
                         y = r.get("max_rel_err")
                     elif ref is None:
                         y = None
@@ -617,7 +813,8 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
                     ax.set_ylim(10.0 ** (lo - 2), 10.0 ** (hi + 1))
             else:
                 ax.axhline(1.0, color="black", lw=0.8, ls="--")
-                ax.set_ylim(0, max([1.25] + [b.get_height() * 1.25 for b in ax.patches]))
+                ticks = [y for line in ax.get_lines() for y in line.get_ydata()]
+                ax.set_ylim(0, max([1.25] + [b.get_height() * 1.25 for b in ax.patches] + [t * 1.25 for t in ticks]))
             ax.set_xticks(range(len(ns)))
             ax.set_xticklabels([f"N={n}" for n in ns])
             if row == 0:
@@ -627,7 +824,8 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
             ax.grid(axis="y", alpha=0.3, which="both")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[i]) for i in impls]
     fig.legend(handles, impls, loc="lower center", ncol=min(len(impls), 8), fontsize=8)
-    fig.suptitle(title + "\ndashed line: the materialised reference (= 1); below it is better", fontsize=9)
+    fig.suptitle(title + "\ndashed line: the materialised reference (= 1; in the last row: the bound); below it "
+                 "is better", fontsize=9)
     fig.tight_layout(rect=(0, 0.04, 1, 0.94))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -673,8 +871,16 @@ def parse_args(argv=None):
     ap.add_argument("--list", "--dry-run", dest="list", action="store_true",
                     help="print the plan and which implementations can run here; run nothing")
     ap.add_argument("--group-by", choices=("op", "n"), default=None,
-                    help="one worker per (op, N) ['op': cleanest memory numbers] or per N for all ops "
-                         "['n': fewer process starts; the default]")
+                    help="one worker per (op, N) ['op': one failure or leak cannot touch another op; the default "
+                         "on a GPU] or per N for all ops ['n': fewer process starts; the default on a CPU]")
+    ap.add_argument("--model-gpu", default=None,
+                    help="store the cost model's figures for this GPU (h200, h100, a100, b200) beside each "
+                         "measurement (benchmarks/cost_model.py); default: the device's GPU on cuda, none on "
+                         "cpu; 'none' turns it off")
+    ap.add_argument("--skip-done", nargs="+", metavar="JSON", default=None,
+                    help="do not run the cases these earlier result files hold as ok (same op, implementation, "
+                         "requested N, V, D, dtype, device): a rerun finishes what a time-boxed run left; "
+                         "combine the files afterwards with --merge")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="combine earlier result files into one table, JSON and plot; run nothing")
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
@@ -716,9 +922,9 @@ def availability(name: str, op: str, device: str, compile_mode: str = "default")
 
 
 def resolve_auto(device: str) -> str:
-    from fusedloss.core import backends
-
     import torch
+
+    from fusedloss.core import backends
 
     return "fusedloss:" + backends.resolve("auto", torch.device(device))
 
@@ -733,7 +939,7 @@ def main(argv=None) -> int:
     from . import cases
 
     if args.merge:
-        records = load_records(args.merge)
+        records = dedupe(load_records(args.merge))
         if not records:
             print("no records in " + " ".join(args.merge), file=sys.stderr)
             return 2
@@ -785,7 +991,23 @@ def main(argv=None) -> int:
     group_timeout = args.group_timeout or (420.0 if gpu else 900.0)
     budget_s = args.budget_s if args.budget_s is not None else (90.0 if quick else None)
 
+    model_gpu = args.model_gpu
+    if model_gpu is None and gpu:
+        model_gpu = gpu_model_key(torch.cuda.get_device_name(0))
+        if model_gpu is None:
+            print(f"the cost model has no figures for {torch.cuda.get_device_name(0)}: records carry no model "
+                  "(--model-gpu h200 to compare with the H200's anyway)", file=sys.stderr)
+    if model_gpu in ("none", ""):
+        model_gpu = None
+    if model_gpu is not None:
+        from fusedloss.core import cost
+
+        if model_gpu not in cost.GPUS:
+            print(f"--model-gpu must be one of {', '.join(cost.GPUS)} or none, got {model_gpu!r}", file=sys.stderr)
+            return 2
+
     env = environment(device)
+    env["model_gpu"] = model_gpu
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
@@ -797,7 +1019,8 @@ def main(argv=None) -> int:
         log_lines.append(msg)
 
     t_start = time.time()
-    log(f"fusedloss bench: device={device} dtype={dtype} V={V} D={D} N={ns} ops={ops} (preset {shapes})")
+    log(f"fusedloss bench: device={device} dtype={dtype} V={V} D={D} N={ns} ops={ops} (preset {shapes})"
+        + (f"; cost model: {model_gpu}" if model_gpu else ""))
     log("env: " + json.dumps(env))
 
     # What can run here, decided before any problem is built.
@@ -828,8 +1051,14 @@ def main(argv=None) -> int:
         return 0
 
     deadline = t_start + budget_s if budget_s else None
-    group_by = args.group_by or "n"
+    group_by = args.group_by or ("op" if gpu else "n")
     groups = plan_groups(ops, runnable, ns, group_by, gpu)
+    if args.skip_done:
+        done = done_cases(load_records([f for f in args.skip_done if Path(f).is_file()]), V, D, dtype, device)
+        before = sum(len(g["tasks"]) for g in groups)
+        groups = [dict(g, tasks=[t for t in g["tasks"] if (t[0], t[1], g["N"]) not in done]) for g in groups]
+        groups = [g for g in groups if g["tasks"]]
+        log(f"--skip-done: {before - sum(len(g['tasks']) for g in groups)} case(s) already measured ok, not rerun")
     progress = Progress(groups, log, t_start)
     log(f"{progress.total_tasks} cases in {len(groups)} worker group(s)"
         + (f"; cases that would start after {budget_s:.0f} s are skipped" if deadline else ""))
@@ -839,7 +1068,7 @@ def main(argv=None) -> int:
         spec = {"N": n, "V": V, "D": D, "dtype": dtype, "device": device, "tasks": tasks,
                 "warmup": warmup, "repeat": repeat, "impl_budget_s": impl_budget, "seed": args.seed,
                 "no_error": args.no_error, "deadline": deadline, "threads": args.threads,
-                "compile_mode": args.compile_mode, "min_repeat": 2 if quick else 1,
+                "compile_mode": args.compile_mode, "min_repeat": 2 if quick else 1, "model_gpu": model_gpu,
                 "count_slow_first": bool(quick and not gpu)}
         if deadline and time.time() > deadline:
             records.extend(_failed(spec, op, i, "time budget of the run exhausted", "skipped") for op, i in tasks)
@@ -861,23 +1090,17 @@ def main(argv=None) -> int:
 
 
 def plan_groups(ops, runnable, ns, group_by, gpu=False):
-    """Worker groups, in the order they run. On a GPU: the reference and fusedloss's backends for every op
-    and N (smallest N first), then the peers (Liger's first call compiles), then the compiled reference
-    (the slowest to warm up), so a time-boxed run gets the core numbers first. On a CPU: every
-    implementation of one op after the other, then the compiled reference. ``runnable`` is
-    ``[(impl, ops it can run)]``. ``group_by='op'``: one worker per (op, N) (cleanest memory numbers);
-    ``'n'``: one worker per N for all ops (fewer process starts)."""
-    from .peers import PEERS
-
+    """Worker groups, in the order they run: for each N in the order given, every implementation of one op
+    after the other (the reference first, then fusedloss's backends, then the peers, as ``runnable`` lists
+    them), so that a time-boxed run gets whole ops, peers included; then the compiled reference (the slowest
+    to warm up) for every N. ``runnable`` is ``[(impl, ops it can run)]``. ``group_by='op'``: one worker per
+    (op, N), which builds that op's problem once for all its implementations and keeps a crash or a leak
+    inside it (the default on a GPU); ``'n'``: one worker per N for all ops (fewer process starts). ``gpu``
+    is kept for callers; both devices order the same way."""
     can = {name: set(its_ops) for name, its_ops in runnable}
     impls = [name for name, _ in runnable]
     groups = []
-    if gpu:
-        phases = ([i for i in impls if i != "reference+compile" and i not in PEERS],  # ours and the reference
-                  [i for i in impls if i in PEERS],                                  # peers (Liger compiles)
-                  [i for i in impls if i == "reference+compile"])
-    else:  # every implementation of an op in a row: a time-boxed run gets whole ops, peers included
-        phases = ([i for i in impls if i != "reference+compile"], [i for i in impls if i == "reference+compile"])
+    phases = ([i for i in impls if i != "reference+compile"], [i for i in impls if i == "reference+compile"])
     for phase in phases:
         if not phase:
             continue
@@ -891,6 +1114,28 @@ def plan_groups(ops, runnable, ns, group_by, gpu=False):
             else:
                 groups.extend({"N": n, "tasks": ts} for ts in per_op)
     return groups
+
+
+def done_cases(records, V, D, dtype, device) -> set:
+    """{(op, impl, requested N)} of the records measured ok at this V, D, dtype and device."""
+    return {(r["op"], r["impl"], r.get("N_requested", r["N"])) for r in records
+            if r.get("status") == "ok" and r.get("V") == V and r.get("D") == D and r.get("dtype") == dtype
+            and r.get("device") == device}
+
+
+def dedupe(records: list) -> list:
+    """One record per (op, implementation, requested N, V, D, dtype, device), in first-seen order: a
+    measured one (ok) over any other, else the last one seen (a rerun's over a time-boxed run's skip)."""
+    best, order = {}, []
+    for r in records:
+        k = (r.get("op"), r.get("impl"), r.get("N_requested", r.get("N")), r.get("V"), r.get("D"), r.get("dtype"),
+             r.get("device"))
+        if k not in best:
+            order.append(k)
+            best[k] = r
+        elif r.get("status") == "ok" or best[k].get("status") != "ok":
+            best[k] = r
+    return [best[k] for k in order]
 
 
 def load_records(paths):
@@ -908,7 +1153,7 @@ def finalize(records, env, device, dtype):
     for r in records:
         r = {k: v for k, v in r.items() if k != "kind"}
         r.setdefault("dtype", dtype)
-        for k in ("fwd_bwd_ms", "extra_peak_mib", "max_rel_err"):
+        for k in ("fwd_bwd_ms", "fwd_ms", "bwd_ms", "extra_peak_mib", "max_rel_err") + MODEL_FIELDS:
             r.setdefault(k, None)
         final.append({**r, **{k: r.get(k, v) for k, v in meta.items()}, "device": r.get("device", device),
                       "env": r.get("env", env)})

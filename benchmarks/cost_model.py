@@ -15,15 +15,20 @@ GPU's dense peak). docs/design.md, "Plans and the cost model".
 that code's passes, for the before/after table; nothing runs it any more).
 
 Importable: ``estimate(op, backend, n, d, v, ...) -> dict`` is what the JSON prints, for the benchmark to
-store beside its measurements.
+store beside its measurements, with the modelled time split into the forward and the backward
+(``model_fwd_ms``, ``model_bwd_ms``: see ``phases``); ``bound(op, n, d, v, ...)`` is the product-count
+bound alone, for implementations the model has no plan of (the materialised reference, the peers, the
+torch backend).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import math
+import re
 import sys
 from pathlib import Path
 from typing import Optional
@@ -59,6 +64,47 @@ def backend_plan_function(backend: str):
     return fn
 
 
+# A plan lists its passes in the order they run. The composable path's backward starts where the logits are
+# formed again (cuda: "recompute", triton: "backward: logits again and dx"); everything before is the forward
+# (the statistics op). The eager path finishes the gradients in the forward (core/eager.py) and its backward
+# only scales the stored fp32 gradients by the incoming gradient and rounds them ("scale and round
+# gradients", "... round to the input dtype").
+_BACKWARD_FROM = re.compile(r"^(recompute|teacher recompute|backward\b)")
+_EAGER_BACKWARD = re.compile(r"\bround\b")
+
+
+def phases(plan: cost.Plan) -> list:
+    """"forward" or "backward" for each pass of ``plan``, in order: which of the two timed calls (the loss
+    function, then ``loss.backward()``) runs it."""
+    if plan.path == "eager":
+        return ["backward" if _EAGER_BACKWARD.search(p.name) else "forward" for p in plan.passes]
+    start = next((i for i, p in enumerate(plan.passes) if _BACKWARD_FROM.match(p.name)), len(plan.passes))
+    return ["forward" if i < start else "backward" for i in range(len(plan.passes))]
+
+
+def split_ms(plan: cost.Plan, w: cost.Workload, spec: cost.GPUSpec) -> tuple:
+    """(forward ms, backward ms) of ``plan``: each phase's passes evaluated as a plan of their own (no pass
+    overlaps across the two)."""
+    kinds = phases(plan)
+    out = []
+    for kind in ("forward", "backward"):
+        part = [p for p, k in zip(plan.passes, kinds) if k == kind]
+        out.append(cost.evaluate(dataclasses.replace(plan, passes=part), w, spec).model_ms if part else 0.0)
+    return tuple(out)
+
+
+def bound(op: str, n: int, d: int, v: int, *, dtype: str = "bfloat16", gpu: str = "h200",
+          teacher_d: Optional[int] = None, hidden_grad: bool = True, weight_grad: bool = True) -> dict:
+    """The product-count bound of a workload alone (no plan): the fewest GEMM-sized products an exact
+    method needs (``cost.product_bound``) at the GPU's dense peak."""
+    spec = cost.GPUS[gpu]
+    w = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype, teacher_d=teacher_d, hidden_grad=hidden_grad,
+                      weight_grad=weight_grad)
+    student, teacher = cost.product_bound(w)
+    return {"op": op, "N": n, "D": d, "V": v, "dtype": dtype, "gpu": spec.name, "bound_products": student,
+            "bound_teacher_products": teacher, "bound_ms": cost.bound_ms(w, spec)}
+
+
 def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfloat16", gpu: str = "h200",
              teacher_d: Optional[int] = None, hidden_grad: bool = True, weight_grad: bool = True,
              free_bytes: Optional[int] = None, workspace_mb: Optional[float] = None, path: Optional[str] = None,
@@ -83,6 +129,7 @@ def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfl
             kwargs["workspace"] = int(workspace_mb * 2**20)
         plan = fn(w, spec, free_bytes, **kwargs)
     est = cost.evaluate(plan, w, spec)
+    fwd_ms, bwd_ms = split_ms(plan, w, spec)
     student, teacher = cost.product_bound(w)
     return {
         "op": op, "backend": backend, "N": n, "D": d, "V": v, "dtype": dtype, "gpu": spec.name,
@@ -90,7 +137,8 @@ def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfl
         "teacher_products": plan.params.get("teacher_products", 0.0),
         "bound_products": student, "bound_teacher_products": teacher,
         "flops": est.flops, "hbm_bytes": est.hbm_bytes, "model_ms": est.model_ms, "bound_ms": est.bound_ms,
-        "ratio": est.ratio, "free_bytes": free_bytes,
+        "ratio": est.ratio, "free_bytes": free_bytes, "model_fwd_ms": fwd_ms, "model_bwd_ms": bwd_ms,
+        "backward_passes": [p.name for p, k in zip(plan.passes, phases(plan)) if k == "backward"],
         "plan": _jsonable(plan.params),
         "passes": {name: round(ms, 4) for name, ms in est.pass_ms.items()},
     }

@@ -11,7 +11,9 @@ output names as ``cases.call_op``, so errors are measured against the same float
   the completion mask (``compact``); so do we. On CPU it scores every position (its torch fallback).
 - ``liger``: Liger-Kernel's fused linear cross-entropy (Triton) and its chunked GRPO/DPO/JSD losses
   (GPU only; Triton). Its DPO API cannot take precomputed reference log-probs: it is given the reference
-  model's inputs (the policy itself, step 0) and recomputes them, a cost it pays in real use as well.
+  model's inputs (the policy itself, step 0) and recomputes them, a cost it pays in real use as well. Its
+  GRPO is ``LigerFusedLinearGRPOLoss`` with ``use_bias_correction_kl=True`` (TRL's trainer default; Liger's
+  is False), so that it computes the same loss as the others.
 - ``cce``: Apple's Cut Cross-Entropy ``linear_cross_entropy`` with its defaults (gradient filtering on).
 - ``torch-lce``: PyTorch's own ``torch.nn.functional.linear_cross_entropy`` (torch >= 2.13) with
   ``options=torch.nn.LinearCrossEntropyOptions()``, its chunked path (the default ``options=None`` is the
@@ -150,13 +152,14 @@ def _trl(op: str, device: torch.device) -> Impl:
         else:
             lp, _ = head(h.reshape(-1, d), w, ids.reshape(-1))
             logp = lp.view(mask.shape).masked_fill(~mask, 0)
-        # GRPOTrainer._compute_loss, loss_type="dapo", on-policy (old = logp.detach()), beta > 0
+        # GRPOTrainer._compute_loss, loss_type="dapo", on-policy (old = logp.detach()), beta > 0, and its default
+        # use_bias_correction_kl=True: the KL term times the ratio, which is 1 in value but not in gradient
         adv = t["advantages"][:, None]
         coef_1 = torch.exp(logp - logp.detach())
         coef_2 = torch.clamp(coef_1, 1 - 0.2, 1 + 0.2)
         per_token = -torch.min(coef_1 * adv, coef_2 * adv)
         ref = t["ref_logprobs"]
-        kl = torch.exp(ref - logp) - (ref - logp) - 1
+        kl = (torch.exp(ref - logp) - (ref - logp) - 1) * coef_1
         per_token = per_token + cases.GRPO_BETA * kl
         m = mask.float()
         loss = (per_token * m).sum() / m.sum().clamp(min=1.0)
@@ -184,12 +187,18 @@ def _liger(op: str, device: torch.device) -> Impl:
     if mod is None:
         return None, f"liger {why}"
     if op == "grpo_loss":
-        fn = mod.liger_fused_linear_grpo
+        grpo, why = _import("liger_kernel.chunked_loss")
+        if grpo is None or not hasattr(grpo, "LigerFusedLinearGRPOLoss"):
+            return None, f"liger {why or 'has no LigerFusedLinearGRPOLoss'}"
+        # Liger's module with its defaults (compiled chunks of one sequence), except what makes it the loss
+        # the others compute: TRL's GRPOTrainer default use_bias_correction_kl=True (Liger defaults to False)
+        loss_fn = grpo.LigerFusedLinearGRPOLoss(beta=cases.GRPO_BETA, loss_type="dapo", epsilon_low=0.2,
+                                                epsilon_high=0.2, use_bias_correction_kl=True)
 
         def run(p, h, w):
             t = p.t
-            out = fn(h, w, t["completion_ids"], t["completion_mask"].to(torch.int64), t["advantages"], None,
-                     t["ref_logprobs"], None, None, None, None, cases.GRPO_BETA, 0.2, 0.2, "dapo")
+            out = loss_fn(h, w, t["completion_ids"], t["completion_mask"].to(torch.int64), t["advantages"],
+                          ref_per_token_logps=t["ref_logprobs"])
             loss = out[0] if isinstance(out, tuple) else out
             return loss, {"loss": loss}
         return run, None

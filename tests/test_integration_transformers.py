@@ -164,9 +164,10 @@ def single_process_group(tmp_path):
         dist.destroy_process_group()
 
 
-def test_dtensor_head_is_gathered(single_process_group):
-    """FSDP2 exposes parameters as DTensors: the head is gathered with full_tensor(), and the gradient
-    goes back to the sharded parameter."""
+def test_dtensor_head_goes_to_the_core_unchanged(single_process_group):
+    """FSDP2 exposes parameters as DTensors: lm_head hands the sharded parameter itself to fusedloss, which
+    gathers it (docs/design.md, "Distributed"), and the gradient goes back to the sharded parameter. (Over
+    several ranks, with FSDP's averaging: tests/test_integration_fsdp2.py.)"""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -178,7 +179,7 @@ def test_dtensor_head_is_gathered(single_process_group):
     mesh = init_device_mesh("cpu", (1,))
     model.lm_head.weight = torch.nn.Parameter(distribute_tensor(model.lm_head.weight.detach(), mesh, [Shard(0)]))
     head = fl_hf.lm_head(model)
-    assert not isinstance(head.weight, DTensor)
+    assert isinstance(head.weight, DTensor) and head.weight is model.lm_head.weight
     logp = fl_hf.causal_lm_logprobs(model, input_ids, attention_mask, backend="torch")
     torch.testing.assert_close(logp, ref, rtol=1e-5, atol=1e-5)
     logp.sum().backward()

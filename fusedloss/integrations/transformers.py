@@ -11,10 +11,13 @@ the way the models apply them; ``last_hidden_state(model, ...)`` runs only the b
 
 Handled: tied embeddings (the head weight *is* the embedding parameter; its gradient collects both uses),
 PEFT-wrapped models (the backbone runs with its adapters; a LoRA on the head itself is folded into the head
-weight), FSDP2 (a DTensor head is gathered once with ``full_tensor()``, whose backward reduce-scatters the
-gradient), ``device_map`` splits (hidden states move to the head's device). Not handled: DeepSpeed ZeRO-3
-partitioned heads (gather them around the call), prompt-learning PEFT (virtual tokens live in the PEFT
-forward), models whose head multiplies by something other than the config fields below.
+weight), FSDP2 (the head goes to fusedloss as the parameter it is: a sharded DTensor when the head is its
+own FSDP unit, which the core gathers once per forward and once per backward and whose gradient it
+reduce-scatters and averages as FSDP does, docs/design.md "Distributed"; the backbone runs inside the
+root's FSDP forward), ``device_map`` splits (hidden states move to the head's device). Not handled:
+DeepSpeed ZeRO-3 partitioned heads (gather them around the call), prompt-learning PEFT (virtual tokens live
+in the PEFT forward), a LoRA on an FSDP2-sharded head, models whose head multiplies by something other than
+the config fields below.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ __all__ = ["LMHead", "causal_lm_logprobs", "completion_logprobs", "last_hidden_s
 class LMHead(NamedTuple):
     """The LM head as fusedloss consumes it: ``z = softcap(logit_scale * (h @ weight.T + bias))``."""
 
-    weight: torch.Tensor  # [V, D], a plain tensor (DTensors gathered), differentiable
+    weight: torch.Tensor  # [V, D], the parameter itself (an FSDP2 DTensor shard stays one), differentiable
     bias: Optional[torch.Tensor]  # [V] or None
     logit_scale: float
     softcap: Optional[float]
@@ -83,16 +86,6 @@ def _causal_lm(model):
     return model
 
 
-def _gather(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    """A DTensor (FSDP2 shard) as a full plain tensor; ``full_tensor()`` is differentiable, so the head
-    gradient flows back to the shards. Gathered once per call, not once per vocabulary tile."""
-    if t is None or not torch.distributed.is_available():
-        return t
-    from torch.distributed.tensor import DTensor
-
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def _peft_head(head) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Weight and bias of a PEFT-wrapped head, with unmerged LoRA deltas folded in (differentiably)."""
     base = head.get_base_layer()
@@ -122,11 +115,15 @@ def lm_head(model) -> LMHead:
         head = lm_head(model)
         loss = fusedloss.cross_entropy(hidden, head.weight, labels, bias=head.bias,
                                        logit_scale=head.logit_scale, softcap=head.softcap)
-    """
-    return _read_head(_causal_lm(model), gather=True)
+
+    ``weight`` and ``bias`` are the head's parameters themselves, never gathered copies: under FSDP2, a head
+    that is its own FSDP unit is read here as its sharded DTensor, and fusedloss gathers it and averages its
+    gradient across ranks itself (docs/design.md, "Distributed"). Gathering it here with ``full_tensor()``
+    would give each rank's shard only its own tokens' gradient, not the average FSDP takes."""
+    return _read_head(_causal_lm(model))
 
 
-def _read_head(lm, *, gather: bool) -> LMHead:
+def _read_head(lm) -> LMHead:
     head = lm.get_output_embeddings()
     if head is None:
         raise ValueError(f"{type(lm).__name__} has no output embeddings (get_output_embeddings() returned None)")
@@ -135,8 +132,6 @@ def _read_head(lm, *, gather: bool) -> LMHead:
     else:
         weight, bias = head.weight, getattr(head, "bias", None)
     scale, softcap = logit_postprocessing(lm.config)
-    if gather:
-        weight, bias = _gather(weight), _gather(bias)
     return LMHead(weight, bias, scale, softcap)
 
 
@@ -151,11 +146,36 @@ def _backbone(lm):
     return lm.base_model
 
 
+_BACKBONE_METHOD = "_fusedloss_backbone_forward"
+
+
+def _backbone_forward(lm, **kwargs):
+    return _backbone(lm)(**kwargs)
+
+
+def _run_backbone(lm, **kwargs):
+    """The backbone, called so that an FSDP2 root (``fully_shard(model)``) gathers its own parameters
+    (embeddings, final norm, ...) around it, as it does around ``model.forward``: the call goes through a
+    method registered with ``register_fsdp_forward_method`` (once per model; a no-op without FSDP2)."""
+    try:
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
+    except ImportError:  # torch without FSDP2
+        return _backbone(lm)(**kwargs)
+    if not isinstance(lm, FSDPModule):
+        return _backbone(lm)(**kwargs)
+    if _BACKBONE_METHOD not in lm.__dict__:
+        import types
+
+        lm.__dict__[_BACKBONE_METHOD] = types.MethodType(_backbone_forward, lm)
+        register_fsdp_forward_method(lm, _BACKBONE_METHOD)
+    return getattr(lm, _BACKBONE_METHOD)(**kwargs)
+
+
 def last_hidden_state(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                       **model_kwargs) -> torch.Tensor:
     """``[B, T, D]`` output of the model's backbone (the input of the LM head); no logits are formed."""
     model_kwargs.setdefault("use_cache", False)
-    out = _backbone(_causal_lm(model))(input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
+    out = _run_backbone(_causal_lm(model), input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
     return out.last_hidden_state
 
 
@@ -359,7 +379,7 @@ def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_ite
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         raise ValueError(f"fusedloss patch: the head scored positions of shape {tuple(hidden.shape[:-1])} "
                          f"but the labels give {tuple(targets.shape)}")
-    head = _read_head(lm, gather=False)  # a DTensor head goes to the core as it is
+    head = _read_head(lm)  # a DTensor head goes to the core as it is
     hidden = hidden.to(head.weight.device)
     loss = fusedloss.cross_entropy(
         hidden, head.weight, targets.to(hidden.device), bias=head.bias, ignore_index=ignore_index,
@@ -417,7 +437,7 @@ def patch(model, *, backend: str = "auto"):
     if lm.loss_function is not ForCausalLMLoss:
         raise ValueError(f"{type(lm).__name__} computes its loss with {getattr(lm.loss_function, '__name__', '?')}, "
                          "not transformers' ForCausalLMLoss: fusedloss only replaces the causal-LM loss")
-    _read_head(lm, gather=False)  # unsupported heads (LoRA variants, ...) are refused now, not mid-training
+    _read_head(lm)  # unsupported heads (LoRA variants, ...) are refused now, not mid-training
 
     state = _Patch(lm, head, backend)
     lm.__dict__[_PATCH_ATTR] = state

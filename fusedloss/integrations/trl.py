@@ -14,6 +14,11 @@ at call time:
 
 Everything around them stays TRL's: the backbone call, label shifting and masking, losses, metrics, the
 FSDP2 ``full_tensor()`` gather. Models patched by ``add_fused_lm_head`` before ``enable()`` switch too.
+Under FSDP2 with the head in the root's unit (accelerate's default) the head reaches these functions as the
+root's unsharded parameter and the step is FSDP's own (tests/test_integration_fsdp2.py). With the head its
+own FSDP unit, TRL's forward gathers it with ``full_tensor()`` before calling them, whose backward leaves
+each rank's shard with that rank's gradient instead of the average: that is TRL's forward, whichever kernel
+it calls; ``fusedloss.integrations.transformers`` passes the sharded head to fusedloss, which averages.
 The replacements take TRL's positional arguments and return TRL's tuples, with the same dtypes (fp32
 per-token outputs, bool ``is_top1``) and the same differentiability (log_probs and entropy carry
 gradients to hidden, weight and bias; the others are detached). ``chunk_size`` is accepted and ignored:
