@@ -186,6 +186,21 @@ FL_HD RowState empty_state() {
 // x * y, taken as 0 when x == 0 (a probability that underflowed, times a log-ratio that may be -inf).
 FL_HD float xmul(float x, float y) { return x != 0.0f ? x * y : 0.0f; }
 
+FL_HD bool is_finite(float x) { return x - x == 0.0f; }  // x - x is NaN for inf and NaN
+
+// One column of a KL partial (a: own = student; b: own = teacher), e^(own - own max) times the log-ratio
+// `ratio` of the two sides in their frames: 0 where the own logit is -inf (0 log 0), +inf where it is finite
+// and the other side's is -inf (mass where the other has none), whatever exp underflows to at the current
+// scale. So the KL does not depend on how the vocabulary was cut into lanes, tiles or ranks
+// (core/torch_backend.py::_kl_terms, docs/design.md "Numerical doctrine").
+FL_HD float kl_term(float e_own, float ratio, float own, float other) {
+  return (is_finite(own) && other == -fl_inf()) ? fl_inf() : xmul(e_own, ratio);
+}
+
+// A KL partial rebased to a new maximum: +inf stays +inf whatever the factor (0 * inf would be NaN where
+// the old maximum underflows against the new one), as core/partials.py::_keep_inf.
+FL_HD float keep_inf(float part, float rebased) { return part == fl_inf() ? part : rebased; }
+
 // z - m for a column of a row whose running maximum is m: -inf for a masked column (z = -inf) even when
 // no finite column came yet (m = -inf too), so that a masked student column against a teacher's mass
 // gives KL(p || q) = +inf, never -inf - -inf = NaN (and likewise for the teacher side).
@@ -202,7 +217,7 @@ FL_HD void state_add(RowState& r, float z, float zt) {
       const float f = expf(dm);
       if (kEntropy) r[kE] = f * (r[kE] + r[kS] * dm);
       if (kTeacher) {
-        r[kA] = f * (r[kA] + r[kS] * dm);
+        r[kA] = keep_inf(r[kA], f * (r[kA] + r[kS] * dm));
         r[kB] = r[kB] - r[kSt] * dm;
       }
       r[kS] *= f;
@@ -216,7 +231,7 @@ FL_HD void state_add(RowState& r, float z, float zt) {
       const float dmt = r[kMt] - zt;
       const float g = expf(dmt);
       r[kA] = r[kA] - r[kS] * dmt;
-      r[kB] = g * (r[kB] + r[kSt] * dmt);
+      r[kB] = keep_inf(r[kB], g * (r[kB] + r[kSt] * dmt));
       r[kSt] *= g;
     }
     r[kMt] = zt;
@@ -232,8 +247,8 @@ FL_HD void state_add(RowState& r, float z, float zt) {
     const float dt = shifted(zt, r[kMt]);
     const float ezt = zt == -fl_inf() ? 0.0f : expf(dt);
     r[kSt] += ezt;
-    r[kA] += xmul(ez, d - dt);
-    r[kB] += xmul(ezt, dt - d);
+    r[kA] += kl_term(ez, d - dt, z, zt);
+    r[kB] += kl_term(ezt, dt - d, zt, z);
   }
 }
 
@@ -270,8 +285,8 @@ FL_HD RowState state_merge(const RowState& r, const RowState& p) {
     rescale_factor(r[kMt], o[kMt], gr, drt);
     rescale_factor(p[kMt], o[kMt], gp, dpt);
     o[kSt] = gr * r[kSt] + gp * p[kSt];
-    o[kA] = fr * (r[kA] + r[kS] * (dr - drt)) + fp * (p[kA] + p[kS] * (dp - dpt));
-    o[kB] = gr * (r[kB] + r[kSt] * (drt - dr)) + gp * (p[kB] + p[kSt] * (dpt - dp));
+    o[kA] = keep_inf(r[kA], fr * (r[kA] + r[kS] * (dr - drt))) + keep_inf(p[kA], fp * (p[kA] + p[kS] * (dp - dpt)));
+    o[kB] = keep_inf(r[kB], gr * (r[kB] + r[kSt] * (drt - dr))) + keep_inf(p[kB], gp * (p[kB] + p[kSt] * (dpt - dp)));
   }
   return o;
 }
