@@ -1,10 +1,9 @@
 """Confident fp32 rows: the target is the maximum and 1 - q_y is 1e-1 ... 1e-4.
 
-There log s = log(1 + t) and the target column's gradient a + q_y inner (which cancels to 1 - q_y) lose
-relative accuracy when formed naively in fp32: s = 1 + 1e-3 rounded holds t to 1e-4 relative only, and
-q_y rounded to 6e-8 is a 6e-4 relative error of 1 - q_y = 1e-4. The backends keep t = s - 1 separately
-(log s = log1p(t)) and form the target column as (a + inner) + inner expm1(log q_y) where q_y > 1/2 (and
-a + q_y inner below, where that form would cancel: tests/test_edge_cases.py); this file checks
+There log s = log(1 + t) and the target column's gradient a (1 - q_y) lose relative accuracy when formed
+naively in fp32: s = 1 + 1e-3 rounded holds t to 1e-4 relative only, and q_y rounded to 6e-8 is a 6e-4
+relative error of 1 - q_y = 1e-4. The backends keep t = s - 1 separately (log s = log1p(t)) and form the
+target column as -a expm1(log q_y) + q_y inner_y (docs/design.md, "The dz formula"); this file checks
 logp, the loss, the entropy and the hidden / weight gradients of ``token_logprobs`` and ``cross_entropy``
 through the public API against float64 on the same fp32-rounded inputs, within 1e-5 relative, for every
 backend that runs here: torch, triton (interpreter without a GPU) and cuda (its host twins, on CPU

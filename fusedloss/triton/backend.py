@@ -29,8 +29,9 @@ Precision
     opts in to plain TF32 for both, and ``FUSEDLOSS_TRITON_FP32_PRECISION`` overrides the Triton choice for
     experiments (``fp32_precision``).
     float64 inputs accumulate in float64. Confident rows keep their digits as in the CUDA kernels: the
-    forward carries t = s - 1 and takes log s = log1p(t), the target column's gradient takes the expm1 form
-    where q_y > 1/2 (docs/design.md, "Numerical doctrine").
+    forward carries t = s - 1 and takes log s = log1p(t), the target column's gradient is
+    -a expm1(log q_y) + q_y inner_y, the reverse KL's is formed relative to the student's maximum column
+    (docs/design.md, "The dz formula" and "Numerical doctrine").
 
 Memory
     Besides the gradients, O(N) per-row vectors and the ``[12, splits, N]`` partials: an fp32 ``[N, D]``
