@@ -395,7 +395,7 @@ FL_HD float jsd_value(float kl_qm, float kl_pm, const JsdConsts& j) {
 //   r_j  = (z_j - row_max) - (zt_j - teacher_at_max) - kl_rev_rel        (= log q_j - log p_j - KL(q||p))
 // then dx_j = dz_j * chain_factor. The coefficient indices are problem.py's COEF_*.
 // ---------------------------------------------------------------------------------------------------
-enum Coef : int { kCoefOnehot = 0, kCoefConst, kCoefLogq, kCoefLogp, kCoefTeacherProb, kCoefLogm, kCoefUniform,
+enum Coef : int { kCoefOnehot = 0, kCoefConst, kCoefLogq, kCoefKlRev, kCoefTeacherProb, kCoefLogm, kCoefUniform,
                   kNumCoeffs };
 
 struct RowCoeffs {
@@ -413,7 +413,7 @@ struct DzTerms {
   FL_HD bool forms(int k) const {
     switch (k) {
       case kCoefLogq: return log_q;
-      case kCoefLogp: return kl_rev;
+      case kCoefKlRev: return kl_rev;
       case kCoefTeacherProb: return kl_fwd;
       case kCoefLogm: return jsd;
       case kCoefUniform: return uniform;
@@ -435,7 +435,7 @@ FL_HD float dz_element(float z, float zt, bool is_target, const RowCoeffs& k, co
   if (kTeacher) {
     // r_j from the logits relative to the forward's frame: exactly -kl_rev_rel at the student's maximum
     // column; 0 where c2 is (a row outside the loss whose KL is +inf contributes nothing).
-    if (t.kl_rev) inner += xmul(k.c[kCoefLogp], ((z - k.row_max) - (zt - k.teacher_at_max)) - k.kl_rev_rel);
+    if (t.kl_rev) inner += xmul(k.c[kCoefKlRev], ((z - k.row_max) - (zt - k.teacher_at_max)) - k.kl_rev_rel);
     if (t.jsd || t.kl_fwd) {
       const float logpt = (zt - k.lse_t) - k.lse_t_lo;
       if (t.jsd) inner += k.c[kCoefLogm] * logaddexp(logq + j.log_1m_beta, logpt + j.log_beta);

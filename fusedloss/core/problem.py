@@ -88,7 +88,7 @@ from typing import NamedTuple, Optional
 import torch
 
 # Indices of the rows of the [NUM_COEFFS, N] coefficient tensor.
-COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_LOGP, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM = range(7)
+COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_KL_REV, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM = range(7)
 NUM_COEFFS = 7
 
 

@@ -19,8 +19,8 @@ import torch
 from . import partials
 from .problem import (
     COEF_CONST,
+    COEF_KL_REV,
     COEF_LOGM,
-    COEF_LOGP,
     COEF_LOGQ,
     COEF_ONEHOT,
     COEF_TEACHER_PROB,
@@ -30,6 +30,7 @@ from .problem import (
     Statistics,
     StatsProblem,
 )
+
 
 def availability() -> str:
     """Plain PyTorch ops: this backend runs wherever torch does."""
@@ -285,7 +286,7 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt
         # r_j = log q_j - log p_j - KL(q||p), relative to the student's maximum column (problem.py); 0 where
         # c2 is: a row outside the loss whose KL is +inf contributes nothing.
         r = (z - norms.row_max[:, None]).sub_(zt - norms.teacher_at_max[:, None]).sub_(norms.kl_rev_rel[:, None])
-        terms = add(torch.where(coef[COEF_LOGP] == 0, 0.0, r.mul_(coef[COEF_LOGP])))
+        terms = add(torch.where(coef[COEF_KL_REV] == 0, 0.0, r.mul_(coef[COEF_KL_REV])))
     if zt is not None and (p.want_kl_fwd or p.jsd_beta is not None):
         logpt = (zt - norms.lse_t[:, None]).sub_(norms.lse_t_lo[:, None])
         if p.jsd_beta is not None:

@@ -69,8 +69,8 @@ from .. import config
 from ..core import cost, torch_backend
 from ..core.problem import (
     COEF_CONST,
+    COEF_KL_REV,
     COEF_LOGM,
-    COEF_LOGP,
     COEF_LOGQ,
     COEF_ONEHOT,
     COEF_TEACHER_PROB,
@@ -82,7 +82,7 @@ from ..core.problem import (
 )
 
 _NUM_OUTPUTS = len(Statistics._fields)
-_COEF_ORDER = [COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_LOGP, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM]
+_COEF_ORDER = [COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_KL_REV, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM]
 
 
 def _load_extension():
@@ -833,7 +833,7 @@ def _formed_terms(p: StatsProblem) -> list:
     jsd = teacher and p.jsd_beta is not None
     formed = {COEF_ONEHOT: True, COEF_CONST: True,
               COEF_LOGQ: p.want_entropy or jsd,
-              COEF_LOGP: teacher and p.want_kl_rev, COEF_TEACHER_PROB: teacher and p.want_kl_fwd,
+              COEF_KL_REV: teacher and p.want_kl_rev, COEF_TEACHER_PROB: teacher and p.want_kl_fwd,
               COEF_LOGM: jsd, COEF_UNIFORM: p.want_mean_logit}
     return [k for k, on in formed.items() if on]
 
