@@ -128,9 +128,8 @@ def test_confident_fp32_logp_and_gradients(engine, path, fn, n, gap):
 def test_confident_fp32_entropy(engine, path, gap):
     """The entropy of a confident row (about gap * (1 + log(1 / gap)): 1e-3 at gap 1e-4) and its gradient.
 
-    The objective is the entropy alone: in a mixed objective such as logp + H, the per-row coefficient
-    c0 = -g_logp - g_H H (core/statistics.dz_coefficients) rounds H's part to ulp(1) = 6e-8, a 6e-5
-    relative error at H = 1e-3, before any backend sees it (the CUDA kernels show the same 4e-5)."""
+    The objective is the entropy alone; mixed objectives such as logp + H, whose c0 once carried -g_logp and
+    rounded H's part to ulp(1), are tests/test_numerics_dz.py's (docs/design.md, "The dz formula")."""
     backend, device = engine
     h, w, y = confident_inputs(3, gap, seed=7)
     cot = torch.tensor([1.0, -0.5, 0.75], dtype=F64)
