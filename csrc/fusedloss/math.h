@@ -354,13 +354,16 @@ FL_HD void finalize_row(const RowState& r, float zy, const Wants& w, float out[k
     const float log_st = logf(r[kSt]);
     out[kLseT] = r[kMt] + log_st;
     out[kLseTLo] = rounding_residual(out[kLseT], r[kMt], log_st);
+    // The KLs per row in double: ... - log s + log s_t cancels to ulp(log V) if each term is rounded to fp32
+    // first (core/partials.py::finalize does the same).
+    const double wls = (r[kM] == -fl_inf() || !is_finite(r[kS])) ? log(double(r[kS])) : log1p(double(r[kT]));
+    const double wlst = log(double(r[kSt]));
     if (w.kl_rev) {
-      const float rel = r[kA] / r[kS];
-      out[kKlRevRel] = rel;
+      out[kKlRevRel] = r[kA] / r[kS];
       out[kTeacherAtMax] = r[kZtm];
-      out[kKlRev] = rel + (r[kMt] - r[kZtm]) - log_s + log_st;
+      out[kKlRev] = float(double(r[kA]) / double(r[kS]) + (double(r[kMt]) - double(r[kZtm])) - wls + wlst);
     }
-    if (w.kl_fwd) out[kKlFwd] = r[kB] / r[kSt] - log_st + log_s;
+    if (w.kl_fwd) out[kKlFwd] = float(double(r[kB]) / double(r[kSt]) - wlst + wls);
   }
 }
 
