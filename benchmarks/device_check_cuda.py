@@ -126,15 +126,15 @@ def _check(checks, what, err, limit, finite=True):
 # Statistics and gradients against float64
 # ------------------------------------------------------------------------------------------------
 def _coeffs(stats, g_logp, g_ent, g_klrev, targets):
-    """Per-row dz coefficients (a, c0..c5) of sum(g_logp logp + g_ent entropy + g_klrev kl_rev)
-    (problem.py: d logp = [j=y] - q, d H = -q (log q + H), d KL(q||p) = q (log q - log p - KL))."""
+    """Per-row dz coefficients (a, c0..c5) of sum(g_logp logp + g_ent entropy + g_klrev kl_rev), from the one
+    definition of their layout (fusedloss.core.statistics.dz_coefficients; problem.py)."""
     import torch
 
-    one = torch.ones_like(stats.lse)
-    zero = torch.zeros_like(one)
-    c = torch.stack((g_logp * one, -g_logp * one - g_ent * stats.entropy - g_klrev * stats.kl_rev,
-                     (g_klrev - g_ent) * one, -g_klrev * one, zero, zero, zero))
-    return torch.where(targets >= 0, c, torch.zeros_like(c))
+    from fusedloss.core.statistics import dz_coefficients
+
+    weights = {"logp": g_logp, "entropy": g_ent, "kl_rev": g_klrev}
+    grad = torch.stack([torch.full_like(stats.lse, float(weights.get(name, 0.0))) for name in type(stats)._fields])
+    return dz_coefficients(grad, torch.stack(tuple(stats)), None, targets, 1)
 
 
 def _reference(h, w, b, y, ht, wt, temperature, g_logp, g_ent, g_klrev, dtype):
@@ -389,7 +389,7 @@ def confident_checks(ctx, results):
             grads64 = torch.autograd.grad(logp64.sum(), (h64, w64, b64))
             stats = cuda.forward_statistics(p)
             coeffs = torch.zeros(7, n, device=dev)
-            coeffs[0], coeffs[1] = 1.0, -1.0
+            coeffs[0] = 1.0  # d sum(logp) / dz = onehot(y) - q (problem.py)
             needs = GradientNeeds(True, True, True)
             back = cuda.backward_gradients(p, stats, coeffs, needs)
             _, eager = cuda.eager_gradients(p, lambda st, rows: (st.logp.sum(), coeffs[:, rows]), needs)

@@ -90,7 +90,7 @@ PYBIND11_MODULE(_C, m) {
   m.attr("NUM_OUTPUTS") = int(kNumOutputs);
   m.attr("OUTPUT_NAMES") = kOutputNames;
   m.attr("NUM_COEFFS") = int(kNumCoeffs);
-  m.attr("COEF_INDEX") = std::vector<int>{kCoefOnehot, kCoefConst, kCoefLogq, kCoefLogp, kCoefTeacherProb,
+  m.attr("COEF_INDEX") = std::vector<int>{kCoefOnehot, kCoefConst, kCoefLogq, kCoefKlRev, kCoefTeacherProb,
                                           kCoefLogm, kCoefUniform};
   m.attr("FOLD_THREADS") = kFoldThreads;
 

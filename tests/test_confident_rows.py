@@ -1,10 +1,9 @@
 """Confident fp32 rows: the target is the maximum and 1 - q_y is 1e-1 ... 1e-4.
 
-There log s = log(1 + t) and the target column's gradient a + q_y inner (which cancels to 1 - q_y) lose
-relative accuracy when formed naively in fp32: s = 1 + 1e-3 rounded holds t to 1e-4 relative only, and
-q_y rounded to 6e-8 is a 6e-4 relative error of 1 - q_y = 1e-4. The backends keep t = s - 1 separately
-(log s = log1p(t)) and form the target column as (a + inner) + inner expm1(log q_y) where q_y > 1/2 (and
-a + q_y inner below, where that form would cancel: tests/test_edge_cases.py); this file checks
+There log s = log(1 + t) and the target column's gradient a (1 - q_y) lose relative accuracy when formed
+naively in fp32: s = 1 + 1e-3 rounded holds t to 1e-4 relative only, and q_y rounded to 6e-8 is a 6e-4
+relative error of 1 - q_y = 1e-4. The backends keep t = s - 1 separately (log s = log1p(t)) and form the
+target column as -a expm1(log q_y) + q_y inner_y (docs/design.md, "The dz formula"); this file checks
 logp, the loss, the entropy and the hidden / weight gradients of ``token_logprobs`` and ``cross_entropy``
 through the public API against float64 on the same fp32-rounded inputs, within 1e-5 relative, for every
 backend that runs here: torch, triton (interpreter without a GPU) and cuda (its host twins, on CPU
@@ -129,9 +128,8 @@ def test_confident_fp32_logp_and_gradients(engine, path, fn, n, gap):
 def test_confident_fp32_entropy(engine, path, gap):
     """The entropy of a confident row (about gap * (1 + log(1 / gap)): 1e-3 at gap 1e-4) and its gradient.
 
-    The objective is the entropy alone: in a mixed objective such as logp + H, the per-row coefficient
-    c0 = -g_logp - g_H H (core/statistics.dz_coefficients) rounds H's part to ulp(1) = 6e-8, a 6e-5
-    relative error at H = 1e-3, before any backend sees it (the CUDA kernels show the same 4e-5)."""
+    The objective is the entropy alone; mixed objectives such as logp + H, whose c0 once carried -g_logp and
+    rounded H's part to ulp(1), are tests/test_numerics_dz.py's (docs/design.md, "The dz formula")."""
     backend, device = engine
     h, w, y = confident_inputs(3, gap, seed=7)
     cot = torch.tensor([1.0, -0.5, 0.75], dtype=F64)

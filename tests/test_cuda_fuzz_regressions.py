@@ -5,10 +5,10 @@ docstrings are its findings on the code before these fixes), driven through the 
 backend on CPU tensors (its kernels' ``__host__ __device__`` math), both gradient paths where a gradient
 is involved. The per-element rules are the same in the torch and Triton backends:
 
-(A) a term whose coefficient the problem cannot produce is never formed (c2 log p only with reverse KL,
+(A) a term whose coefficient the problem cannot produce is never formed (c2 r only with reverse KL,
     c4 log m only with the JSD, c3 p only with forward KL), so a teacher's -inf entry never gives 0 * inf;
 (B) at the target column q_y == 0 contributes exactly ``a`` (0 log 0 -> 0, as on every other column);
-(C) the target column's expm1 form only where q_y > 1/2;
+(C) the target column is -a expm1(log q_y) + q_y inner_y, inner_y free of a (no cancellation either way);
 (E) forward KL against a student-masked (-inf) entry is +inf, not NaN;
 (F) the backward recomputes exactly the forward's row blocks, so a row's gradient does not depend on which
     other rows carry gradient.

@@ -296,8 +296,9 @@ def test_confident_rows_next_to_ignored_rows_keep_fp32_accuracy(any_engine, monk
 
 
 def test_target_column_gradient_keeps_its_digits(any_engine):
-    """``(a + inner) + inner expm1(log q_y)`` is exact only where a = -inner; for an improbable target with an
-    entropy (or KL) term it loses q_y inner: 3.5e-9 in float64 (naive autograd: exact), 1e-5 in fp32."""
+    """The former ``(a + inner) + inner expm1(log q_y)`` was exact only where a = -inner; for an improbable
+    target with an entropy (or KL) term it lost q_y inner: 3.5e-9 in float64 (naive autograd: exact), 1e-5 in
+    fp32. ``-a expm1(log q_y) + q_y inner_y`` keeps both ends (docs/design.md, "The dz formula")."""
     backend, device = any_engine
     if backend != "cuda":  # the CUDA backend hands float64 problems to the torch backend
         h, w, y = torch.tensor([[1.0]], dtype=F64), torch.tensor([[20.0], [0.0], [1.0]], dtype=F64), torch.tensor([1])
@@ -322,7 +323,8 @@ def test_target_column_gradient_keeps_its_digits(any_engine):
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_masked_teacher_entry_gives_finite_gradients(any_engine, beta, dtype):
     """A teacher that masks a vocabulary entry (-inf: padded rows, banned tokens) with forward KL or JSD: the
-    loss is finite and so must be the gradient. The dz kernels formed c2 log p with c2 = 0: 0 * -inf = NaN."""
+    loss is finite and so must be the gradient. The dz kernels formed c2 log p with c2 = 0: 0 * -inf = NaN
+    (now c2 r_j, formed only with a reverse KL, and 0 wherever c2 is)."""
     backend, device = any_engine
     if backend == "cuda" and dtype == F64:
         pytest.skip("the CUDA backend hands float64 problems to the torch backend")

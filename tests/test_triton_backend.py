@@ -134,6 +134,10 @@ def brute_force(p: StatsProblem, dtype=torch.float64, h=None, w=None, b=None) ->
         out["lse_t"] = torch.logsumexp(zt, dim=1)
         if p.want_kl_rev:
             out["kl_rev"] = (q * (logq - logpt)).sum(1)
+            # the reverse KL relative to the student's first maximum column (problem.py)
+            ztm = zt.gather(1, z.argmax(1, keepdim=True))
+            out["teacher_at_max"] = ztm.squeeze(1)
+            out["kl_rev_rel"] = (q * ((z - out["row_max"][:, None]) - (zt - ztm))).sum(1)
         if p.want_kl_fwd:
             out["kl_fwd"] = (pt * (logpt - logq)).sum(1)
         if p.jsd_beta is not None:

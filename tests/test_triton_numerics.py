@@ -3,10 +3,12 @@ as regressions on the Triton backend, and the eager path against the composable 
 
 The per-element rules every backend follows at dz (docs/design.md, "The dz formula"):
 
-* (A) a term whose coefficient the problem cannot produce is never formed: c2 log p only with a reverse KL,
+* (A) a term whose coefficient the problem cannot produce is never formed: c2 r only with a reverse KL,
   c4 log m only with the JSD, c3 p only with a forward KL, so a teacher's -inf entry never gives 0 * inf;
 * (B) at the target column, q_y == 0 contributes exactly ``a`` (0 log 0 -> 0, as on every other column);
-* (C) the expm1 form ``(a + inner) + inner expm1(log q_y)`` only where q_y > 1/2, else ``a + q_y inner``.
+* (C) the target column is ``-a expm1(log q_y) + q_y inner_y`` with inner_y free of a: no cancellation for a
+  confident target nor for an improbable one (the former ``(a + inner) + inner expm1(log q_y)`` lost q_y inner
+  when a != -inner).
 
 And the backward forms log q = (z - lse) - lse_lo from the forward's lse, so the logits it forms again must
 be the forward's bit for bit: a row's gradient may not depend on which other rows carry gradient.
@@ -59,7 +61,7 @@ def path(request, monkeypatch):
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_masked_teacher_entry_gives_finite_gradients(beta, dtype, path):
     """fuzz_findings.md #1: forward KL and JSD with a teacher bias of -inf: the loss was finite and d hidden,
-    d W NaN (c2 log p formed with c2 = 0 and log p = -inf). Expected: the torch backend's gradients."""
+    d W NaN (c2 log p was formed with c2 = 0 and log p = -inf). Expected: the torch backend's gradients."""
     grads = {}
     for backend in ("triton", "torch"):
         h, w = leaves([[1.541]], [[-0.2934], [-2.1788]], dtype=dtype)
@@ -102,7 +104,7 @@ def test_label_on_a_masked_entry_gives_finite_gradients(dtype, path):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# Fuzz finding 7 (rule C): the expm1 form only for confident targets
+# Fuzz finding 7 (rule C): the target column keeps its digits for improbable targets too
 
 
 def _exact_row_gradient(z, y, c_logp, c_entropy):

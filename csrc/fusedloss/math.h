@@ -150,7 +150,10 @@ FL_HD float chain_factor(float c, const Transform& t) {
 // ---------------------------------------------------------------------------------------------------
 // Partial statistics of a set of vocabulary columns for one row (torch_backend.py docstring):
 //   s = sum e^(z-m)   e = sum e^(z-m)(z-m)   st = sum e^(zt-mt)
-//   a = sum e^(z-m)((z-m)-(zt-mt))           b = sum e^(zt-mt)((zt-mt)-(z-m))
+//   ztm = zt at the student's maximum column (the first one the fold met)
+//   a = sum e^(z-m)((z-m)-(zt-ztm))          b = sum e^(zt-mt)((zt-mt)-(z-m))
+//       a is relative to the student's maximum column, whose own term is exactly 0: a confident student's
+//       a / s (kl_rev_rel) stays small and exact however far the teacher is (core/partials.py)
 //   s2 = sum e^(2(z-m))  (log sum q^2 = log s2 - 2 log s, TRL's log_sum_sq_probs)
 //   sz = sum z           (mean_logit = sz / V; needs no maximum)
 //   mb = max of z over the columns before the target (is_top1's first-argmax rule); -inf if none
@@ -159,7 +162,7 @@ FL_HD float chain_factor(float c, const Transform& t) {
 // An array indexed by named fields, so that the block reduction, the state buffer's loads and stores and
 // the host twins walk the fields in one loop each instead of naming every field again.
 // ---------------------------------------------------------------------------------------------------
-enum RowField : int { kM = 0, kS, kE, kMt, kSt, kA, kB, kS2, kSz, kMb, kT, kRowFields };
+enum RowField : int { kM = 0, kS, kE, kMt, kSt, kA, kB, kS2, kSz, kMb, kT, kZtm, kRowFields };
 
 struct RowState {
   float v[kRowFields];
@@ -171,7 +174,7 @@ struct RowState {
 // reduced nor merged.
 template <bool kEntropy, bool kTeacher>
 FL_HD constexpr bool field_used(int k) {
-  return k == kE ? kEntropy : (k == kMt || k == kSt || k == kA || k == kB) ? kTeacher : true;
+  return k == kE ? kEntropy : (k == kMt || k == kSt || k == kA || k == kB || k == kZtm) ? kTeacher : true;
 }
 
 FL_HD bool is_max_field(int k) { return k == kM || k == kMt || k == kMb; }
@@ -185,6 +188,28 @@ FL_HD RowState empty_state() {
 
 // x * y, taken as 0 when x == 0 (a probability that underflowed, times a log-ratio that may be -inf).
 FL_HD float xmul(float x, float y) { return x != 0.0f ? x * y : 0.0f; }
+
+FL_HD bool is_finite(float x) { return x - x == 0.0f; }  // x - x is NaN for inf and NaN
+
+// One column of a KL partial (a: own = student; b: own = teacher), e^(own - own max) times the log-ratio
+// `ratio` of the two sides in their frames: 0 where the own logit is -inf (0 log 0), +inf where it is finite
+// and the other side's is -inf (mass where the other has none), whatever exp underflows to at the current
+// scale. So the KL does not depend on how the vocabulary was cut into lanes, tiles or ranks
+// (core/torch_backend.py::_kl_terms, docs/design.md "Numerical doctrine").
+FL_HD float kl_term(float e_own, float ratio, float own, float other) {
+  return (is_finite(own) && other == -fl_inf()) ? fl_inf() : xmul(e_own, ratio);
+}
+
+// A KL partial rebased to a new maximum: +inf stays +inf whatever the factor (0 * inf would be NaN where
+// the old maximum underflows against the new one), as core/partials.py::_keep_inf.
+FL_HD float keep_inf(float part, float rebased) { return part == fl_inf() ? part : rebased; }
+
+// One column of a (the reverse KL's partial, relative to the student's maximum column where zt = ztm): rule
+// G, and +inf outright where ztm is -inf (the maximum column has mass the teacher lacks: KL(q||p) = +inf
+// whatever the other columns give), as core/partials.py::reverse_kl_infinite.
+FL_HD float rev_kl_term(float ez, float d, float z, float zt, float ztm) {
+  return (is_finite(z) && (zt == -fl_inf() || ztm == -fl_inf())) ? fl_inf() : xmul(ez, d - (zt - ztm));
+}
 
 // z - m for a column of a row whose running maximum is m: -inf for a masked column (z = -inf) even when
 // no finite column came yet (m = -inf too), so that a masked student column against a teacher's mass
@@ -202,7 +227,8 @@ FL_HD void state_add(RowState& r, float z, float zt) {
       const float f = expf(dm);
       if (kEntropy) r[kE] = f * (r[kE] + r[kS] * dm);
       if (kTeacher) {
-        r[kA] = f * (r[kA] + r[kS] * dm);
+        // a moves to the new maximum column's frame (z, zt): shift (old m - z) - (old ztm - zt).
+        r[kA] = zt == -fl_inf() ? fl_inf() : keep_inf(r[kA], f * (r[kA] + r[kS] * (dm - (r[kZtm] - zt))));
         r[kB] = r[kB] - r[kSt] * dm;
       }
       r[kS] *= f;
@@ -210,13 +236,13 @@ FL_HD void state_add(RowState& r, float z, float zt) {
       r[kT] = (r[kT] + 1.0f) * f;  // the old maximum column now contributes f
     }
     r[kM] = z;
+    if (kTeacher) r[kZtm] = zt;
   }
   if (kTeacher && zt > r[kMt]) {
     if (r[kMt] != -fl_inf()) {
       const float dmt = r[kMt] - zt;
       const float g = expf(dmt);
-      r[kA] = r[kA] - r[kS] * dmt;
-      r[kB] = g * (r[kB] + r[kSt] * dmt);
+      r[kB] = keep_inf(r[kB], g * (r[kB] + r[kSt] * dmt));
       r[kSt] *= g;
     }
     r[kMt] = zt;
@@ -232,8 +258,8 @@ FL_HD void state_add(RowState& r, float z, float zt) {
     const float dt = shifted(zt, r[kMt]);
     const float ezt = zt == -fl_inf() ? 0.0f : expf(dt);
     r[kSt] += ezt;
-    r[kA] += xmul(ez, d - dt);
-    r[kB] += xmul(ezt, dt - d);
+    r[kA] += rev_kl_term(ez, d, z, zt, r[kZtm]);
+    r[kB] += kl_term(ezt, dt - d, zt, z);
   }
 }
 
@@ -270,8 +296,16 @@ FL_HD RowState state_merge(const RowState& r, const RowState& p) {
     rescale_factor(r[kMt], o[kMt], gr, drt);
     rescale_factor(p[kMt], o[kMt], gp, dpt);
     o[kSt] = gr * r[kSt] + gp * p[kSt];
-    o[kA] = fr * (r[kA] + r[kS] * (dr - drt)) + fp * (p[kA] + p[kS] * (dp - dpt));
-    o[kB] = gr * (r[kB] + r[kSt] * (drt - dr)) + gp * (p[kB] + p[kSt] * (dpt - dp));
+    o[kB] = keep_inf(r[kB], gr * (r[kB] + r[kSt] * (drt - dr))) + keep_inf(p[kB], gp * (p[kB] + p[kSt] * (dpt - dp)));
+    // a: the side holding the maximum (r on a tie, as for t) keeps its a and its frame exactly; the other
+    // side's a moves into that frame (nothing from an empty side).
+    const bool r_holds = r[kM] >= p[kM];
+    const RowState& h = r_holds ? r : p;
+    const RowState& x = r_holds ? p : r;
+    const float fx = r_holds ? fp : fr, dx = r_holds ? dp : dr;
+    const float moved = x[kM] == -fl_inf() ? 0.0f : keep_inf(x[kA], fx * (x[kA] + x[kS] * (dx - (x[kZtm] - h[kZtm]))));
+    o[kZtm] = h[kZtm];
+    o[kA] = (h[kZtm] == -fl_inf() && is_finite(o[kM])) ? fl_inf() : h[kA] + moved;
   }
   return o;
 }
@@ -282,7 +316,7 @@ FL_HD RowState state_merge(const RowState& r, const RowState& p) {
   X(kLse, "lse") X(kLogp, "logp") X(kEntropy, "entropy") X(kKlRev, "kl_rev") X(kKlFwd, "kl_fwd")          \
   X(kJsd, "jsd") X(kLseT, "lse_t") X(kKlQm, "kl_qm") X(kMeanLogit, "mean_logit")                          \
   X(kLogSumSqProbs, "log_sum_sq_probs") X(kIsTop1, "is_top1") X(kLseLo, "lse_lo") X(kLseTLo, "lse_t_lo")     \
-  X(kRowMax, "row_max")
+  X(kRowMax, "row_max") X(kTeacherAtMax, "teacher_at_max") X(kKlRevRel, "kl_rev_rel")
 #define FL_ENUM_ENTRY(id, name) id,
 enum Output : int { FL_OUTPUTS(FL_ENUM_ENTRY) kNumOutputs };
 
@@ -320,8 +354,16 @@ FL_HD void finalize_row(const RowState& r, float zy, const Wants& w, float out[k
     const float log_st = logf(r[kSt]);
     out[kLseT] = r[kMt] + log_st;
     out[kLseTLo] = rounding_residual(out[kLseT], r[kMt], log_st);
-    if (w.kl_rev) out[kKlRev] = r[kA] / r[kS] - log_s + log_st;
-    if (w.kl_fwd) out[kKlFwd] = r[kB] / r[kSt] - log_st + log_s;
+    // The KLs per row in double: ... - log s + log s_t cancels to ulp(log V) if each term is rounded to fp32
+    // first (core/partials.py::finalize does the same).
+    const double wls = (r[kM] == -fl_inf() || !is_finite(r[kS])) ? log(double(r[kS])) : log1p(double(r[kT]));
+    const double wlst = log(double(r[kSt]));
+    if (w.kl_rev) {
+      out[kKlRevRel] = r[kA] / r[kS];
+      out[kTeacherAtMax] = r[kZtm];
+      out[kKlRev] = float(double(r[kA]) / double(r[kS]) + (double(r[kMt]) - double(r[kZtm])) - wls + wlst);
+    }
+    if (w.kl_fwd) out[kKlFwd] = float(double(r[kB]) / double(r[kSt]) - wlst + wls);
   }
 }
 
@@ -351,27 +393,30 @@ FL_HD float jsd_value(float kl_qm, float kl_pm, const JsdConsts& j) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Gradient: dz_j = a [j == y] + q_j (c0 + c1 log q_j + c2 log p_j + c4 log m_j) + c3 p_j + c5
-// (problem.py), then dx_j = dz_j * chain_factor. The coefficient indices are problem.py's COEF_*.
+// Gradient (problem.py, docs/design.md "The dz formula"):
+//   dz_j = a ([j == y] - q_j) + q_j (c0 + c1 log q_j + c2 r_j + c4 log m_j) + c3 p_j + c5
+//   r_j  = (z_j - row_max) - (zt_j - teacher_at_max) - kl_rev_rel        (= log q_j - log p_j - KL(q||p))
+// then dx_j = dz_j * chain_factor. The coefficient indices are problem.py's COEF_*.
 // ---------------------------------------------------------------------------------------------------
-enum Coef : int { kCoefOnehot = 0, kCoefConst, kCoefLogq, kCoefLogp, kCoefTeacherProb, kCoefLogm, kCoefUniform,
+enum Coef : int { kCoefOnehot = 0, kCoefConst, kCoefLogq, kCoefKlRev, kCoefTeacherProb, kCoefLogm, kCoefUniform,
                   kNumCoeffs };
 
 struct RowCoeffs {
   float c[kNumCoeffs];
   float lse, lse_t, lse_lo, lse_t_lo;  // (hi, lo) normalisers: log q = (z - lse) - lse_lo
+  float row_max, teacher_at_max, kl_rev_rel;  // the reverse KL's frame (r_j)
 };
 
 // The terms a problem can produce. A term whose coefficient the problem cannot produce is never formed,
 // so that a teacher's -inf entry (log p = -inf) meets no zero coefficient (0 * inf = NaN): c1 log q only
-// with entropy, reverse KL or JSD; c2 log p only with reverse KL; c3 p only with forward KL; c4 log m
-// only with the JSD; c5 only with the mean logit.
+// with entropy or JSD; c2 r only with reverse KL; c3 p only with forward KL; c4 log m only with the JSD;
+// c5 only with the mean logit.
 struct DzTerms {
   bool log_q, kl_rev, kl_fwd, jsd, uniform;
   FL_HD bool forms(int k) const {
     switch (k) {
       case kCoefLogq: return log_q;
-      case kCoefLogp: return kl_rev;
+      case kCoefKlRev: return kl_rev;
       case kCoefTeacherProb: return kl_fwd;
       case kCoefLogm: return jsd;
       case kCoefUniform: return uniform;
@@ -380,35 +425,30 @@ struct DzTerms {
   }
 };
 
-// -ln 2: above it q > 1/2, where a + q inner is formed as (a + inner) + inner expm1(log q).
-constexpr float kMinusLn2 = -0.693147180559945309f;
-
 template <bool kTeacher>
 FL_HD float dz_element(float z, float zt, bool is_target, const RowCoeffs& k, const DzTerms& t, const JsdConsts& j) {
   const float logq = (z - k.lse) - k.lse_lo;
   const float q = expf(logq);
-  float inner = k.c[kCoefConst];
+  const float a = k.c[kCoefOnehot];
+  // Off the target, a's share -a q_j joins c0; at the target c0 stays unrounded by a (an entropy or KL share
+  // of a confident row would otherwise be rounded at ulp(a)).
+  float inner = is_target ? k.c[kCoefConst] : k.c[kCoefConst] - a;
   if (t.log_q) inner += k.c[kCoefLogq] * logq;
   float teacher_prob = 0.0f;
   if (kTeacher) {
-    const float logpt = (zt - k.lse_t) - k.lse_t_lo;
-    if (t.kl_rev) inner += k.c[kCoefLogp] * logpt;
-    if (t.jsd) inner += k.c[kCoefLogm] * logaddexp(logq + j.log_1m_beta, logpt + j.log_beta);
-    if (t.kl_fwd) teacher_prob = k.c[kCoefTeacherProb] * expf(logpt);
+    // r_j from the logits relative to the forward's frame: exactly -kl_rev_rel at the student's maximum
+    // column; 0 where c2 is (a row outside the loss whose KL is +inf contributes nothing).
+    if (t.kl_rev) inner += xmul(k.c[kCoefKlRev], ((z - k.row_max) - (zt - k.teacher_at_max)) - k.kl_rev_rel);
+    if (t.jsd || t.kl_fwd) {
+      const float logpt = (zt - k.lse_t) - k.lse_t_lo;
+      if (t.jsd) inner += k.c[kCoefLogm] * logaddexp(logq + j.log_1m_beta, logpt + j.log_beta);
+      if (t.kl_fwd) teacher_prob = k.c[kCoefTeacherProb] * expf(logpt);
+    }
   }
-  float dz;
-  if (!is_target) {
-    dz = xmul(q, inner);
-  } else if (logq > kMinusLn2) {
-    // A confident target (q > 1/2): a + q inner = (a + inner) + inner (q - 1), with q - 1 = expm1(log q)
-    // exact to rounding. For log-probability terms a + inner cancels exactly (a = -c0), which keeps the
-    // digits of 1 - q_y (1e-4 in fp32 would otherwise carry q's rounding, 6e-8, as 6e-4 relative).
-    dz = (k.c[kCoefOnehot] + inner) + inner * expm1f(logq);
-  } else {
-    // Below q = 1/2 that form would cancel instead ((a + inner) against inner, losing q inner). q == 0
-    // gives exactly a (0 log 0 -> 0, as on every other column).
-    dz = k.c[kCoefOnehot] + xmul(q, inner);
-  }
+  // 0 log 0 -> 0 where q = 0; at the target a (1 - q_y) = -a expm1(log q_y), exact to rounding for every q_y
+  // (1 - q_y keeps its digits on a confident row, and a masked target gives exactly a).
+  float dz = xmul(q, inner);
+  if (is_target) dz -= a * expm1f(logq);
   if (t.kl_fwd) dz += teacher_prob;
   if (t.uniform) dz += k.c[kCoefUniform];
   return dz;

@@ -254,12 +254,15 @@ FL_HD RowCoeffs row_coeffs(const TileArgs& a, int64_t row) {
   r.lse_t = out[kLseT * a.out_stride + row];
   r.lse_lo = out[kLseLo * a.out_stride + row];
   r.lse_t_lo = out[kLseTLo * a.out_stride + row];
+  r.row_max = out[kRowMax * a.out_stride + row];
+  r.teacher_at_max = out[kTeacherAtMax * a.out_stride + row];
+  r.kl_rev_rel = out[kKlRevRel * a.out_stride + row];
   return r;
 }
 
 FL_HD DzTerms dz_terms(const TileArgs& a) {
   const bool teacher = a.xt != 0;
-  return DzTerms{a.want_entropy || (teacher && (a.want_kl_rev || a.has_jsd)), teacher && a.want_kl_rev,
+  return DzTerms{a.want_entropy || (teacher && a.has_jsd), teacher && a.want_kl_rev,
                  teacher && a.want_kl_fwd, teacher && a.has_jsd, a.want_mean_logit};
 }
 

@@ -6,8 +6,9 @@ statistics* relative to the piece's own maxima (m = max z, m_t = max z_t over it
 
     m, mt  the maxima                      s  = sum e^(z - m)          st = sum e^(z_t - m_t)
     t   = s - 1 without cancellation: the sum without the (first) maximum column's own e^0 = 1
+    ztm = z_t at the (first) maximum column of z
     e   = sum e^(z - m) (z - m)                                entropy:  H = log s - e / s
-    a   = sum e^(z - m) ((z - m) - (z_t - m_t))                KL(q||p) = a / s - log s + log s_t
+    a   = sum e^(z - m) ((z - m) - (z_t - ztm))                KL(q||p) = a / s + (m_t - ztm) - log s + log s_t
     b   = sum e^(z_t - m_t) ((z_t - m_t) - (z - m))            KL(p||q) = b / s_t - log s_t + log s
     s2  = sum e^(2 (z - m))                                    log sum q^2 = log s2 - 2 log s
     sz  = sum z  (no maximum needed)                           mean logit = sz / V
@@ -20,7 +21,15 @@ columns into the per-row statistics of ``problem.Statistics``. Keeping every sum
 maxima avoids forming ``lse - sum p z`` from two large numbers (peaked rows with logits near 1e4 would lose
 every digit of the entropy in fp32). ``t`` is kept beside ``s`` for confident rows: with 1 - q_y = 1e-3,
 s = 1 + 1e-3 rounded to fp32 holds t to 1e-4 relative only, and log s = log1p(t) keeps it
-(docs/design.md, "Numerical doctrine").
+(docs/design.md, "Numerical doctrine"). ``a`` is relative to the student's maximum column (z - m and
+z_t - ztm are both 0 there) rather than to the teacher's maximum, for the same reason: a confident student
+puts nearly all of a on that column, whose term is then exactly 0, so a / s (``kl_rev_rel``) is small and
+keeps its digits however far the teacher is, and the backward's r_j (problem.py) cancels exactly there.
+
+The KL partials follow rule G: a column adds +inf to a where its z is finite and its z_t is -inf, and 0
+where its z is -inf (0 log 0), whatever exp underflows to at the piece's scale; a is +inf outright where
+ztm is -inf (the student's maximum column has mass the teacher lacks); b likewise with the sides
+exchanged; a +inf partial survives every merge.
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import torch
 
 from .problem import StatsProblem
 
-FIELDS = ("m", "s", "t", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb")
+FIELDS = ("m", "s", "t", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb", "ztm")
 """Names of the partial statistics, in the order of a packed ``[len(FIELDS), ..., N]`` buffer."""
 
 _MAXIMA = ("m", "mt", "mb")
@@ -61,18 +70,25 @@ def _keep_inf(part: torch.Tensor, rebased: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isposinf(part), part, rebased)
 
 
+def reverse_kl_infinite(a: torch.Tensor, m: torch.Tensor, ztm: torch.Tensor) -> torch.Tensor:
+    """a, +inf where the student's maximum column has mass the teacher lacks (ztm = -inf, m finite): the
+    reverse KL is then +inf whatever the other columns give (their z_t - ztm would be +inf)."""
+    return torch.where(torch.isneginf(ztm) & torch.isfinite(m), math.inf, a)
+
+
 def merge(pieces: dict) -> dict:
     """Merge partials stacked along dim 0 (``[pieces, rows]`` per field) into ``[rows]``. Exact up to
     rounding and independent of how the columns were cut. Only the fields present are merged (``m``, ``s``
-    and ``t`` always; the teacher's with ``mt``): the ranks of a vocabulary-parallel head send only the
-    fields their call asks for, and each field merged is a few more kernels per call."""
+    and ``t`` always; the teacher's with ``mt``; ``a`` with ``ztm``): the ranks of a vocabulary-parallel head
+    send only the fields their call asks for, and each field merged is a few more kernels per call."""
     m, f, dm = _rebase(pieces["m"])
     s = pieces["s"]
     # t without cancellation: the first piece holding the maximum keeps its t, every other piece adds all
     # of its columns, f (1 + t) (a piece tied at the maximum adds 1 + t; an empty one 0).
     holder = pieces["m"].argmax(0, keepdim=True)
     index = torch.arange(s.shape[0], device=s.device).reshape(-1, *([1] * (s.dim() - 1)))
-    t = torch.where(index == holder, pieces["t"], f * (1.0 + pieces["t"])).sum(0)
+    is_holder = index == holder
+    t = torch.where(is_holder, pieces["t"], f * (1.0 + pieces["t"])).sum(0)
     out = dict(m=m, s=(f * s).sum(0), t=t)
     if "e" in pieces:
         out["e"] = (f * (pieces["e"] + s * dm)).sum(0)
@@ -84,7 +100,12 @@ def merge(pieces: dict) -> dict:
         mt, g, dmt = _rebase(pieces["mt"])
         out.update(mt=mt, st=(g * pieces["st"]).sum(0))
         if "a" in pieces:
-            out["a"] = _keep_inf(pieces["a"], f * (pieces["a"] + s * (dm - dmt))).sum(0)
+            # a is relative to (m, ztm) of the piece holding the maximum: the holder's a is taken as it is
+            # (its shifts are exactly 0), every other piece's is shifted by (m_k - m) - (ztm_k - ztm).
+            ztm = pieces["ztm"].gather(0, holder).squeeze(0)
+            dztm = torch.where(is_holder | torch.isneginf(pieces["m"]), 0.0, pieces["ztm"] - ztm)
+            a = _keep_inf(pieces["a"], torch.where(is_holder, pieces["a"], f * (pieces["a"] + s * (dm - dztm))))
+            out.update(a=reverse_kl_infinite(a.sum(0), m, ztm), ztm=ztm)
         if "b" in pieces:
             out["b"] = _keep_inf(pieces["b"], g * (pieces["b"] + pieces["st"] * (dmt - dm))).sum(0)
     if "zy" in pieces:
@@ -139,7 +160,23 @@ def finalize(state: dict, p: StatsProblem, vocab: int, *, has_targets: Optional[
         out["lse_t"] = state["mt"] + log_st
         out["lse_t_lo"] = rounding_residual(out["lse_t"], state["mt"], log_st)
         if p.want_kl_rev:
-            out["kl_rev"] = state["a"] / state["s"] - ls + log_st
-        if p.want_kl_fwd:
-            out["kl_fwd"] = state["b"] / state["st"] - log_st + ls
+            out["kl_rev_rel"] = state["a"] / state["s"]
+            out["teacher_at_max"] = state["ztm"]
+        if p.want_kl_rev or p.want_kl_fwd:
+            # Per row in float64: KL = ... - log s + log s_t cancels to ulp(log V) (2.4e-7 at V = 13, where
+            # KL ~ 2e-7 for two near-uniform rows) if each term is rounded to fp32 first.
+            w = _wide(state)
+            wls, wlst = log_s(w), torch.log(w["st"])
+            if p.want_kl_rev:
+                out["kl_rev"] = (w["a"] / w["s"] + (w["mt"] - w["ztm"]) - wls + wlst).to(ls.dtype)
+            if p.want_kl_fwd:
+                out["kl_fwd"] = (w["b"] / w["st"] - wlst + wls).to(ls.dtype)
     return out
+
+
+def _wide(state: dict) -> dict:
+    """The fields the KLs combine, in float64 (fp32 partials; as they are where float64 is missing: MPS)."""
+    m = state["m"]
+    if m.dtype == torch.float64 or m.device.type == "mps":
+        return state
+    return {k: state[k].double() for k in ("m", "s", "t", "st", "mt", "a", "b", "ztm") if k in state}

@@ -1,8 +1,8 @@
 """What every backend computes: the per-token statistics problem (docs/design.md, "The statistics problem").
 
-A backend is a module with two functions, ``forward_statistics(problem)`` and
-``backward_gradients(problem, saved, coeffs, needs)``. Nothing loss-specific ever reaches a
-backend: the losses (``fusedloss/losses``) only turn these per-row statistics into a loss, and
+A backend implements ``core/backends.py::Backend``: ``forward_statistics(problem)`` and
+``backward_gradients(problem, saved, coeffs, needs)`` (the eager path and the JSD sweep are optional
+protocols beside it). Nothing loss-specific ever reaches a backend: the losses (``fusedloss/losses``) only turn these per-row statistics into a loss, and
 their gradients into the per-row coefficients below. That is what lets one tuned kernel pair
 serve every loss, and keeps the loss math written once for all backends.
 
@@ -30,29 +30,46 @@ ignored rows, i.e. rows whose target is negative)::
                i.e. z_y >= max_v z_v and z_y > max_{v<y} z_v (argmax's rule on exact ties, as TRL)
     lse_lo     (m - lse) + log s: what rounding lse = m + log s dropped (always; forward only)
     lse_t_lo   the same for the teacher (with a teacher)
-    row_max    max_v z_v (always; forward only): with is_top1, what decides the first argmax across the shards
-               of a vocabulary-parallel head (docs/design.md, "Distributed")
+    row_max    max_v z_v (always): with is_top1, what decides the first argmax across the shards of a
+               vocabulary-parallel head (docs/design.md, "Distributed"); the reverse KL's frame below
+    teacher_at_max  z_t at the student's (first) maximum column            (want_kl_rev, with a teacher)
+    kl_rev_rel sum_v q_v ((z_v - row_max) - (z_t,v - teacher_at_max))      (want_kl_rev, with a teacher)
+               = KL(q || p) - log(q_* / p_*) at that column *: the reverse KL relative to the student's
+               maximum, small for a confident student however large KL is. Backward only.
 
 Why the ``_lo`` terms: in fp32 the lse of a confident row (~30) carries an absolute rounding error of
 1e-6, which ``log q = z - lse`` would pass on to ``1 - q_y ~ 1e-2`` as a 1e-4 relative error of the
 gradient. Backends form ``log q_j = (z_j - lse) - lse_lo`` (``z_j - lse`` is exact near the maximum), and
 ``logp = (z_y - m) - log s``. They also keep ``s = 1 + t`` with t the sum without the (first) maximum's own
-exp(0) = 1, take ``log s = log1p(t)``, and form the target column's gradient as
-``(a + inner_y) + inner_y * expm1(log q_y)`` instead of ``a + q_y * inner_y``, so that ``1 - q_y`` keeps its
-digits down to 1e-4 and below: confident fp32 rows stay within 1e-5 of float64 (tests/test_confident_rows.py).
+exp(0) = 1 and take ``log s = log1p(t)``, so that ``1 - q_y`` keeps its digits down to 1e-4 and below:
+confident fp32 rows stay within 1e-5 of float64 (tests/test_confident_rows.py).
 
 q = softmax(z) is the student, p = softmax(z_t) the teacher (frozen: never differentiated).
 
 Backward: the gradient of the loss with respect to the student logits is, per element::
 
-    dz_j = a * [j == y] + q_j * (c0 + c1 * log q_j + c2 * log p_j + c4 * log m_j) + c3 * p_j + c5
+    dz_j = a * ([j == y] - q_j) + q_j * (c0 + c1 * log q_j + c2 * r_j + c4 * log m_j) + c3 * p_j + c5
+    r_j  = (z_j - row_max) - (z_t,j - teacher_at_max) - kl_rev_rel        (= log q_j - log p_j - KL(q || p))
 
-with per-row coefficients ``coeffs = (a, c0, c1, c2, c3, c4, c5)`` (``[7, N]``, accumulation dtype;
-c5 is the constant term of d mean_logit / dz_j = 1 / V),
-built by ``fusedloss.core.statistics.dz_coefficients``. The same formula can be written with z and
-z_t in place of log q and log p; the two differ only by per-row constants folded into c0. We use the
-log-probabilities because ``c1 * z + c0`` cancels catastrophically when |z| is large (1e4 in fp32 loses
-three digits), while ``log q_j = z_j - lse`` is formed per element and is exact to rounding.
+with per-row coefficients ``coeffs = (a, c0, c1, c2, c3, c4, c5)`` (``[7, N]``, accumulation dtype), built by
+``fusedloss.core.statistics.dz_coefficients``: a = d loss / d logp, c0 the rest of the per-row constants,
+c1 of log q (entropy, JSD), c2 = d loss / d KL(q || p), c3 of p (forward KL), c4 of log m (JSD), c5 the
+constant of d mean_logit / dz_j = 1 / V. Each term carries its own centred quantity, so that no per-row
+constant is rounded at the scale of another (docs/design.md, "The dz formula"):
+
+* the log-probability's share a ([j = y] - q_j) is kept out of c0: at the target column it is formed as
+  ``-a * expm1(log q_y)``, exact to rounding for every q_y (1 - q_y keeps its digits on confident rows, q_y
+  on improbable ones), and ``q_y * inner_y`` is added with c0 unrounded by a, so an entropy or KL share on a
+  confident row is not rounded at ulp(a). Elsewhere ``q_j (c0 - a + ...)``;
+* the reverse KL's share is formed as ``r_j`` from the logits relative to the student's maximum column, where
+  the forward formed ``kl_rev_rel``: at that column r = -kl_rev_rel exactly, however large KL is (a
+  confident student 10 nats from its teacher would otherwise get ulp(KL) ~ 1e-6 instead of ~0).
+
+The log-probabilities rather than z and z_t (which differ by per-row constants) because ``c1 * z + c0``
+cancels catastrophically when |z| is large (1e4 in fp32 loses three digits), while ``log q_j = z_j - lse``
+is formed per element and is exact to rounding; r_j likewise subtracts the row's own maxima per element.
+A product of a coefficient and an infinite quantity whose coefficient is 0 is 0 (a row outside the loss
+whose KL is +inf contributes nothing).
 
 The chain rule back to the raw product x is elementwise::
 
@@ -71,7 +88,7 @@ from typing import NamedTuple, Optional
 import torch
 
 # Indices of the rows of the [NUM_COEFFS, N] coefficient tensor.
-COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_LOGP, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM = range(7)
+COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_KL_REV, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM = range(7)
 NUM_COEFFS = 7
 
 
@@ -148,6 +165,8 @@ class Statistics(NamedTuple):
     lse_lo: torch.Tensor
     lse_t_lo: torch.Tensor
     row_max: torch.Tensor
+    teacher_at_max: torch.Tensor
+    kl_rev_rel: torch.Tensor
 
 
 class GradientNeeds(NamedTuple):

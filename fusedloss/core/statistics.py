@@ -144,29 +144,39 @@ def _(*args):
     )
 
 
+def _times(g: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
+    """g * stat, 0 where g is 0: a row outside the loss contributes nothing even where its statistic is +inf
+    (a reverse KL next to a masked teacher entry; 0 * inf would be NaN in every row's d weight)."""
+    return torch.where(g == 0, 0.0, g * stat)
+
+
 def dz_coefficients(grad: torch.Tensor, stats: torch.Tensor, jsd_beta: Optional[float],
                     targets: Optional[torch.Tensor], vocab_size: int) -> torch.Tensor:
-    """Per-row coefficients (a, c0, ..., c5) of the logits gradient (problem.py), from the
-    gradients of the loss with respect to each statistic. Derivatives, with log q_j = z_j - lse::
+    """Per-row coefficients (a, c0, ..., c5) of the logits gradient (problem.py), from the gradients of the
+    loss with respect to each statistic (docs/design.md, "The dz formula")::
 
-        d lse/dz_j      = q_j                           d logp/dz_j   = [j=y] - q_j
-        d H/dz_j        = -q_j (log q_j + H)            d KL(q||p)/dz_j = q_j (log q_j - log p_j - KL(q||p))
-        d KL(p||q)/dz_j = q_j - p_j                     d JSD/dz_j    = (1-beta) q_j (log q_j - log m_j - KL(q||m))
-        d mean_logit/dz_j = 1 / V
-    log_sum_sq_probs and is_top1 are metrics: their gradients are ignored.
+        d lse/dz_j      = q_j                            -> c0
+        d logp/dz_j     = [j=y] - q_j                    -> a (the kernels form a ([j=y] - q_j) themselves)
+        d H/dz_j        = -q_j (log q_j + H)             -> c0, c1
+        d KL(q||p)/dz_j = q_j r_j                        -> c2 (r_j: problem.py)
+        d KL(p||q)/dz_j = q_j - p_j                      -> c0, c3
+        d JSD/dz_j      = (1-beta) q_j (log q_j - log m_j - KL(q||m))   -> c0, c1, c4
+        d mean_logit/dz_j = 1 / V                        -> c5
+    c0 holds only the per-row constants that are not a log-probability's or a reverse KL's share, so that
+    neither is rounded into it. log_sum_sq_probs and is_top1 are metrics: their gradients are ignored.
     """
     s = Statistics(*stats.unbind(0))
     g = Statistics(*grad.unbind(0))
     zero = torch.zeros_like(s.lse)
     a = g.logp
-    c0 = g.lse - g.logp - g.entropy * s.entropy - g.kl_rev * s.kl_rev + g.kl_fwd
-    c1 = g.kl_rev - g.entropy
-    c2 = -g.kl_rev
+    c0 = g.lse + g.kl_fwd - _times(g.entropy, s.entropy)
+    c1 = -g.entropy
+    c2 = g.kl_rev
     c3 = -g.kl_fwd
     c4 = zero
     if jsd_beta is not None:
         w = g.jsd * (1.0 - jsd_beta)
-        c0 = c0 - w * s.kl_qm
+        c0 = c0 - _times(w, s.kl_qm)
         c1 = c1 + w
         c4 = -w
     c5 = g.mean_logit / vocab_size

@@ -4,24 +4,23 @@ It walks ``[rows_chunk, vocab_tile]`` tiles of the logits with an online max, ex
 and CUDA kernels do, so its memory is bounded by one tile (plus the gradients themselves) whatever N
 and V are. Each tile is summarised by the partial statistics of ``core/partials.py`` and merged into the running
 ones there; the same merge serves the Triton backend's vocabulary splits and the ranks of a
-vocabulary-parallel head. On the target column the gradient a + q_y inner is formed as
-(a + inner) + inner expm1(log q_y) where q_y > 1/2 (see ``logits_gradient_tile``), the same rule as the
-Triton and CUDA kernels (docs/design.md, "Numerical doctrine").
+vocabulary-parallel head. The gradient of a tile follows problem.py's dz formula term by term, as the
+Triton and CUDA kernels do (``logits_gradient_tile``; docs/design.md, "The dz formula").
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import partials
 from .problem import (
     COEF_CONST,
+    COEF_KL_REV,
     COEF_LOGM,
-    COEF_LOGP,
     COEF_LOGQ,
     COEF_ONEHOT,
     COEF_TEACHER_PROB,
@@ -31,6 +30,7 @@ from .problem import (
     Statistics,
     StatsProblem,
 )
+
 
 def availability() -> str:
     """Plain PyTorch ops: this backend runs wherever torch does."""
@@ -102,7 +102,7 @@ def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem,
     # t: every column but the first maximum (whose e^0 = 1 is implicit); tied maxima still count 1 each.
     first_max = z.argmax(dim=1, keepdim=True)
     part = dict(m=m, s=ez.sum(1), t=ez.scatter(1, first_max, 0.0).sum(1), e=zero, s2=zero, sz=zero,
-                mt=neg_inf, st=zero, a=zero, b=zero, zy=zero, mb=neg_inf)
+                mt=neg_inf, st=zero, a=zero, b=zero, zy=zero, mb=neg_inf, ztm=zero)
     if p.want_entropy:
         part["e"] = _xlogy_terms(ez, zc).sum(1)
     if p.want_extras:
@@ -113,7 +113,11 @@ def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem,
         mt = zt.amax(dim=1)
         ztc = zt - _finite_or_zero(mt)[:, None]
         ezt = torch.exp(ztc)
-        part.update(mt=mt, st=ezt.sum(1), a=_kl_terms(ez, zc, ztc).sum(1), b=_kl_terms(ezt, ztc, zc).sum(1))
+        # a relative to the student's maximum column (core/partials.py): its own term is exactly 0.
+        ztm = zt.gather(1, first_max).squeeze(1)
+        a = _kl_terms(ez, zc, zt - _finite_or_zero(ztm)[:, None]).sum(1)
+        part.update(mt=mt, st=ezt.sum(1), a=partials.reverse_kl_infinite(a, m, ztm), b=_kl_terms(ezt, ztc, zc).sum(1),
+                    ztm=ztm)
     if tgt is not None:
         part["zy"] = _gather_target(z, tgt, v0, v1)
         if p.want_extras:
@@ -213,23 +217,33 @@ def _forward_rows(p: StatsProblem) -> Statistics:
     return Statistics(**out)
 
 
-LOG_HALF = -math.log(2.0)
+class RowNorms(NamedTuple):
+    """What a tile's dz needs from the forward, per row (``[rows]`` each): the student's and the teacher's
+    (hi, lo) log-normalisers, and the reverse KL's frame (problem.py's r_j)."""
+
+    lse: torch.Tensor
+    lse_lo: torch.Tensor
+    lse_t: torch.Tensor
+    lse_t_lo: torch.Tensor
+    row_max: torch.Tensor
+    teacher_at_max: torch.Tensor
+    kl_rev_rel: torch.Tensor
+
+
+def row_norms(saved) -> RowNorms:
+    """The RowNorms fields of a ``Statistics`` (or of a dict with its names)."""
+    get = saved.get if isinstance(saved, dict) else (lambda k: getattr(saved, k))
+    return RowNorms(*(get(k) for k in RowNorms._fields))
 
 
 def target_column(a, inner_y, q_y, logq_y):
-    """``a + q_y inner_y``, the target column's dz before the teacher and uniform terms, per row.
-
-    * q_y == 0 (a label on a masked, -inf, logit): exactly ``a``, as 0 log 0 -> 0 on every other column
-      (inner_y holds c1 log 0 = -inf there, and 0 * inf would be NaN).
-    * q_y > 1/2 (log q_y > -ln 2): ``(a + inner_y) + inner_y expm1(log q_y)``. For log-probability terms
-      a + inner cancels exactly (a = -c0), so a confident row keeps the digits of 1 - q_y (1e-4 in fp32
-      would otherwise carry q's rounding, 6e-8, as 6e-4 relative).
-    * otherwise ``a + q_y inner_y``: for an improbable target the expm1 form would compute
-      inner + inner (q_y - 1) and lose q_y inner to cancellation when a != -inner (entropy or KL terms).
-    The Triton and CUDA kernels apply the same three cases (docs/design.md, "The dz formula")."""
-    confident = (a + inner_y) + inner_y * torch.expm1(logq_y)
-    plain = a + q_y * inner_y
-    return torch.where(q_y == 0, a, torch.where(logq_y > LOG_HALF, confident, plain))
+    """``a (1 - q_y) + q_y inner_y``, the target column's dz before the teacher and uniform terms, per row,
+    as ``-a expm1(log q_y) + q_y inner_y``: expm1 keeps the digits of 1 - q_y for a confident target and of
+    q_y for an improbable one, and inner_y holds c0 without a, so an entropy or KL share of a confident row is
+    not rounded at ulp(a). ``q_y == 0`` (a label on a masked, -inf, logit) gives exactly ``a``, as
+    0 log 0 -> 0 on every other column (inner_y holds c1 log 0 = -inf there). The Triton and CUDA kernels
+    form the same expression (docs/design.md, "The dz formula")."""
+    return _xlogy_terms(q_y, inner_y) - a * torch.expm1(logq_y)
 
 
 def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple) -> tuple:
@@ -251,39 +265,47 @@ def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple) -> tuple:
     return kl_qm, kl_pm
 
 
-def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, lse, lse_t, tgt, v0, v1):
-    """dx for one tile: the generic dz of problem.py, then the chain rule through temperature,
-    soft-cap and logit_scale. Shared by the eager and the recompute paths. ``lse`` and ``lse_t`` are
-    (hi, lo) pairs of per-row tensors. Terms whose coefficients the problem cannot produce are not
-    formed (a cross-entropy tile is exp, one multiply and the target column), and the tile is updated in
-    place: on a CPU these elementwise passes, not the products, set the time."""
-    logq = (z - lse[0][:, None]).sub_(lse[1][:, None])
+def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt, v0, v1):
+    """dx for one tile: the generic dz of problem.py, then the chain rule through temperature, soft-cap and
+    logit_scale. Shared by the eager and the recompute paths. ``norms``: the tile's rows' ``RowNorms``.
+    Terms whose coefficients the problem cannot produce are not formed (a cross-entropy tile is exp, one
+    multiply and the target column), and the tile is updated in place: on a CPU these elementwise passes,
+    not the products, set the time."""
+    logq = (z - norms.lse[:, None]).sub_(norms.lse_lo[:, None])
     coef = coeffs[:, :, None]
-    inner = coef[COEF_CONST]
-    log_terms = p.want_entropy or p.want_kl_rev or p.jsd_beta is not None
-    if log_terms:
-        inner = inner + coef[COEF_LOGQ] * logq
+    a = coeffs[COEF_ONEHOT]
+    terms = None  # the per-element part of inner: c1 log q + c2 r + c4 log m
+
+    def add(term):
+        return term if terms is None else terms.add_(term)
+
+    if p.want_entropy or p.jsd_beta is not None:
+        terms = add(coef[COEF_LOGQ] * logq)
     logpt = None
-    if zt is not None and (p.want_kl_rev or p.want_kl_fwd or p.jsd_beta is not None):
-        logpt = (zt - lse_t[0][:, None]).sub_(lse_t[1][:, None])
-        if p.want_kl_rev:
-            inner = inner + coef[COEF_LOGP] * logpt
+    if zt is not None and p.want_kl_rev:
+        # r_j = log q_j - log p_j - KL(q||p), relative to the student's maximum column (problem.py); 0 where
+        # c2 is: a row outside the loss whose KL is +inf contributes nothing.
+        r = (z - norms.row_max[:, None]).sub_(zt - norms.teacher_at_max[:, None]).sub_(norms.kl_rev_rel[:, None])
+        terms = add(torch.where(coef[COEF_KL_REV] == 0, 0.0, r.mul_(coef[COEF_KL_REV])))
+    if zt is not None and (p.want_kl_fwd or p.jsd_beta is not None):
+        logpt = (zt - norms.lse_t[:, None]).sub_(norms.lse_t_lo[:, None])
         if p.jsd_beta is not None:
-            inner = inner + coef[COEF_LOGM] * _log_mixture(logq, logpt, p.jsd_beta)
+            terms = add(coef[COEF_LOGM] * _log_mixture(logq, logpt, p.jsd_beta))
     if tgt is not None:
         inside = (tgt >= v0) & (tgt < v1)
         idx = torch.where(inside, tgt - v0, torch.zeros_like(tgt))[:, None]
         logq_y = logq.gather(1, idx).squeeze(1)
-        inner_y = inner.expand_as(logq).gather(1, idx).squeeze(1)
+        inner_y = coeffs[COEF_CONST] + (0.0 if terms is None else terms.gather(1, idx).squeeze(1))
     dz = torch.exp(logq)
     if tgt is not None:
         q_y = dz.gather(1, idx).squeeze(1)
-    if not log_terms:  # a per-row constant: q * c0 is 0 wherever q is
-        dz.mul_(inner)
+    base = (coeffs[COEF_CONST] - a)[:, None]  # off the target, a ([j=y] - q_j) is -a q_j
+    if terms is None:  # a per-row constant: q * (c0 - a) is 0 wherever q is
+        dz.mul_(base)
     else:  # 0 * (c1 * log 0) would be NaN: q_j log q_j -> 0
-        dz = _xlogy_terms(dz, inner)
+        dz = _xlogy_terms(dz, terms.add_(base))
     if tgt is not None:
-        dz.scatter_(1, idx, torch.where(inside, target_column(coeffs[COEF_ONEHOT], inner_y, q_y, logq_y),
+        dz.scatter_(1, idx, torch.where(inside, target_column(a, inner_y, q_y, logq_y),
                                         dz.gather(1, idx).squeeze(1))[:, None])
     if logpt is not None and p.want_kl_fwd:
         dz.add_(coef[COEF_TEACHER_PROB] * torch.exp(logpt))
@@ -330,8 +352,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     h_act, ht_act = pick(h_all), pick(p.teacher_hidden)
     tgt_act = pick(p.targets)
     coeffs_act = coeffs if rows is None else coeffs.index_select(1, rows)
-    lse_act = torch.stack((pick(saved.lse), pick(saved.lse_lo)))
-    lset_act = torch.stack((pick(saved.lse_t), pick(saved.lse_t_lo)))
+    norms_act = torch.stack(tuple(pick(x) for x in row_norms(saved)))
     n_act = h_act.shape[0]
     carries = (coeffs_act != 0).any(dim=0)  # [n_act]: rows whose dz is not identically zero
     chunks = [(r0, min(n_act, r0 + ROW_CHUNK)) for r0 in range(0, n_act, ROW_CHUNK)]
@@ -355,8 +376,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                 tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
                 zt, _ = _logits_tile(ht_act[r0:r1], p.teacher_weight[v0:v1], tb, p.teacher_transform, acc)
             tgt = None if tgt_act is None else tgt_act[r0:r1]
-            dx = logits_gradient_tile(p, z, c, zt, coeffs_act[:, r0:r1], lse_act[:, r0:r1].unbind(0),
-                                      lset_act[:, r0:r1].unbind(0), tgt, v0, v1)
+            dx = logits_gradient_tile(p, z, c, zt, coeffs_act[:, r0:r1], RowNorms(*norms_act[:, r0:r1].unbind(0)),
+                                      tgt, v0, v1)
             dx.masked_fill_(~carries[r0:r1, None], 0.0)
             if dh_act is not None:
                 dh_act[r0:r1] += dx @ w_acc
@@ -435,8 +456,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
             out = {k: torch.where(valid, x, torch.zeros_like(x)) for k, x in out.items()}
         chunk_loss, coeffs = chunk_fn(Statistics(**out), rows)
         loss = loss + chunk_loss.to(acc)
-        dx = logits_gradient_tile(p, z, c, zt, coeffs, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
-                                  tgt, 0, v)
+        dx = logits_gradient_tile(p, z, c, zt, coeffs, row_norms(out), tgt, 0, v)
         # Rows that do not enter the loss (ignored, masked) must give exact zeros: their logits may overflow
         # exp (q = inf, times a zero coefficient = NaN) or be NaN padding.
         dx.masked_fill_(~(coeffs != 0).any(dim=0)[:, None], 0.0)

@@ -69,8 +69,8 @@ from .. import config
 from ..core import cost, torch_backend
 from ..core.problem import (
     COEF_CONST,
+    COEF_KL_REV,
     COEF_LOGM,
-    COEF_LOGP,
     COEF_LOGQ,
     COEF_ONEHOT,
     COEF_TEACHER_PROB,
@@ -82,7 +82,7 @@ from ..core.problem import (
 )
 
 _NUM_OUTPUTS = len(Statistics._fields)
-_COEF_ORDER = [COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_LOGP, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM]
+_COEF_ORDER = [COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_KL_REV, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM]
 
 
 def _load_extension():
@@ -832,8 +832,8 @@ def _formed_terms(p: StatsProblem) -> list:
     teacher = p.has_teacher
     jsd = teacher and p.jsd_beta is not None
     formed = {COEF_ONEHOT: True, COEF_CONST: True,
-              COEF_LOGQ: p.want_entropy or (teacher and (p.want_kl_rev or jsd)),
-              COEF_LOGP: teacher and p.want_kl_rev, COEF_TEACHER_PROB: teacher and p.want_kl_fwd,
+              COEF_LOGQ: p.want_entropy or jsd,
+              COEF_KL_REV: teacher and p.want_kl_rev, COEF_TEACHER_PROB: teacher and p.want_kl_fwd,
               COEF_LOGM: jsd, COEF_UNIFORM: p.want_mean_logit}
     return [k for k, on in formed.items() if on]
 
@@ -940,6 +940,44 @@ def forward_statistics(p: StatsProblem) -> Statistics:
         if p.jsd_beta is not None and p.has_teacher:
             sweep(ex.jsd, with_jsd_acc, reuse=one_tile)
     return Statistics(*out.unbind(0))
+
+
+_LSE_ROWS = tuple(Statistics._fields.index(k) for k in ("lse", "lse_lo", "lse_t", "lse_t_lo"))
+
+
+@_call_options
+def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple) -> tuple:
+    """``(KL(q || m), KL(p || m))`` summed over this problem's columns, ``[N]`` each (fp32), q and p normalised
+    by the given (hi, lo) pairs: the generalized JSD's second sweep (the forward's jsd pass, host twins included)
+    with normalisers from elsewhere, as a vocabulary-parallel head needs them (core/backends.py, ``JsdBackend``;
+    docs/design.md, "Distributed"). The pass keeps its two sums in its accumulators (no tile is the last),
+    which are the answer; ignored rows give 0."""
+    if p.acc_dtype == torch.float64:
+        return torch_backend.jsd_sums(p, lse, lse_t)
+    p = _contiguous_problem(p)
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    dev = p.hidden.device
+    sums = torch.zeros((2, n), device=dev, dtype=torch.float32)
+    if n == 0 or v == 0:
+        return sums[0], sums[1]
+    ex = _Exec(dev)
+    out = torch.zeros((_NUM_OUTPUTS, n), device=dev, dtype=torch.float32)
+    for row, value in zip(_LSE_ROWS, (*lse, *lse_t)):
+        out[row].copy_(value)
+    shape = _shapes(p)[0]
+    products = _Products(dev)
+    ws = _Workspace(shape.rows, shape.ld, p, dx_copy=False)
+    with _fp32_products(dev, p.hidden.dtype):
+        for r0 in range(0, n, shape.rows):
+            rows = slice(r0, min(n, r0 + shape.rows))
+            a = _tile_args(p, p.targets, r0, out)
+            a.jsd_acc, a.jsd_acc_stride = _ptr(sums, r0), n
+            for v0 in range(0, v, shape.cols):
+                v1 = min(v, v0 + shape.cols)
+                _set_tile(a, *ws.logits(products, p, rows, v0, v1), v0)
+                a.first, a.last = v0 == 0, False
+                ex.jsd(a)
+    return sums[0], sums[1]
 
 
 # ------------------------------------------------------------------------------------------------

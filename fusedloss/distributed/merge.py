@@ -10,7 +10,8 @@ in the frame of its own log-sum-exp ``(hi, lo)`` instead of its row maximum (q_r
     s2 = e^(2 lo + log sum q_r^2)        = sum e^(2 (z - hi))
     sz = mean_logit_r * V_r
     mt = hi_t   st = e^lo_t
-    a  = s  (KL_r(q||p) + lo - lo_t)     b = st (KL_r(p||q) + lo_t - lo)
+    ztm = teacher_at_max_r               a = s (kl_rev_rel_r - (hi - row_max_r))
+    b  = st (KL_r(p||q) + lo_t - lo)
 
 which is exact for any backend without asking it for its internal state. Two statistics are not sums over
 columns and are merged apart:
@@ -49,11 +50,14 @@ _PACKED = (
     ("lse", lambda p: True), ("lse_lo", lambda p: True),
     ("logp", lambda p: p.targets is not None),
     ("entropy", lambda p: p.want_entropy),
-    ("log_sum_sq_probs", lambda p: p.want_extras), ("row_max", lambda p: p.want_extras),
+    ("log_sum_sq_probs", lambda p: p.want_extras),
+    ("row_max", lambda p: p.want_extras or (p.has_teacher and p.want_kl_rev)),
     ("is_top1", lambda p: p.want_extras and p.targets is not None),
     ("mean_logit", lambda p: p.want_mean_logit),
     ("lse_t", lambda p: p.has_teacher), ("lse_t_lo", lambda p: p.has_teacher),
-    ("kl_rev", lambda p: p.has_teacher and p.want_kl_rev),
+    # the reverse KL relative to each rank's maximum column (core/partials.py), moved to the row's in the merge
+    ("kl_rev_rel", lambda p: p.has_teacher and p.want_kl_rev),
+    ("teacher_at_max", lambda p: p.has_teacher and p.want_kl_rev),
     ("kl_fwd", lambda p: p.has_teacher and p.want_kl_fwd),
 )
 
@@ -124,13 +128,18 @@ def merge(gathered: torch.Tensor, fields: Sequence[str], p: StatsProblem, rows: 
         none_t = torch.isneginf(hi_t)
         st = torch.where(none_t, zero, torch.exp(lo_t))
         pieces.update(mt=hi_t, st=st)
-        if "kl_rev" in x:
-            pieces["a"] = where_some(s * (x["kl_rev"] + lo - lo_t))
+        if "kl_rev_rel" in x:
+            pieces["a"] = where_some(s * (x["kl_rev_rel"] - (hi - x["row_max"])))
+            pieces["ztm"] = x["teacher_at_max"]
         if "kl_fwd" in x:
             pieces["b"] = torch.where(none_t, zero, st * (x["kl_fwd"] + lo_t - lo))
     state = partials.merge(pieces)
     out = partials.finalize(state, p, vocab_size, has_targets=False)
     out.pop("row_max", None)
+    if "kl_rev_rel" in x:  # finalised in the frame of the largest log-sum-exp: move it to the row maximum's
+        row_max = x["row_max"].amax(0)
+        shift = torch.where(torch.isneginf(row_max), zero[0], state["m"] - row_max)
+        out["kl_rev_rel"] = out["kl_rev_rel"] + shift
     if owner is not None:
         rank = torch.arange(hi.shape[0], device=hi.device)[:, None]
         own = rank == owner[None, :]

@@ -29,8 +29,9 @@ Precision
     opts in to plain TF32 for both, and ``FUSEDLOSS_TRITON_FP32_PRECISION`` overrides the Triton choice for
     experiments (``fp32_precision``).
     float64 inputs accumulate in float64. Confident rows keep their digits as in the CUDA kernels: the
-    forward carries t = s - 1 and takes log s = log1p(t), the target column's gradient takes the expm1 form
-    where q_y > 1/2 (docs/design.md, "Numerical doctrine").
+    forward carries t = s - 1 and takes log s = log1p(t), the target column's gradient is
+    -a expm1(log q_y) + q_y inner_y, the reverse KL's is formed relative to the student's maximum column
+    (docs/design.md, "The dz formula" and "Numerical doctrine").
 
 Memory
     Besides the gradients, O(N) per-row vectors and the ``[12, splits, N]`` partials: an fp32 ``[N, D]``
@@ -774,9 +775,9 @@ def _jsd_flags(p: StatsProblem, load: bool):
 
 
 def _gradient_flags(p: StatsProblem, load: bool):
-    """Only the terms the problem can produce: c2 log p with reverse KL, c3 p with forward KL, c4 log m with
-    the JSD (a teacher's -inf entry never meets a zero coefficient), c1 log q with entropy, reverse KL or
-    JSD, c5 with the mean logit."""
+    """Only the terms the problem can produce: c2 r with reverse KL, c3 p with forward KL, c4 log m with
+    the JSD (a teacher's -inf entry never meets a zero coefficient), c1 log q with entropy or JSD, c5 with
+    the mean logit."""
     tm = _kernels().tm
     t = p.has_teacher
     kl_rev, kl_fwd, jsd = t and p.want_kl_rev, t and p.want_kl_fwd, t and p.jsd_beta is not None
@@ -785,7 +786,7 @@ def _gradient_flags(p: StatsProblem, load: bool):
                     HAS_TEACHER=teacher, HAS_TEACHER_BIAS=teacher and not load and p.teacher_bias is not None,
                     HAS_TEACHER_SOFTCAP=teacher and not load and p.teacher_transform.softcap is not None,
                     HAS_TARGETS=p.targets is not None,
-                    HAS_LOG_TERMS=p.want_entropy or p.want_kl_rev or p.jsd_beta is not None,
+                    HAS_LOG_TERMS=p.want_entropy or jsd,
                     HAS_KL_REV=kl_rev, HAS_KL_FWD=kl_fwd, HAS_JSD=jsd, HAS_MEAN_LOGIT=p.want_mean_logit,
                     LOAD_LOGITS=load)
 
@@ -820,27 +821,53 @@ def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], 
 
 def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None) -> dict:
     """Every statistic of ``p``'s rows, ``{name: [N]}`` (zeros on ignored rows and where not asked)."""
-    k = _kernels()
     lc = _launch(p, cfg)
     n, v = p.hidden.shape[0], p.weight.shape[0]
     part, (row_blocks, per, splits, group) = _forward_partials(p, cfg, store, lc)
     out = {name: torch.zeros(n, dtype=lc.acc, device=p.hidden.device) for name in Statistics._fields}
     out.update(partials.finalize(partials.merge(dict(zip(partials.FIELDS, part.unbind(0)))), p, v))
     if p.jsd_beta is not None:
-        norm = torch.stack((out["lse"], out["lse_lo"]))
-        norm_t = torch.stack((out["lse_t"], out["lse_t_lo"]))
-        part2 = _alloc((2, splits, n), lc.acc, p.hidden.device, zero=False)
-        tgt = p.targets if p.targets is not None else lc.dummy
-        lc.run(k.jsd, row_blocks * splits, lc.student, lc.teacher, lc.workspace(*(store or (None, None))), tgt,
-               lc.params, norm, norm_t, part2, n, v, p.hidden.shape[1], p.teacher_hidden.shape[1], per, splits,
-               group, flags=_jsd_flags(p, store is not None))
-        qm, pm = part2.sum(1).unbind(0)
+        qm, pm = _jsd_pass(lc, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
+                           (row_blocks, per, splits, group), store)
         out["kl_qm"] = qm
         out["jsd"] = p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm
     if p.targets is not None:
         valid = p.targets >= 0
         out = {name: torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)) for name, x in out.items()}
     return out
+
+
+def _jsd_pass(lc: _Launch, lse: tuple, lse_t: tuple, grid: tuple, store: Optional[tuple] = None) -> tuple:
+    """The generalized JSD's second sweep over the forward's grid with the given (hi, lo) normalisers:
+    ``(KL(q || m), KL(p || m))``, each ``[N]``, the splits' partial sums added."""
+    p = lc.p
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    row_blocks, per, splits, group = grid
+    norm = torch.stack(tuple(x.to(lc.acc) for x in lse)).contiguous()
+    norm_t = torch.stack(tuple(x.to(lc.acc) for x in lse_t)).contiguous()
+    part = _alloc((2, splits, n), lc.acc, p.hidden.device, zero=False)
+    tgt = p.targets if p.targets is not None else lc.dummy
+    lc.run(_kernels().jsd, row_blocks * splits, lc.student, lc.teacher, lc.workspace(*(store or (None, None))), tgt,
+           lc.params, norm, norm_t, part, n, v, p.hidden.shape[1], p.teacher_hidden.shape[1], per, splits,
+           group, flags=_jsd_flags(p, store is not None))
+    return part.sum(1).unbind(0)
+
+
+def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple, *, tiles: Optional[TileConfig] = None) -> tuple:
+    """``(KL(q || m), KL(p || m))`` summed over this problem's columns, ``[N]`` each in the accumulation dtype,
+    q and p normalised by the given (hi, lo) pairs: the JSD kernel launched with normalisers from elsewhere, as
+    a vocabulary-parallel head needs them (core/backends.py, ``JsdBackend``; docs/design.md, "Distributed").
+    Ignored rows give 0."""
+    _check_inputs(p)
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    if n == 0 or v == 0:
+        zero = torch.zeros(n, dtype=p.acc_dtype, device=p.hidden.device)
+        return zero, zero.clone()
+    cfg = tiles or tiles_for(p)
+    with _on_device(p.hidden):
+        gpu = gpu_of(p.hidden.device)
+        grid = forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count)
+        return _jsd_pass(_launch(p, cfg), lse, lse_t, grid)
 
 
 def forward_statistics(p: StatsProblem, *, tiles: Optional[TileConfig] = None) -> Statistics:
@@ -910,11 +937,12 @@ def _masked_rows(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
 
 
 def _normalisers(saved: Statistics, acc: torch.dtype, teacher: bool) -> tuple:
-    """``[3, N]`` (lse, lse_lo, logp) of the student, ``[2, N]`` (lse_t, lse_t_lo) of the teacher."""
-    norm = torch.stack((saved.lse, saved.lse_lo, saved.logp)).to(acc).contiguous()
+    """``[4, N]`` (lse, lse_lo, logp, row_max) of the student, ``[4, N]`` (lse_t, lse_t_lo, teacher_at_max,
+    kl_rev_rel) of the teacher (the last two and row_max: the reverse KL's frame, problem.py's r_j)."""
+    norm = torch.stack((saved.lse, saved.lse_lo, saved.logp, saved.row_max)).to(acc).contiguous()
     if not teacher:
         return norm, norm
-    return norm, torch.stack((saved.lse_t, saved.lse_t_lo)).to(acc).contiguous()
+    return norm, torch.stack((saved.lse_t, saved.lse_t_lo, saved.teacher_at_max, saved.kl_rev_rel)).to(acc).contiguous()
 
 
 def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds, *,

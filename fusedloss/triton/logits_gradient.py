@@ -12,8 +12,10 @@ The recomputed tile is the forward's bit for bit: the same ``tile_math.logits_ti
 ``Tiles`` on the same row blocks (the backend's row chunks are multiples of BLOCK_M and the rows are
 loaded whether or not they carry gradient), because ``log q = (z - lse) - lse_lo`` takes the forward's
 lse, and a confident row's ``1 - q_y`` lives in the last bits of z. ``norm`` holds the forward's
-(lse, lse_lo, logp) per row (``[3, N]``): the target column takes logp itself. Row blocks without any row
-that carries gradient write zeros and skip the product.
+(lse, lse_lo, logp, row_max) per row (``[4, N]``; the target column takes logp itself), ``norm_t`` the
+teacher's (lse_t, lse_t_lo, teacher_at_max, kl_rev_rel) (``[4, N]``; the last two with the first student
+column, the reverse KL's frame). Row blocks without any row that carries gradient write zeros and skip the
+product.
 """
 
 import triton
@@ -52,12 +54,18 @@ def logits_gradient_kernel(
         norm = load_normaliser(norm_ptr, N, rows, active)
         logq_y = tl.load(norm_ptr + 2 * N + rows, mask=active, other=0.0)  # the forward's logp
         norm_t = norm
+        frame = (logq_y, logq_y, logq_y)
         want_teacher: tl.constexpr = F.HAS_KL_REV or F.HAS_KL_FWD or F.HAS_JSD
         if want_teacher:
             norm_t = load_normaliser(norm_t_ptr, N, rows, active)
+        if F.HAS_KL_REV:  # the reverse KL's frame: row_max, teacher_at_max, kl_rev_rel
+            frame = (tl.load(norm_ptr + 3 * N + rows, mask=active, other=0.0),
+                     tl.load(norm_t_ptr + 2 * N + rows, mask=active, other=0.0),
+                     tl.load(norm_t_ptr + 3 * N + rows, mask=active, other=0.0))
         z, c, zt = both_tiles(student, teacher, ws, D, DT, params_ptr, rows, row_mask, cols, col_mask,
                               want_teacher, F, T, ACC)
-        dx = logits_gradient(z, c, zt, norm, norm_t, coef, logq_y, tgt, cols, col_mask, active, params_ptr, F)
+        dx = logits_gradient(z, c, zt, norm, norm_t, frame, coef, logq_y, tgt, cols, col_mask, active, params_ptr,
+                             F)
     out = (dx_ptr + tl.multiple_of(rows.to(tl.int64)[:, None] * stride_dx, [16, 16])
            + (pid_v * T.BLOCK_V + tl.arange(0, T.BLOCK_V))[None, :])
     # The workspace's rows hold a whole number of tiles: dx is 0 past the chunk, and stored unmasked there.

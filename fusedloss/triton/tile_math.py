@@ -43,12 +43,11 @@ P_LOG_BETA = tl.constexpr(7)
 P_DX_SCALE = tl.constexpr(8)
 NUM_PARAMS = 9
 # The running state of ``online_update``, in the order of core/partials.FIELDS (the backend checks it).
-STATE_FIELDS = ("m", "s", "t", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb")
+STATE_FIELDS = ("m", "s", "t", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb", "ztm")
 NUM_STATE = tl.constexpr(len(STATE_FIELDS))
 
-# -ln 2: the target column takes the expm1 form only above it (q_y > 1/2), where q_y - 1 is what carries
-# the digits; below it a + q_y inner has no cancellation to avoid.
-NEG_LN2 = tl.constexpr(-0.6931471805599453)
+# Larger than every column id: the "no column" of a min over column ids.
+NO_COLUMN = tl.constexpr(2**31 - 1)
 
 
 class Head(NamedTuple):
@@ -77,8 +76,8 @@ class Flags(NamedTuple):
     WANT_S2: bool = False
     WANT_SZ: bool = False
     WANT_TOP1: bool = False
-    # gradient terms: c1 log q (entropy, reverse KL, JSD), c2 log p (reverse KL), c3 p (forward KL),
-    # c4 log m (JSD), c5 (mean logit)
+    # gradient terms: c1 log q (entropy, JSD), c2 r (reverse KL), c3 p (forward KL), c4 log m (JSD),
+    # c5 (mean logit)
     HAS_LOG_TERMS: bool = False
     HAS_KL_REV: bool = False
     HAS_KL_FWD: bool = False
@@ -288,7 +287,19 @@ def empty_state(BLOCK_M: tl.constexpr, ACC: tl.constexpr):
     """The partial statistics of no columns (``core/partials.FIELDS`` order): maxima -inf, sums 0."""
     neg_inf = tl.full((BLOCK_M,), float("-inf"), ACC)
     zero = tl.zeros((BLOCK_M,), ACC)
-    return neg_inf, zero, zero, zero, zero, zero, neg_inf, zero, zero, zero, zero, neg_inf
+    return neg_inf, zero, zero, zero, zero, zero, neg_inf, zero, zero, zero, zero, neg_inf, zero
+
+
+@triton.jit
+def finite(x):
+    """x is neither infinite nor NaN."""
+    return (x - x) == 0.0
+
+
+@triton.jit
+def keep_inf(part, rebased):
+    """A KL partial rebased to new maxima: +inf stays +inf whatever the factor (core/partials.py)."""
+    return tl.where(part == float("inf"), part, rebased)
 
 
 @triton.jit
@@ -297,15 +308,17 @@ def online_update(state, z, zt, tgt, cols, col_mask, F: tl.constexpr):
     running maxima::
 
         s = sum e^(z-m)        e = sum e^(z-m) (z-m)        s2 = sum e^(2(z-m))       sz = sum z
-        st = sum e^(zt-mt)     a = sum e^(z-m) ((z-m) - (zt-mt))      b = sum e^(zt-mt) ((zt-mt) - (z-m))
+        st = sum e^(zt-mt)     a = sum e^(z-m) ((z-m) - (zt-ztm))     b = sum e^(zt-mt) ((zt-mt) - (z-m))
         t = s - 1, the sum without the running maximum column's own e^0 = 1 (log s = log1p(t))
+        ztm = zt at the (first) maximum column of z
         zy = z at the target        mb = max of z over the columns before the target
 
     t never cancels: when the tile holds a new (strictly larger) maximum, the old columns become
     f (1 + t) and the tile's first maximum column is left out of its sum; otherwise every column of the
     tile is added (a column tied with the running maximum adds exactly 1). Terms with e^(.) = 0 (padded
-    columns) are dropped explicitly: 0 * -inf would be NaN."""
-    m, s, t, e, s2, sz, mt, st, a, b, zy, mb = state
+    columns) are dropped explicitly: 0 * -inf would be NaN. The KL partials follow rule G (core/partials.py):
+    +inf where the own side's logit is finite and the other's -inf, whatever exp underflows to here."""
+    m, s, t, e, s2, sz, mt, st, a, b, zy, mb, ztm = state
     tile_max = tl.max(z, axis=1)
     m_new, f, dm, m_sub = rebase(m, tile_max)
     zc = z - m_sub[:, None]
@@ -318,7 +331,8 @@ def online_update(state, z, zt, tgt, cols, col_mask, F: tl.constexpr):
     at_max = tl.where(z == tile_max[:, None], ez, 0.0)
     ties = tl.sum(at_max, axis=1)
     rest = tl.sum(ez - at_max, axis=1) + tl.maximum(ties - 1.0, 0.0)
-    t = tl.where(tile_max > m, f * (1.0 + t) + rest, t + tile_sum)
+    moved = tile_max > m
+    t = tl.where(moved, f * (1.0 + t) + rest, t + tile_sum)
     if F.WANT_E:
         e = f * (e + s_old * dm) + tl.sum(tl.where(ez == 0.0, 0.0, ez * zc), axis=1)
     if F.WANT_S2:
@@ -331,16 +345,28 @@ def online_update(state, z, zt, tgt, cols, col_mask, F: tl.constexpr):
         ezt = tl.exp(ztc)
         st_old = st
         st = g * st + tl.sum(ezt, axis=1)
-        diff = zc - ztc
-        a = f * (a + s_old * (dm - dmt)) + tl.sum(tl.where(ez == 0.0, 0.0, ez * diff), axis=1)
-        b = g * (b + st_old * (dmt - dm)) - tl.sum(tl.where(ezt == 0.0, 0.0, ezt * diff), axis=1)
+        # a's frame is the student's first maximum column: this tile's first one where it holds a new maximum.
+        first = tl.min(tl.where(z == tile_max[:, None], cols[None, :], NO_COLUMN), axis=1)
+        zt_first = tl.sum(tl.where(cols[None, :] == first[:, None], zt, 0.0), axis=1)
+        ztm_new = tl.where(moved, zt_first, ztm)
+        dztm = tl.where(m == float("-inf"), 0.0, ztm - ztm_new)
+        ztr = zt - tl.where(ztm_new == float("-inf"), 0.0, ztm_new)[:, None]
+        z_live = finite(z)
+        a_cols = tl.where(z_live & (zt == float("-inf")), float("inf"), tl.where(ez == 0.0, 0.0, ez * (zc - ztr)))
+        a = keep_inf(a, f * (a + s_old * (dm - dztm))) + tl.sum(a_cols, axis=1)
+        # the maximum column's own mass meets a teacher zero: KL(q || p) = +inf whatever the rest gives
+        a = tl.where((ztm_new == float("-inf")) & finite(m_new), float("inf"), a)
+        b_cols = tl.where(finite(zt) & (z == float("-inf")), float("inf"),
+                          tl.where(ezt == 0.0, 0.0, ezt * (ztc - zc)))
+        b = keep_inf(b, g * (b + st_old * (dmt - dm))) + tl.sum(b_cols, axis=1)
         mt = mt_new
+        ztm = ztm_new
     if F.HAS_TARGETS:
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
         if F.WANT_TOP1:
             # with it, is_top1 follows argmax's rule on ties: the target must be the first maximum
             mb = tl.maximum(mb, tl.max(tl.where(cols[None, :] < tgt[:, None], z, float("-inf")), axis=1))
-    return m_new, s, t, e, s2, sz, mt, st, a, b, zy, mb
+    return m_new, s, t, e, s2, sz, mt, st, a, b, zy, mb, ztm
 
 
 @triton.jit
@@ -391,38 +417,33 @@ def load_coefficients(coef_ptr, N, rows, row_mask):
 
 @triton.jit
 def target_column(a, logq_y, inner_y):
-    """dz at the target column, a + q_y inner_y, per row:
-
-    * q_y == 0 (a masked logit): exactly ``a``, as 0 log 0 -> 0 on every other column (inner_y holds
-      c1 log 0 = -inf there, and 0 * inf would be NaN);
-    * q_y > 1/2: (a + inner) + inner expm1(log q_y). For log-probability terms a + inner cancels exactly
-      (a = -c0), so a confident row keeps the digits of 1 - q_y (in fp32, 1 - q_y = 1e-4 would otherwise
-      carry q's rounding, 6e-8, as 6e-4 relative); expm1 in float64;
-    * otherwise a + q_y inner_y, which has no cancellation to avoid, while the expm1 form would lose
-      q_y inner_y next to inner (an improbable target under an entropy or KL term)."""
-    confident = logq_y > NEG_LN2
-    qm1 = expm1(tl.where(confident, logq_y, 0.0).to(tl.float64)).to(logq_y.dtype)
+    """dz at the target column before the teacher and uniform terms, a (1 - q_y) + q_y inner_y, per row, as
+    ``-a expm1(log q_y) + q_y inner_y`` (``torch_backend.target_column``): expm1 keeps the digits of 1 - q_y
+    for a confident target and of q_y for an improbable one, and inner_y holds c0 unrounded by a. q_y == 0 (a
+    masked logit) gives exactly ``a`` (inner_y holds c1 log 0 = -inf there, and 0 * inf would be NaN).
+    expm1 in float64."""
+    qm1 = expm1(logq_y.to(tl.float64)).to(logq_y.dtype)
     q_y = tl.exp(logq_y)
-    at_y = tl.where(confident, (a + inner_y) + inner_y * qm1, a + q_y * inner_y)
-    return tl.where(q_y == 0.0, a, at_y)
+    return tl.where(q_y == 0.0, 0.0, q_y * inner_y) - a * qm1
 
 
 @triton.jit
-def logits_gradient(z, c, zt, norm, norm_t, coef, logq_y, tgt, cols, col_mask, active, params_ptr,
+def logits_gradient(z, c, zt, norm, norm_t, frame, coef, logq_y, tgt, cols, col_mask, active, params_ptr,
                     F: tl.constexpr):
     """dx for one tile (``torch_backend.logits_gradient_tile``): the generic dz of problem.py,
 
-        dz_j = a [j = y] + q_j (c0 + c1 log q_j + c2 log p_j + c4 log m_j) + c3 p_j + c5,
+        dz_j = a ([j = y] - q_j) + q_j (c0 + c1 log q_j + c2 r_j + c4 log m_j) + c3 p_j + c5,
+        r_j  = (z_j - row_max) - (zt_j - teacher_at_max) - kl_rev_rel    (``frame``: those three per row)
 
     with only the terms the problem can produce (``Flags``), then the chain rule
-    dx = dz * (logit_scale / temperature) * (1 - (c / softcap)**2). The target column is formed per row
-    (``target_column``) from ``logq_y``, the forward's log-probability of the target, ``(z_y - m) - log s``:
-    the most accurate form of it there is. Padded columns and inactive rows are forced to exactly 0 (their
-    q may be inf * 0 = NaN)."""
+    dx = dz * (logit_scale / temperature) * (1 - (c / softcap)**2). Off the target a's share -a q_j joins c0;
+    the target column is formed per row (``target_column``) from ``logq_y``, the forward's log-probability of
+    the target, ``(z_y - m) - log s``: the most accurate form of it there is. Padded columns and inactive rows
+    are forced to exactly 0 (their q may be inf * 0 = NaN)."""
     a, c0, c1, c2, c3, c4, c5 = coef
     lse, lse_lo = norm
     logq = (z - lse[:, None]) - lse_lo[:, None]
-    inner = c0[:, None]
+    inner = (c0 - a)[:, None]
     inner_y = c0
     if F.HAS_LOG_TERMS:
         inner = inner + c1[:, None] * logq
@@ -434,9 +455,14 @@ def logits_gradient(z, c, zt, norm, norm_t, coef, logq_y, tgt, cols, col_mask, a
             zt_y = tl.sum(tl.where(cols[None, :] == tgt[:, None], zt, 0.0), axis=1)
             logpt_y = (zt_y - lse_t) - lse_t_lo
         if F.HAS_KL_REV:
-            inner = inner + c2[:, None] * logpt
+            # 0 where c2 is: a row outside the loss whose KL is +inf contributes nothing
+            row_max, zt_max, rel = frame
+            r = ((z - row_max[:, None]) - (zt - zt_max[:, None])) - rel[:, None]
+            inner = inner + tl.where(c2[:, None] == 0.0, 0.0, c2[:, None] * r)
             if F.HAS_TARGETS:
-                inner_y = inner_y + c2 * logpt_y
+                z_y = tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
+                r_y = ((z_y - row_max) - (zt_y - zt_max)) - rel
+                inner_y = inner_y + tl.where(c2 == 0.0, 0.0, c2 * r_y)
         if F.HAS_JSD:
             log1m_beta = tl.load(params_ptr + P_LOG1M_BETA)
             log_beta = tl.load(params_ptr + P_LOG_BETA)
