@@ -406,7 +406,8 @@ def run_group(spec: dict, emit) -> None:
             times.sort()
             median = _median(times)
             rec.update(status="ok", fwd_bwd_ms=round(median, 3), fwd_bwd_ms_min=round(times[0], 3),
-                       fwd_bwd_ms_max=round(times[-1], 3), spread=round((times[-1] - times[0]) / median, 4) if len(times) > 1 else None,
+                       fwd_bwd_ms_max=round(times[-1], 3),
+                       spread=round((times[-1] - times[0]) / median, 4) if len(times) > 1 else None,
                        fwd_ms=round(_median(fwds), 3), bwd_ms=round(_median(bwds), 3),
                        fwd_ms_min=round(min(fwds), 3), bwd_ms_min=round(min(bwds), 3),
                        repeats=len(times), extra_peak_mib=round(max(extras) / MIB, 2) if extras else None)

@@ -279,7 +279,8 @@ def reference64(p: Problem):
 
 
 def rel_err(x: Optional[torch.Tensor], ref: torch.Tensor) -> float:
-    """Norm-wise relative error ||x - ref|| / ||ref|| in float64 (docs/design.md, "Numerical doctrine"); NaN/inf give inf."""
+    """Norm-wise relative error ||x - ref|| / ||ref|| in float64 (docs/design.md, "Numerical doctrine").
+    NaN/inf give inf."""
     if x is None:
         return float("inf")
     x = x.detach().to(ref.device, torch.float64).reshape(ref.shape)

@@ -199,7 +199,8 @@ def plan_db85361(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
         slices = math.ceil(v / w_slice)
         passes.append(gemm("logits", rows, v, d, chunks, n * d * b + v * d * b * chunks + nv * 4, chunks))
         if teacher:
-            passes.append(gemm("teacher logits", rows, v, dt, chunks, n * dt * b + v * dt * b * chunks + nv * 4, chunks))
+            moved = n * dt * b + v * dt * b * chunks + nv * 4
+            passes.append(gemm("teacher logits", rows, v, dt, chunks, moved, chunks))
         passes.append(sweep("fold", nv, 8 if teacher else 4, chunks))
         if jsd:
             passes.append(sweep("jsd", nv, 8, chunks, 24))
@@ -235,7 +236,8 @@ def plan_db85361(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
         products = forms + int(w.hidden_grad) + int(w.weight_grad) + (1 if jsd else 0)
         passes.append(gemm("logits", rows, cols, d, tiles, n * d * b * vt + v * d * b * rc + nv * 4, tiles))
         if teacher:
-            passes.append(gemm("teacher logits", rows, cols, dt, tiles, n * dt * b * vt + v * dt * b * rc + nv * 4, tiles))
+            moved = n * dt * b * vt + v * dt * b * rc + nv * 4
+            passes.append(gemm("teacher logits", rows, cols, dt, tiles, moved, tiles))
         passes.append(sweep("fold", nv, 8 if teacher else 4, tiles))
         if jsd:
             passes.append(gemm("jsd recompute", rows, cols, d, tiles, n * d * b * vt + v * d * b * rc + nv * 4, tiles))

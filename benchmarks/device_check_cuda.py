@@ -396,7 +396,8 @@ def confident_checks(ctx, results):
             tag = f"N{n}-gap{gap:g}"
             items = [("logp", stats.logp, logp64.detach())]
             for label, gs in (("backward", back), ("eager", eager)):
-                items += [(f"{label}.{k}", gv, gw) for k, gv, gw in zip(("d_hidden", "d_weight", "d_bias"), gs, grads64)]
+                names = ("d_hidden", "d_weight", "d_bias")
+                items += [(f"{label}.{k}", gv, gw) for k, gv, gw in zip(names, gs, grads64)]
             for what, got, want in items:
                 _check(checks, f"{tag}.{what}", _rel(got, want), 1e-5, bool(got.isfinite().all()))
     results.append({"name": "fp32_confident_rows", "checks": checks, "ok": all(c["ok"] for c in checks)})
@@ -580,7 +581,8 @@ def main(argv=None) -> int:
                 steps.append((section, lambda fn=fn: fn(ctx, report["cases"])))
         for name, step in steps:
             if ctx.left() <= 0:
-                report["cases"].append({"name": name, "ok": False, "error": f"not run: the {args.budget_s:.0f} s budget"})
+                why = f"not run: the {args.budget_s:.0f} s budget"
+                report["cases"].append({"name": name, "ok": False, "error": why})
                 continue
             t0 = time.monotonic()
             try:
@@ -600,13 +602,15 @@ def main(argv=None) -> int:
         report["ok"] = all(c.get("ok") for c in report["cases"])
         timing = next((c for c in report["cases"] if c["name"] == "timings"), None)
         if timing:
-            print(f"{'op':<18} {'workspace':>10} {'path':<10} {'fwd ms':>8} {'bwd ms':>8} {'model ms':>9} {'x model':>8}")
+            print(f"{'op':<18} {'workspace':>10} {'path':<10} {'fwd ms':>8} {'bwd ms':>8} "
+                  f"{'model ms':>9} {'x model':>8}")
             for r in timing["rows"]:
                 if "skipped" in r:
                     print(f"{r['op']:<18} {str(r['workspace_mb']):>10} skipped: {r['skipped']}")
                     continue
                 print(f"{r['op']:<18} {r['workspace_mb']:>8}{'*' if r['default'] else ' '} MB {r['path']:<10} "
-                      f"{r['forward_ms']:8.2f} {r['backward_ms']:8.2f} {r['model_ms']:9.2f} {r['measured_over_model']:8.2f}")
+                      f"{r['forward_ms']:8.2f} {r['backward_ms']:8.2f} {r['model_ms']:9.2f} "
+                      f"{r['measured_over_model']:8.2f}")
     _write(args.out, report)
     print(f"wrote {args.out}: ok={report['ok']}")
     return 0 if report["ok"] else 1

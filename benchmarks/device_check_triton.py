@@ -407,7 +407,8 @@ def timing(device, smoke: bool) -> list:
 
                 rec["eager_ms"] = _median_ms(lambda: tb.eager_gradients(p, chunk_fn, needs), device, repeat)
                 rec["cublas_product_ms"] = _median_ms(
-                    lambda: torch.mm(h, w.T, out_dtype=torch.float32) if device.type == "cuda" and dtype != torch.float32
+                    lambda: torch.mm(h, w.T, out_dtype=torch.float32)
+                    if device.type == "cuda" and dtype != torch.float32
                     else torch.mm(h.float(), w.float().T), device, repeat)
                 w_model = tb.workload_of(p, needs, row_local=label == "cross_entropy")
                 gpu = tb.gpu_of(device)
@@ -520,7 +521,8 @@ def main(argv=None) -> int:
         brief = ("error", "max_abs_diff", "bit_identical", "mismatches", "tiles", "forward_ms", "backward_ms",
                  "frozen_head_backward_ms", "eager_ms", "cublas_product_ms", "model_composable_ms", "model_eager_ms",
                  "bound_ms", "meaningful", "extra_peak_mib", "bound_mib")
-        detail = (f"worst {worst['what']} fused {worst['fused']:.2e} naive {worst['naive']:.2e} bound {worst['bound']:.2e}"
+        detail = (f"worst {worst['what']} fused {worst['fused']:.2e} naive {worst['naive']:.2e} "
+                  f"bound {worst['bound']:.2e}"
                   if worst else {k: (round(rec[k], 2) if isinstance(rec[k], float) else rec[k])
                                  for k in brief if k in rec})
         print(f"{label} ok={rec.get('ok')} {detail}", flush=True)
@@ -537,8 +539,8 @@ def main(argv=None) -> int:
                     add(rec)
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
-    for fn in (lambda: [row_independence(device, dt, args.cpu_smoke)
-                        for dt in ((torch.float32, torch.float64) if args.cpu_smoke else (torch.bfloat16, torch.float32))],
+    dtypes = (torch.float32, torch.float64) if args.cpu_smoke else (torch.bfloat16, torch.float32)
+    for fn in (lambda: [row_independence(device, dt, args.cpu_smoke) for dt in dtypes],
                lambda: [determinism(cases[0], torch.float32 if args.cpu_smoke else torch.bfloat16, device)],
                lambda: top1_ties(device, (torch.float32, torch.float64) if args.cpu_smoke
                                  else (torch.float32, torch.bfloat16, torch.float64)),

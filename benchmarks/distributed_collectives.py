@@ -61,7 +61,7 @@ def _worker(rank, world, rows, repeats, tmp):
     lines = []
     for n in rows:
         targets = torch.randint(0, 1000, (n,))
-        for k, flags in PAYLOADS.items():
+        for flags in PAYLOADS.values():
             p = _problem(n, flags)
             fields = merge.packed_fields(p)
             packed = torch.randn(len(fields), n)

@@ -80,8 +80,8 @@ def tiles(device: str) -> int:
                 ok, errs = False, []
                 print(f"FAIL {tag} {type(exc).__name__}: {exc}", flush=True)
             failures += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} {tag} lse / backward-vs-eager errors " + " ".join(f"{e:.1e}" for e in errs),
-                  flush=True)
+            errors = " ".join(f"{e:.1e}" for e in errs)
+            print(f"{'ok  ' if ok else 'FAIL'} {tag} lse / backward-vs-eager errors {errors}", flush=True)
     # half-precision tiles (the backend forms fp32 tiles; the kernels accept bf16 ones too)
     from fusedloss import _C
 

@@ -17,12 +17,11 @@ import math
 
 import pytest
 import torch
+from conftest import rel_err
 
 import fusedloss
 from fusedloss import reference
 from fusedloss.core import backends
-
-from conftest import rel_err
 
 F64 = torch.float64
 V = 131  # prime: padded tiles everywhere

@@ -109,7 +109,8 @@ def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
         backends.resolve("triton", torch.device("cpu"))
 
 
-@pytest.mark.parametrize("name,kwargs", [("unbiased", {"unbiased": 1}), ("drop_silent_groups", {"drop_silent_groups": "yes"})])
+@pytest.mark.parametrize("name,kwargs", [("unbiased", {"unbiased": 1}),
+                                         ("drop_silent_groups", {"drop_silent_groups": "yes"})])
 def test_group_advantages_flags_are_bools(name, kwargs):
     with pytest.raises(TypeError, match=name):
         fusedloss.group_advantages(torch.tensor([0.0, 1.0]), 2, **kwargs)

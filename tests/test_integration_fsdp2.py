@@ -196,9 +196,10 @@ def test_a_head_gathered_before_the_loss_gets_the_wrong_gradient(steps):
 def test_trl_fused_head_under_fsdp2(steps):
     """TRL's fused-head forward with fusedloss's kernel takes TRL's own step: with the head in the root's unit
     (accelerate's FSDP2 default: the head's parameter is the root's unsharded one), both equal the step
-    without any fused head (to the fp32 rounding of TRL's per-token outputs); with the head its own unit, TRL's forward gathers it with full_tensor() before
-    calling the kernel (trl/trainer/utils.py, add_fused_lm_head), so with either kernel the head's gradient
-    is each rank's own, not FSDP's average (TRL's behaviour, not the kernel's)."""
+    without any fused head (to the fp32 rounding of TRL's per-token outputs); with the head its own unit, TRL's
+    forward gathers it with full_tensor() before calling the kernel (trl/trainer/utils.py, add_fused_lm_head), so
+    with either kernel the head's gradient is each rank's own, not FSDP's average (TRL's behaviour, not the
+    kernel's)."""
     for rank in range(2):
         ref = harness.value(steps, "root/logprobs_reference", rank)
         fused = harness.value(steps, "trl/fused/root", rank)

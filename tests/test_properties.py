@@ -33,6 +33,7 @@ import math
 import os
 from typing import NamedTuple, Optional
 
+import oracle
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, event, given, settings
@@ -40,8 +41,6 @@ from hypothesis import strategies as st
 
 import fusedloss
 from fusedloss.core import backends, torch_backend
-
-import oracle
 
 F64 = torch.float64
 PRIMES = (1, 2, 3, 5, 7, 11, 13, 17, 31, 37)
@@ -630,7 +629,8 @@ def test_grpo_loss(engine, slow):
                                     **{k: x[k] for k in optional if k in x}, **opts)
 
         finite_adv = adv[torch.isfinite(adv)]
-        loss_scale = 2.0 * opts["num_processes"] * max(1.0, float(finite_adv.abs().max()) if finite_adv.numel() else 1.0)
+        largest = float(finite_adv.abs().max()) if finite_adv.numel() else 1.0
+        loss_scale = 2.0 * opts["num_processes"] * max(1.0, largest)
         check("grpo_loss", call, inputs, backend=backend, cfg=cfg, scales=scales_of(inputs, tf, loss_scale, rows=keep),
               differentiable=("out", "out0", "loss", "logprobs"), oracle_call=ref)
 

@@ -2,9 +2,9 @@
 
 A backend implements ``core/backends.py::Backend``: ``forward_statistics(problem)`` and
 ``backward_gradients(problem, saved, coeffs, needs)`` (the eager path and the JSD sweep are optional
-protocols beside it). Nothing loss-specific ever reaches a backend: the losses (``fusedloss/losses``) only turn these per-row statistics into a loss, and
-their gradients into the per-row coefficients below. That is what lets one tuned kernel pair
-serve every loss, and keeps the loss math written once for all backends.
+protocols beside it). Nothing loss-specific ever reaches a backend: the losses (``fusedloss/losses``) only turn
+these per-row statistics into a loss, and their gradients into the per-row coefficients below. That is what lets one
+tuned kernel pair serve every loss, and keeps the loss math written once for all backends.
 
 Logits of one side (student or teacher), for rows ``h`` of ``hidden`` and rows ``W`` of ``weight``::
 

@@ -62,7 +62,8 @@ SECOND_ORDER_MESSAGE = (
 # ------------------------------------------------------------------------------------------------
 _SCHEMA_TYPES = {
     "torch.Tensor": "Tensor", "Optional[torch.Tensor]": "Tensor?", "bool": "bool", "float": "float",
-    "Optional[float]": "float?", "Optional[bool]": "bool?", "int": "int", "Optional[int]": "int?", "str": "str", "Optional[str]": "str?",
+    "Optional[float]": "float?", "Optional[bool]": "bool?", "int": "int", "Optional[int]": "int?", "str": "str",
+    "Optional[str]": "str?",
 }
 
 

@@ -174,7 +174,7 @@ def _teacher_tile(p: StatsProblem, rows: slice, v0: int, v1: int, hidden=None):
 def _zero_ignored(p: StatsProblem, out: dict, rows: slice) -> None:
     if p.targets is not None:
         valid = p.targets[rows] >= 0
-        for name, value in out.items():
+        for value in out.values():
             value[rows] = torch.where(valid, value[rows], torch.zeros_like(value[rows]))
 
 

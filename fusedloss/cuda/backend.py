@@ -22,8 +22,8 @@ The plan
     whose modelled time ``cost.evaluate`` computes without a GPU (``benchmarks/cost_model.py``). The backend
     calls the same function at run time, so what the model evaluates is what runs:
 
-    * workspace: ``FUSEDLOSS_WORKSPACE_MB`` (fusedloss/config.py) if set, else an eighth of the memory free for torch on the
-      device when the backend first runs there, between 256 MiB and 8 GiB (then fixed for the process, so
+    * workspace: ``FUSEDLOSS_WORKSPACE_MB`` (fusedloss/config.py) if set, else an eighth of the memory free for
+      torch on the device when the backend first runs there, between 256 MiB and 8 GiB (then fixed for the process, so
       that a backward recomputes exactly the tiles its forward used);
     * composable path (``forward_statistics`` then ``backward_gradients``, 4 products): one tile shape for
       both passes (all rows when that leaves >= 4096 columns, else square), the same row blocks and GEMM
@@ -354,14 +354,14 @@ def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulat
         # d hidden [rows, D] over the vocabulary tiles: one product when one tile covers V, else fp32
         # accumulation (beta = 1: the accumulator read and written by each later tile's product)
         acc = n * d * 4 * (1 + 2 * (s.vocab_tiles - 1)) if s.vocab_tiles > 1 else n * d * b
-        passes.append(_gemm("d hidden", s.rows, d, s.cols, tiles, w, gpu, nv * dx_bytes + v * d * b * s.row_chunks + acc,
-                            tiles))
+        moved = nv * dx_bytes + v * d * b * s.row_chunks + acc
+        passes.append(_gemm("d hidden", s.rows, d, s.cols, tiles, w, gpu, moved, tiles))
         if s.vocab_tiles > 1 and not accumulate:  # a product block, then a separate add kernel
             passes.append(_sweep("d hidden add", n * d * (s.vocab_tiles - 1), 12, 1, tiles))
     if w.weight_grad:
         acc = v * d * 4 * (1 + 2 * (s.row_chunks - 1)) if s.row_chunks > 1 else v * d * b
-        passes.append(_gemm("d weight", s.cols, d, s.rows, tiles, w, gpu, nv * dx_bytes + n * d * b * s.vocab_tiles + acc,
-                            tiles))
+        moved = nv * dx_bytes + n * d * b * s.vocab_tiles + acc
+        passes.append(_gemm("d weight", s.cols, d, s.rows, tiles, w, gpu, moved, tiles))
         if s.row_chunks > 1 and not accumulate:
             passes.append(_sweep("d weight add", v * d * (s.row_chunks - 1), 12, 1, tiles))
         # rows outside the loss must not bring NaN padding into d weight: a masked copy of hidden
@@ -509,7 +509,8 @@ def gpu_of(device: torch.device) -> cost.GPUSpec:
     return cost.GPUS["h200"]
 
 
-def workload_of(p: StatsProblem, *, row_local: bool, hidden_grad: bool = True, weight_grad: bool = True) -> cost.Workload:
+def workload_of(p: StatsProblem, *, row_local: bool, hidden_grad: bool = True,
+                weight_grad: bool = True) -> cost.Workload:
     """The cost model's description of a statistics problem. Only what the plan depends on matters: the
     shapes, the dtype, a teacher and a JSD (its second sweep), and whether the loss is known in the forward."""
     n, d = p.hidden.shape

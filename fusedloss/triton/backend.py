@@ -451,9 +451,9 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     row-local loss when the model finds it cheaper, else the composable statistics op (forward, then the
     gradient kernel and two cuBLAS products per vocabulary chunk). ``params`` carries what the backend runs
     with: ``tiles``, ``forward_grid``, ``row_chunk`` and ``vocab_chunk`` (composable), ``eager_rows``,
-    ``workspace_bytes`` (``workspace``, in bytes, or ``workspace_mb`` fix it; else the free memory sizes it). ``tiles`` / ``eager_tiles`` (the composable and the eager path's) default to the
-    first candidates (what the autotuner starts from); ``path`` ("eager" or "composable") asks for one path
-    instead of the cheaper."""
+    ``workspace_bytes`` (``workspace``, in bytes, or ``workspace_mb`` fix it; else the free memory sizes it).
+    ``tiles`` / ``eager_tiles`` (the composable and the eager path's) default to the first candidates (what the
+    autotuner starts from); ``path`` ("eager" or "composable") asks for one path instead of the cheaper."""
     kind = "teacher" if workload.has_teacher else "heavy" if workload.op == "token_logprobs_entropy" else "lean"
     dtype = getattr(torch, workload.dtype)
     cfg = tiles or candidates(dtype, kind)[0]
