@@ -13,8 +13,9 @@ noise rather than the loss. Generation happens once per run
 
 from __future__ import annotations
 
+import importlib.util
 import math
-import string
+from pathlib import Path
 
 import pytest
 import torch
@@ -24,8 +25,7 @@ trl = pytest.importorskip("trl")
 pytest.importorskip("datasets")
 
 from datasets import Dataset  # noqa: E402
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: E402
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config, TrainerCallback  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback  # noqa: E402
 
 from fusedloss.integrations import trl as fl_trl  # noqa: E402
 
@@ -35,13 +35,12 @@ RTOL, ATOL = 1e-5, 1e-6
 
 
 def tiny_tokenizer():
-    vocab = {"<pad>": 0, "<eos>": 1, "<unk>": 2}
-    for c in string.ascii_lowercase + string.digits + " +=?.,!":
-        vocab[c] = len(vocab)
-    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    t.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    t.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=t, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+    """The example's one-token-per-character tokenizer (examples/grpo_trl.py): the test trains what it shows."""
+    path = Path(__file__).resolve().parents[1] / "examples" / "grpo_trl.py"
+    spec = importlib.util.spec_from_file_location("fusedloss_example_grpo_trl", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.char_tokenizer()
 
 
 def tiny_model(vocab_size, seed=0, hidden=32, **config):

@@ -67,22 +67,12 @@ import torch
 
 from .. import config
 from ..core import cost, torch_backend
-from ..core.problem import (
-    COEF_CONST,
-    COEF_KL_REV,
-    COEF_LOGM,
-    COEF_LOGQ,
-    COEF_ONEHOT,
-    COEF_TEACHER_PROB,
-    COEF_UNIFORM,
-    NUM_COEFFS,
-    GradientNeeds,
-    Statistics,
-    StatsProblem,
-)
+from ..core import problem as coef  # coef.COEF_*: the dz formula's coefficient rows (docs/design.md)
+from ..core.problem import NUM_COEFFS, GradientNeeds, Statistics, StatsProblem
 
 _NUM_OUTPUTS = len(Statistics._fields)
-_COEF_ORDER = [COEF_ONEHOT, COEF_CONST, COEF_LOGQ, COEF_KL_REV, COEF_TEACHER_PROB, COEF_LOGM, COEF_UNIFORM]
+_COEF_ORDER = [coef.COEF_ONEHOT, coef.COEF_CONST, coef.COEF_LOGQ, coef.COEF_KL_REV, coef.COEF_TEACHER_PROB,
+               coef.COEF_LOGM, coef.COEF_UNIFORM]
 
 
 def _load_extension():
@@ -832,10 +822,10 @@ def _formed_terms(p: StatsProblem) -> list:
     """The coefficients whose terms the dx kernel forms for this problem (csrc/fusedloss/math.h, DzTerms)."""
     teacher = p.has_teacher
     jsd = teacher and p.jsd_beta is not None
-    formed = {COEF_ONEHOT: True, COEF_CONST: True,
-              COEF_LOGQ: p.want_entropy or jsd,
-              COEF_KL_REV: teacher and p.want_kl_rev, COEF_TEACHER_PROB: teacher and p.want_kl_fwd,
-              COEF_LOGM: jsd, COEF_UNIFORM: p.want_mean_logit}
+    formed = {coef.COEF_ONEHOT: True, coef.COEF_CONST: True,
+              coef.COEF_LOGQ: p.want_entropy or jsd,
+              coef.COEF_KL_REV: teacher and p.want_kl_rev, coef.COEF_TEACHER_PROB: teacher and p.want_kl_fwd,
+              coef.COEF_LOGM: jsd, coef.COEF_UNIFORM: p.want_mean_logit}
     return [k for k, on in formed.items() if on]
 
 
