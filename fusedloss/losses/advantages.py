@@ -62,8 +62,9 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: Literal["
     r = r if r.dtype == torch.float64 else r.to(torch.float32)
     groups = r.reshape(-1, group_size)
     correction = 1 if unbiased else 0
-    # A single-sample group has no spread; Bessel's correction would divide by zero.
-    std = groups.std(dim=1, correction=correction) if group_size > correction else torch.zeros_like(groups[:, 0])
+    # A single-sample group has no spread (Bessel's correction would divide by zero); no groups, no spreads.
+    has_spread = group_size > correction and groups.shape[0] > 0
+    std = groups.std(dim=1, correction=correction) if has_spread else torch.zeros_like(groups[:, 0])
     silent = groups.amax(dim=1) == groups.amin(dim=1)
     std = torch.where(silent, torch.zeros_like(std), std)
     centered = groups - groups.mean(dim=1, keepdim=True)
