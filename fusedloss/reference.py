@@ -550,13 +550,18 @@ def orpo_loss(hidden, weight, labels, *, beta=0.1, nll_labels=None, bias=None, t
     chosen, rejected = avg[:B], avg[B:]
     nll = _chosen_nll(*(_sequence_logps(hidden, weight, nll_labels, **kw) if nll_labels is not None
                         else (per_token, valid)))
-    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-    ratio = F.logsigmoid(log_odds)
-    loss = nll - beta * (ratio.mean() if B else ratio.sum())
+    # A pair with an empty completion has no odds (log(1 - e^0) = -inf): left out of the mean, 0 if none left.
+    scored = (valid[:B].sum(-1) > 0) & (valid[B:].sum(-1) > 0)
+    c, r = (torch.where(scored, x, torch.full_like(x, -1.0)) for x in (chosen, rejected))
+    log_odds = torch.where(scored, (c - r) - (_log1mexp(c) - _log1mexp(r)), torch.zeros_like(c))
+    ratio = torch.where(scored, F.logsigmoid(log_odds), torch.zeros_like(c))
+
+    def mean(x):
+        return x.sum() / scored.sum().clamp(min=1)
+
+    loss = nll - beta * mean(ratio)
     if not return_details:
         return loss
-    def mean(x):
-        return x.mean() if B else x.sum()
 
     return loss, ORPODetails(chosen_logps=chosen, rejected_logps=rejected, chosen_rewards=(beta * chosen).detach(),
                              rejected_rewards=(beta * rejected).detach(), log_odds_ratio=mean(ratio).detach(),

@@ -209,6 +209,29 @@ def test_orpo_without_nll_labels_scores_the_completion():
     assert rel_err(loss, want) < 1e-12
 
 
+@pytest.mark.parametrize("which", ALL_BACKENDS)
+def test_orpo_pair_with_an_empty_completion_is_left_out(which, monkeypatch):
+    """A pair whose chosen or rejected completion has no scored token has no odds (log(1 - e^0) = -inf, NaN in
+    TRL): the mean log-sigmoid runs over the other pairs, finite with finite gradients; none left gives 0."""
+    backend, device = _backend(which, monkeypatch)
+    torch.manual_seed(7)
+    v, d = 13, 8
+    h = torch.randn(4, 3, d, dtype=F64, device=device)
+    w = torch.randn(v, d, dtype=F64, device=device)
+    labels = torch.tensor([[1, 2, 3], [-100, -100, -100], [4, 5, 6], [7, 8, -100]], device=device)  # pair 1 empty
+    hh = h.clone().requires_grad_(True)
+    loss, det = fusedloss.orpo_loss(hh, w, labels, beta=0.3, backend=backend, return_details=True)
+    hidden_grad, = torch.autograd.grad(loss, hh)
+    assert torch.isfinite(loss) and torch.isfinite(hidden_grad).all()
+    _, kept = fusedloss.orpo_loss(h[[0, 2]], w, labels[[0, 2]], beta=0.3, backend=backend, return_details=True)
+    assert abs(det.log_odds_ratio.item() - kept.log_odds_ratio.item()) < 1e-12
+    assert abs(loss.item() - (det.nll_loss.item() - 0.3 * kept.log_odds_ratio.item())) < 1e-12
+    assert rel_err(loss, reference.orpo_loss(h, w, labels, beta=0.3)) < 1e-12
+    empty = torch.full_like(labels, -100)
+    nothing = fusedloss.orpo_loss(hh, w, empty, beta=0.3, backend=backend)
+    assert nothing.item() == 0.0 and torch.isfinite(torch.autograd.grad(nothing, hh)[0]).all()
+
+
 def test_orpo_nll_labels_must_agree_with_labels():
     d = paired_batch(seed=5)
     args, kw = _paired_fused_args(d, d["h"], d["w"], None)

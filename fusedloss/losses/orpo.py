@@ -9,7 +9,9 @@ l_c, l_r of the two completions::
 
 NLL(chosen) is the cross-entropy of the chosen rows, averaged over their scored tokens; TRL scores the
 prompt there too (``nll_labels``, Liger's ``nll_target``), and the completion only in the odds.
-``log(1 - e^l)`` is TRL's ``log1mexp`` (branching at -log 2). After the one statistics pass, a few
+``log(1 - e^l)`` is TRL's ``log1mexp`` (branching at -log 2). A pair with an empty completion has no odds
+(its mean log-prob 0 would give log(1 - e^0) = -inf and a NaN loss in TRL): it is left out of the mean over
+pairs, which is 0 when no pair is left. After the one statistics pass, a few
 operations on ``[B]`` vectors, written once in Python for every backend (docs/design.md, "Losses as
 per-token math").
 """
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 from .. import _validation as v
 from ..types import ORPODetails
 from . import sequences
-from .implicit_logits import implicit_logits
+from .implicit_logits import count_or_one, implicit_logits
 from .options import RUN, SHARDING, shared_arguments, shared_options
 
 
@@ -62,10 +64,18 @@ def orpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     chosen, rejected = mean_logps[:pairs], mean_logps[pairs:]
     nll_tokens = tokens if tokens.extra is None else tokens.extra
     nll = sequences.chosen_nll(nll_tokens.logp, nll_tokens.valid)
-    log_odds = (chosen - rejected) - (_log1mexp(chosen) - _log1mexp(rejected))
-    ratio = F.logsigmoid(log_odds)
-    def mean(x):  # over pairs; 0 for an empty batch
-        return x.mean() if pairs else x.sum()
+    counts = tokens.counts
+    scored = (counts[:pairs] > 0) & (counts[pairs:] > 0)
+
+    def odds_of(x):  # a stand-in where a completion is empty, so no -inf reaches the gradient
+        return torch.where(scored, x, torch.full_like(x, -1.0))
+
+    log_odds = (odds_of(chosen) - odds_of(rejected)) - (_log1mexp(odds_of(chosen)) - _log1mexp(odds_of(rejected)))
+    log_odds = torch.where(scored, log_odds, torch.zeros_like(log_odds))
+    ratio = torch.where(scored, F.logsigmoid(log_odds), torch.zeros_like(log_odds))
+
+    def mean(x):  # over the scored pairs; 0 when there are none
+        return x.sum() / count_or_one(scored.sum().to(x.dtype))
 
     loss = nll - beta * mean(ratio)
     if not return_details:
