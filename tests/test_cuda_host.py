@@ -273,6 +273,35 @@ def test_is_top1_first_argmax_on_exact_ties(tiles, request):
     assert got2.is_top1.tolist() == [0, 1, 0, 0, 0, 0, 1, 0]
 
 
+@pytest.mark.parametrize("v, tied", [(256, (4, 128)), (256, (4, 8)), (131, (5, 9, 77)), (1031, (700, 3))])
+@pytest.mark.parametrize("tiles", ["whole", "small"])
+def test_teacher_at_max_is_taken_at_the_first_tied_maximum(v, tied, tiles, request):
+    """teacher_at_max is z_t at the student's FIRST maximum column, whichever lane, warp or tile holds the tied
+    columns (the merges break ties by column), as torch's argmax; kl_rev_rel is relative to that column."""
+    if tiles == "small":
+        request.getfixturevalue("small_tiles")
+    g = torch.Generator().manual_seed(5)
+    n, d = 6, 19
+    u = torch.randn(d, generator=g)
+    u = u / u.norm()
+    h = torch.randn(n, d, generator=g) * 0.3 + u
+    w = torch.randn(v, d, generator=g) / math.sqrt(d)
+    for col in tied:  # bit-identical student logits: tied maxima
+        w[col] = 6.0 * u
+    p = StatsProblem(hidden=h, weight=w, bias=None, targets=torch.zeros(n, dtype=torch.long),
+                     transform=LogitTransform(), teacher_hidden=torch.randn(n, d, generator=g),
+                     teacher_weight=torch.randn(v, d, generator=g), teacher_bias=None,
+                     teacher_transform=LogitTransform(), want_kl_rev=True)
+    z = h.double() @ w.double().T
+    first = min(tied)
+    assert bool((z.argmax(1) == first).all())
+    want = (p.teacher_hidden @ p.teacher_weight.T)[:, first]
+    got, ref = cuda.forward_statistics(p), torch_backend.forward_statistics(p)
+    assert rel(got.teacher_at_max, want) < 1e-6 and rel(ref.teacher_at_max, want) < 1e-6
+    assert rel(got.kl_rev_rel, ref.kl_rev_rel) < 1e-5
+    assert rel(got.kl_rev, ref.kl_rev) < 1e-5
+
+
 def confident_problem(n, gap, *, seed=0, top=30.0, v=131, d=19, peaked_weight=False):
     """Rows whose target logit is ~top (30) and the rest ~top - gap: lse ~ 30 and 1 - q_y from ~0.1
     (gap 6) to ~1e-4 (gap 13). peaked_weight: the same through a scaled weight row instead of the bias."""

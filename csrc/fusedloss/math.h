@@ -162,7 +162,10 @@ FL_HD float chain_factor(float c, const Transform& t) {
 // An array indexed by named fields, so that the block reduction, the state buffer's loads and stores and
 // the host twins walk the fields in one loop each instead of naming every field again.
 // ---------------------------------------------------------------------------------------------------
-enum RowField : int { kM = 0, kS, kE, kMt, kSt, kA, kB, kS2, kSz, kMb, kT, kZtm, kRowFields };
+// kCol: the vocabulary column of the (first) maximum, as a float (exact below 2^24 columns), so that every
+// merge tree (warp shuffles, the host twins' halving tree, tiles in order) takes z_t at the same column: ties
+// go to the lower column, as torch's argmax and the Triton fold.
+enum RowField : int { kM = 0, kS, kE, kMt, kSt, kA, kB, kS2, kSz, kMb, kT, kZtm, kCol, kRowFields };
 
 struct RowState {
   float v[kRowFields];
@@ -174,7 +177,9 @@ struct RowState {
 // reduced nor merged.
 template <bool kEntropy, bool kTeacher>
 FL_HD constexpr bool field_used(int k) {
-  return k == kE ? kEntropy : (k == kMt || k == kSt || k == kA || k == kB || k == kZtm) ? kTeacher : true;
+  return k == kE ? kEntropy
+         : (k == kMt || k == kSt || k == kA || k == kB || k == kZtm || k == kCol) ? kTeacher
+                                                                                 : true;
 }
 
 FL_HD bool is_max_field(int k) { return k == kM || k == kMt || k == kMb; }
@@ -219,7 +224,7 @@ FL_HD float shifted(float z, float m) { return z == -fl_inf() ? z : z - m; }
 // Fold one column (z, zt) into the running state. The rescale branch runs only when a maximum grows,
 // so a column costs one exp per side. -inf logits contribute nothing to the sums; NaN and +inf propagate.
 template <bool kEntropy, bool kTeacher>
-FL_HD void state_add(RowState& r, float z, float zt) {
+FL_HD void state_add(RowState& r, float z, float zt, float col) {
   const bool new_max = z > r[kM];
   if (new_max) {
     if (r[kM] != -fl_inf()) {
@@ -236,7 +241,10 @@ FL_HD void state_add(RowState& r, float z, float zt) {
       r[kT] = (r[kT] + 1.0f) * f;  // the old maximum column now contributes f
     }
     r[kM] = z;
-    if (kTeacher) r[kZtm] = zt;
+    if (kTeacher) {
+      r[kZtm] = zt;
+      r[kCol] = col;
+    }
   }
   if (kTeacher && zt > r[kMt]) {
     if (r[kMt] != -fl_inf()) {
@@ -297,15 +305,18 @@ FL_HD RowState state_merge(const RowState& r, const RowState& p) {
     rescale_factor(p[kMt], o[kMt], gp, dpt);
     o[kSt] = gr * r[kSt] + gp * p[kSt];
     o[kB] = keep_inf(r[kB], gr * (r[kB] + r[kSt] * (drt - dr))) + keep_inf(p[kB], gp * (p[kB] + p[kSt] * (dpt - dp)));
-    // a: the side holding the maximum (r on a tie, as for t) keeps its a and its frame exactly; the other
-    // side's a moves into that frame (nothing from an empty side).
-    const bool r_holds = r[kM] >= p[kM];
-    const RowState& h = r_holds ? r : p;
-    const RowState& x = r_holds ? p : r;
+    // a: the side holding the (first) maximum keeps its a and its frame exactly; the other side's a moves
+    // into that frame (nothing from an empty side). Scalars, not references to r or p: a selected reference
+    // would put both states in local memory around the warp shuffles.
+    const bool r_holds = r[kM] > p[kM] || (r[kM] == p[kM] && r[kCol] <= p[kCol]);
+    const float h_a = r_holds ? r[kA] : p[kA], h_ztm = r_holds ? r[kZtm] : p[kZtm];
+    const float x_m = r_holds ? p[kM] : r[kM], x_a = r_holds ? p[kA] : r[kA];
+    const float x_s = r_holds ? p[kS] : r[kS], x_ztm = r_holds ? p[kZtm] : r[kZtm];
     const float fx = r_holds ? fp : fr, dx = r_holds ? dp : dr;
-    const float moved = x[kM] == -fl_inf() ? 0.0f : keep_inf(x[kA], fx * (x[kA] + x[kS] * (dx - (x[kZtm] - h[kZtm]))));
-    o[kZtm] = h[kZtm];
-    o[kA] = (h[kZtm] == -fl_inf() && is_finite(o[kM])) ? fl_inf() : h[kA] + moved;
+    const float moved = x_m == -fl_inf() ? 0.0f : keep_inf(x_a, fx * (x_a + x_s * (dx - (x_ztm - h_ztm))));
+    o[kZtm] = h_ztm;
+    o[kCol] = r_holds ? r[kCol] : p[kCol];
+    o[kA] = (h_ztm == -fl_inf() && is_finite(o[kM])) ? fl_inf() : h_a + moved;
   }
   return o;
 }

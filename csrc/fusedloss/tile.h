@@ -157,7 +157,7 @@ FL_HD RowState fold_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t n
       const float z = transform_logit(v[k], bias_at(a.bias, a.bias_dtype, col), a.tf).z;
       float zt = 0.0f;
       if (kTeacher) zt = transform_logit(vt[k], bias_at(a.teacher_bias, a.teacher_bias_dtype, col), a.teacher_tf).z;
-      state_add<kEntropy, kTeacher>(st, z, zt);
+      state_add<kEntropy, kTeacher>(st, z, zt, float(col));
       if (c + k < ybefore) st[kMb] = fmaxf(st[kMb], z);
     }
   });

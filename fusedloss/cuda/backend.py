@@ -71,6 +71,9 @@ from ..core import problem as coef  # coef.COEF_*: the dz formula's coefficient 
 from ..core.problem import NUM_COEFFS, GradientNeeds, Statistics, StatsProblem
 
 _NUM_OUTPUTS = len(Statistics._fields)
+# Rows of the fold's running-state buffer (csrc/fusedloss/args.h kStateFields: the RowState fields and the
+# target logit); the cost model prices its traffic, and an extension with another layout is refused.
+_STATE_FIELDS = 14
 _COEF_ORDER = [coef.COEF_ONEHOT, coef.COEF_CONST, coef.COEF_LOGQ, coef.COEF_KL_REV, coef.COEF_TEACHER_PROB,
                coef.COEF_LOGM, coef.COEF_UNIFORM]
 
@@ -82,7 +85,8 @@ def _load_extension():
         from .. import _C
     except ImportError as exc:  # not built (no nvcc, FUSEDLOSS_CUDA=0) or a plain source checkout
         return None, exc
-    expected = {"OUTPUT_NAMES": list(Statistics._fields), "NUM_COEFFS": NUM_COEFFS, "COEF_INDEX": _COEF_ORDER}
+    expected = {"OUTPUT_NAMES": list(Statistics._fields), "NUM_COEFFS": NUM_COEFFS, "COEF_INDEX": _COEF_ORDER,
+                "STATE_FIELDS": _STATE_FIELDS}
     for name, want in expected.items():
         got = getattr(_C, name, None)
         if got != want:
@@ -325,7 +329,7 @@ def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulat
     if teacher:
         passes.append(logits("teacher logits", dt))
     # the state merges of a fold over several vocabulary tiles: [kStateFields, rows] read and written per tile
-    state = 2 * 12 * 4 * n * (s.vocab_tiles - 1)
+    state = 2 * _STATE_FIELDS * 4 * n * (s.vocab_tiles - 1)
     passes.append(cost.Pass("fold", flops=nv * _FOLD_FLOPS, hbm_bytes=nv * (8 if teacher else 4) + state,
                             math="cuda_core", fixed_us=tiles * cost.LAUNCH_US))
     if jsd:
@@ -900,7 +904,7 @@ def forward_statistics(p: StatsProblem) -> Statistics:
     products = _Products(dev)
     ws = _Workspace(shape.rows, shape.ld, p, dx_copy=False)
     multi = shape.vocab_tiles > 1
-    state = torch.empty((_C.STATE_FIELDS, shape.rows), device=dev, dtype=torch.float32) if multi else None
+    state = torch.empty((_STATE_FIELDS, shape.rows), device=dev, dtype=torch.float32) if multi else None
     jsd_acc = torch.empty((2, shape.rows), device=dev, dtype=torch.float32) if multi else None
     one_tile = shape.row_chunks == 1 and not multi
 

@@ -34,10 +34,10 @@ Precision
     (docs/design.md, "The dz formula" and "Numerical doctrine").
 
 Memory
-    Besides the gradients, O(N) per-row vectors and the ``[12, splits, N]`` partials: an fp32 ``[N, D]``
-    accumulator for d hidden (when hidden is not fp32/float64), and one workspace of at most the problem's
-    ``workspace_mb`` (None: a share of the free device memory, bounded; ``workspace_budget``): the dx block
-    of a vocabulary chunk and its fp32 d weight block, or, on the eager path, a row chunk's logits. Nothing
+    Besides the gradients, O(N) per-row vectors and the ``[F, splits, N]`` partials (F = len(partials.FIELDS)):
+    an fp32 ``[N, D]`` accumulator for d hidden (when hidden is not fp32/float64), and one workspace of at most
+    the problem's ``workspace_mb`` (None: a share of the free device memory, bounded; ``workspace_budget``): the
+    dx block of a vocabulary chunk and its fp32 d weight block, or, on the eager path, a row chunk's logits. Nothing
     of size N x V. The eager path returns fp32 (float64) gradients, so d weight is a ``[V, D]`` fp32 buffer
     there, as on the other backends.
 
@@ -803,7 +803,7 @@ def _check_inputs(p: StatsProblem) -> None:
 
 
 def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], launch: Optional[_Launch] = None):
-    """Launch the statistics kernel on all rows of ``p``; returns the ``[12, splits, N]`` partials. ``store``:
+    """Launch the statistics kernel on all rows of ``p``; returns the ``[F, splits, N]`` partials. ``store``:
     the eager path's (c, z_t) workspace views to keep the tiles in."""
     k = _kernels()
     lc = launch or _launch(p, cfg)
