@@ -43,6 +43,24 @@ def _leaf(t):
     return None if t is None else t.detach().clone().requires_grad_(True)
 
 
+def _details_matching_trl(name, fused, ref, d, call, loss, trl_leaves):
+    """Call the fused (torch backend) and the reference loss, with and without details, on fresh leaves of
+    ``d``'s hidden, weight and bias (``call(fn, full, weight, bias, **options)``); assert each loss equals TRL's
+    ``loss`` to 1e-12 and its gradients TRL's ``trl_leaves``' to 1e-10; yield ``(label, details)`` for the
+    caller's checks of the logged quantities."""
+    for impl, fn, extra in (("fused", fused, dict(backend="torch")), ("reference", ref, {})):
+        for details in (False, True):
+            full, w, b = _leaf(d["h"]), _leaf(d["w"]), _leaf(d["b"])
+            out = call(fn, full, w, b, **extra, return_details=details)
+            got, det = out if details else (out, None)
+            label = (name, impl, details)
+            assert rel_err(got, loss) < 1e-12, (label, got.item(), loss.item())
+            got.backward()
+            _assert_grads(full, w, b, *trl_leaves, label)
+            if det is not None:
+                yield label, det
+
+
 def _assert_grads(full, weight, bias, trl_full, trl_weight, trl_bias, label, tol=1e-10):
     assert rel_err(full.grad, trl_full.grad) <= tol, (label, "hidden")
     assert rel_err(weight.grad, trl_weight.grad) <= tol, (label, "weight")
@@ -103,24 +121,18 @@ def test_kto_matches_trl(name):
     pairs = options.get("loss_type", "kto") == "kto"
     if pairs:
         assert metrics["kl"] > 0  # the reference point is active in this data
-    for impl, fn, extra in (("fused", fusedloss.kto_loss, dict(backend="torch")),
-                            ("reference", reference.kto_loss, {})):
-        for details in (False, True):
-            full, w, b = _leaf(d["h"]), _leaf(d["w"]), _leaf(d["b"])
-            args, kw = _kto_fused_args(d, full, w, b, with_pairs=pairs)
-            out = fn(*args, **kw, **head, **options, **extra, return_details=details)
-            got, det = out if details else (out, None)
-            label = (name, impl, details)
-            assert rel_err(got, loss) < 1e-12, (label, got.item(), loss.item())
-            got.backward()
-            _assert_grads(full, w, b, trl_full, trl_w, trl_b, label)
-            if det is None:
-                continue
-            assert abs(det.kl.item() - metrics["kl"]) < 1e-12, label
-            for key, mask in (("chosen", d["label"]), ("rejected", ~d["label"])):
-                assert abs(det.rewards[mask].mean().item() - metrics[f"rewards/{key}"]) < 1e-10, (label, key)
-                assert abs(det.logps[mask].mean().item() - metrics[f"logps/{key}"]) < 1e-10, (label, key)
-                assert det.logps.requires_grad and not det.rewards.requires_grad
+
+    def call(fn, full, w, b, **extra):
+        args, kw = _kto_fused_args(d, full, w, b, with_pairs=pairs)
+        return fn(*args, **kw, **head, **options, **extra)
+
+    trl_leaves = (trl_full, trl_w, trl_b)
+    for label, det in _details_matching_trl(name, fusedloss.kto_loss, reference.kto_loss, d, call, loss, trl_leaves):
+        assert abs(det.kl.item() - metrics["kl"]) < 1e-12, label
+        for key, mask in (("chosen", d["label"]), ("rejected", ~d["label"])):
+            assert abs(det.rewards[mask].mean().item() - metrics[f"rewards/{key}"]) < 1e-10, (label, key)
+            assert abs(det.logps[mask].mean().item() - metrics[f"logps/{key}"]) < 1e-10, (label, key)
+            assert det.logps.requires_grad and not det.rewards.requires_grad
 
 
 def test_kto_kl_passed_in_equals_the_pairs():
@@ -160,6 +172,10 @@ def _paired_fused_args(d, full, weight, bias):
     return (full[:, :-1], weight, d["labels"][:, 1:]), dict(bias=bias)
 
 
+# The paired losses' per-pair details and the TRL metric that logs their mean.
+_PAIRED_MEANS = (("chosen_rewards", "rewards/chosen"), ("rejected_rewards", "rewards/rejected"),
+                 ("chosen_logps", "logps/chosen"), ("rejected_logps", "logps/rejected"))
+
 ORPO_CASES = {"orpo": dict(beta=0.1), "orpo-beta": dict(beta=0.7),
               "orpo-transforms": dict(beta=0.2, temperature=0.8, logit_scale=0.9, softcap=15.0)}
 
@@ -175,25 +191,19 @@ def test_orpo_matches_trl(name):
     loss, metrics = trl_orpo(trl_full, trl_w, d["ids"], d["labels"], d["attention"], bias=trl_b, **head, **options)
     loss.backward()
     nll_labels = d["ids"].masked_fill(d["attention"] == 0, -100)[:, 1:]
-    for impl, fn, extra in (("fused", fusedloss.orpo_loss, dict(backend="torch")),
-                            ("reference", reference.orpo_loss, {})):
-        for details in (False, True):
-            full, w, b = _leaf(d["h"]), _leaf(d["w"]), _leaf(d["b"])
-            args, kw = _paired_fused_args(d, full, w, b)
-            out = fn(*args, **kw, nll_labels=nll_labels, **head, **options, **extra, return_details=details)
-            got, det = out if details else (out, None)
-            label = (name, impl, details)
-            assert rel_err(got, loss) < 1e-12, (label, got.item(), loss.item())
-            got.backward()
-            _assert_grads(full, w, b, trl_full, trl_w, trl_b, label)
-            if det is None:
-                continue
-            for field, key in (("chosen_rewards", "rewards/chosen"), ("rejected_rewards", "rewards/rejected"),
-                               ("chosen_logps", "logps/chosen"), ("rejected_logps", "logps/rejected")):
-                assert abs(getattr(det, field).mean().item() - metrics[key]) < 1e-12, (label, field)
-            for field, key in (("log_odds_ratio", "log_odds_ratio"), ("log_odds_chosen", "log_odds_chosen"),
-                               ("nll_loss", "nll_loss")):
-                assert abs(getattr(det, field).item() - metrics[key]) < 1e-12, (label, field)
+
+    def call(fn, full, w, b, **extra):
+        args, kw = _paired_fused_args(d, full, w, b)
+        return fn(*args, **kw, nll_labels=nll_labels, **head, **options, **extra)
+
+    trl_leaves = (trl_full, trl_w, trl_b)
+    for label, det in _details_matching_trl(name, fusedloss.orpo_loss, reference.orpo_loss, d, call, loss,
+                                            trl_leaves):
+        for field, key in _PAIRED_MEANS:
+            assert abs(getattr(det, field).mean().item() - metrics[key]) < 1e-12, (label, field)
+        for field, key in (("log_odds_ratio", "log_odds_ratio"), ("log_odds_chosen", "log_odds_chosen"),
+                           ("nll_loss", "nll_loss")):
+            assert abs(getattr(det, field).item() - metrics[key]) < 1e-12, (label, field)
 
 
 def test_orpo_without_nll_labels_scores_the_completion():
@@ -262,23 +272,16 @@ def test_cpo_matches_trl(name):
     trl_full, trl_w, trl_b = _leaf(d["h"]), _leaf(d["w"]), _leaf(d["b"])
     loss, metrics = trl_cpo(trl_full, trl_w, d["ids"], d["labels"], d["attention"], bias=trl_b, **head, **options)
     loss.backward()
-    for impl, fn, extra in (("fused", fusedloss.cpo_loss, dict(backend="torch")),
-                            ("reference", reference.cpo_loss, {})):
-        for details in (False, True):
-            full, w, b = _leaf(d["h"]), _leaf(d["w"]), _leaf(d["b"])
-            args, kw = _paired_fused_args(d, full, w, b)
-            out = fn(*args, **kw, **head, **options, **extra, return_details=details)
-            got, det = out if details else (out, None)
-            label = (name, impl, details)
-            assert rel_err(got, loss) < 1e-12, (label, got.item(), loss.item())
-            got.backward()
-            _assert_grads(full, w, b, trl_full, trl_w, trl_b, label)
-            if det is None:
-                continue
-            for field, key in (("chosen_rewards", "rewards/chosen"), ("rejected_rewards", "rewards/rejected"),
-                               ("chosen_logps", "logps/chosen"), ("rejected_logps", "logps/rejected")):
-                assert abs(getattr(det, field).mean().item() - metrics[key]) < 1e-11, (label, field)
-            assert abs(det.nll_loss.item() - metrics["nll_loss"]) < 1e-12, label
+
+    def call(fn, full, w, b, **extra):
+        args, kw = _paired_fused_args(d, full, w, b)
+        return fn(*args, **kw, **head, **options, **extra)
+
+    trl_leaves = (trl_full, trl_w, trl_b)
+    for label, det in _details_matching_trl(name, fusedloss.cpo_loss, reference.cpo_loss, d, call, loss, trl_leaves):
+        for field, key in _PAIRED_MEANS:
+            assert abs(getattr(det, field).mean().item() - metrics[key]) < 1e-11, (label, field)
+        assert abs(det.nll_loss.item() - metrics["nll_loss"]) < 1e-12, label
 
 
 # --------------------------------------------------------------------------------------------------

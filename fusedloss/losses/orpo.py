@@ -67,10 +67,9 @@ def orpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, 
     counts = tokens.counts
     scored = (counts[:pairs] > 0) & (counts[pairs:] > 0)
 
-    def odds_of(x):  # a stand-in where a completion is empty, so no -inf reaches the gradient
-        return torch.where(scored, x, torch.full_like(x, -1.0))
-
-    log_odds = (odds_of(chosen) - odds_of(rejected)) - (_log1mexp(odds_of(chosen)) - _log1mexp(odds_of(rejected)))
+    # a stand-in where a completion is empty, so that no -inf reaches the gradient
+    c, r = (torch.where(scored, x, torch.full_like(x, -1.0)) for x in (chosen, rejected))
+    log_odds = (c - r) - (_log1mexp(c) - _log1mexp(r))
     log_odds = torch.where(scored, log_odds, torch.zeros_like(log_odds))
     ratio = torch.where(scored, F.logsigmoid(log_odds), torch.zeros_like(log_odds))
 
