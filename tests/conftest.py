@@ -118,6 +118,22 @@ def assert_close(actual, expected, tol: float, what: str = "") -> None:
     assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
 
 
+def param_grads(model: torch.nn.Module, loss: torch.Tensor) -> dict:
+    """The gradients ``loss`` gives a model's parameters, by name (those that get one)."""
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def assert_each_close(got: dict, ref: dict, rtol: float) -> None:
+    """The same names, and each tensor within ``rtol`` of the reference's, norm-wise in float64."""
+    assert got.keys() == ref.keys()
+    for name in ref:
+        g, r = got[name].double(), ref[name].double()
+        err = ((g - r).norm() / r.norm().clamp(min=1e-300)).item()
+        assert err < rtol, (name, err)
+
+
 # --------------------------------------------------------------------------------------------------
 # Data
 

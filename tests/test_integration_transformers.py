@@ -9,6 +9,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from conftest import assert_each_close, param_grads  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     CohereConfig,
@@ -62,19 +63,6 @@ def model_logprobs(model, input_ids, attention_mask, temperature=1.0, labels=Non
     return torch.where(valid, logp, zero), torch.where(valid, entropy, zero)
 
 
-def _grads(model, loss):
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def _assert_grads_close(got, ref, rtol):
-    assert got.keys() == ref.keys()
-    for name in ref:
-        err = (got[name] - ref[name]).norm() / ref[name].norm().clamp(min=1e-30)
-        assert err < rtol, (name, err.item())
-
-
 @pytest.mark.parametrize("name", list(CONFIGS))
 @pytest.mark.parametrize("dtype,rtol", [(torch.float32, 1e-5), (torch.float64, 1e-10)])
 def test_logprobs_match_model_logits(name, dtype, rtol):
@@ -91,9 +79,9 @@ def test_logprobs_match_model_logits(name, dtype, rtol):
     torch.testing.assert_close(entropy, ref_entropy, rtol=rtol, atol=rtol)
     assert (logp[attention_mask[:, 1:] == 0] == 0).all() and (entropy[attention_mask[:, 1:] == 0] == 0).all()
 
-    got = _grads(model, (w * logp).sum() + 0.1 * entropy.sum())
-    ref = _grads(model, (w * ref_logp).sum() + 0.1 * ref_entropy.sum())
-    _assert_grads_close(got, ref, 10 * rtol)
+    got = param_grads(model, (w * logp).sum() + 0.1 * entropy.sum())
+    ref = param_grads(model, (w * ref_logp).sum() + 0.1 * ref_entropy.sum())
+    assert_each_close(got, ref, 10 * rtol)
 
 
 def test_labels_mask_and_no_entropy():
@@ -125,9 +113,9 @@ def test_tied_head_gradient_reaches_the_embedding():
     model = make_model("qwen2-tied")
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     input_ids, attention_mask = batch(3)
-    got = _grads(model, fl_hf.causal_lm_logprobs(model, input_ids, attention_mask, backend="torch").sum())
-    ref = _grads(model, model_logprobs(model, input_ids, attention_mask)[0].sum())
-    _assert_grads_close(got, ref, 1e-5)
+    got = param_grads(model, fl_hf.causal_lm_logprobs(model, input_ids, attention_mask, backend="torch").sum())
+    ref = param_grads(model, model_logprobs(model, input_ids, attention_mask)[0].sum())
+    assert_each_close(got, ref, 1e-5)
 
 
 @pytest.mark.parametrize("lora_on_head", [False, True])
@@ -141,10 +129,10 @@ def test_peft_model(lora_on_head):
     logp = fl_hf.causal_lm_logprobs(peft_model, input_ids, attention_mask, backend="torch")
     ref, _ = model_logprobs(peft_model, input_ids, attention_mask)
     torch.testing.assert_close(logp, ref, rtol=1e-5, atol=1e-5)
-    got = _grads(peft_model, logp.sum())
-    want = _grads(peft_model, model_logprobs(peft_model, input_ids, attention_mask)[0].sum())
+    got = param_grads(peft_model, logp.sum())
+    want = param_grads(peft_model, model_logprobs(peft_model, input_ids, attention_mask)[0].sum())
     assert any("lora" in n for n in got)
-    _assert_grads_close(got, want, 1e-5)
+    assert_each_close(got, want, 1e-5)
     with peft_model.disable_adapter():  # the adapters are off in the backbone and in the head
         logp = fl_hf.causal_lm_logprobs(peft_model, input_ids, attention_mask, backend="torch")
         ref, _ = model_logprobs(peft_model, input_ids, attention_mask)

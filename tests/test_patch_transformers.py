@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
+from conftest import assert_each_close, param_grads  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma2Config,
@@ -63,19 +64,6 @@ def hf_formula(logits, labels, num_items_in_batch=None, shift_labels=None):
     return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
-def grads(model, loss):
-    model.zero_grad(set_to_none=True)
-    loss.backward()
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_close_rel(got, ref, rtol):
-    assert got.keys() == ref.keys()
-    for name in ref:
-        err = ((got[name] - ref[name]).norm() / ref[name].norm().clamp(min=1e-300)).item()
-        assert err < rtol, (name, err)
-
-
 def rel(a, b):
     return ((a - b).abs() / b.abs()).item()
 
@@ -88,7 +76,7 @@ def test_loss_and_every_gradient_match_float64(name, num_items):
     if num_items == "tensor":  # what the Trainer passes under gradient accumulation
         num_items = torch.tensor(23)
     ref_loss = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels, num_items)
-    ref = grads(model, ref_loss)
+    ref = param_grads(model, ref_loss)
 
     fl_hf.patch(model, backend="torch")
     kwargs = {} if num_items is None else {"num_items_in_batch": num_items}
@@ -96,8 +84,8 @@ def test_loss_and_every_gradient_match_float64(name, num_items):
     assert out.logits is None and "logits" not in out.keys()
     assert out.loss.dtype == torch.float64
     assert rel(out.loss, ref_loss) < 1e-10
-    got = grads(model, out.loss)
-    assert_close_rel(got, ref, 1e-10)
+    got = param_grads(model, out.loss)
+    assert_each_close(got, ref, 1e-10)
     if name == "qwen2-tied":  # the head is the embedding: one parameter collects both gradients
         assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
 
@@ -190,20 +178,20 @@ def test_peft_lora_including_the_head(lora_on_head):
     pm = peft.get_peft_model(model, cfg)
     input_ids, attention_mask, labels = batch(5)
     ref_loss = hf_formula(pm(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
-    ref = grads(pm, ref_loss)
+    ref = param_grads(pm, ref_loss)
     assert fl_hf.patch(pm, backend="torch") is pm
     out = pm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
     assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
-    got = grads(pm, out.loss)
+    got = param_grads(pm, out.loss)
     assert any("lora" in n for n in got) and (not lora_on_head or any("lm_head.lora" in n for n in got))
-    assert_close_rel(got, ref, 1e-10)
+    assert_each_close(got, ref, 1e-10)
 
 
 def test_gradient_checkpointing():
     model = make_model("llama")
     input_ids, attention_mask, labels = batch(6)
     ref_loss = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels)
-    ref = grads(model, ref_loss)
+    ref = param_grads(model, ref_loss)
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x's name
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     else:
@@ -213,19 +201,19 @@ def test_gradient_checkpointing():
     fl_hf.patch(model, backend="torch")
     out = model(input_ids, attention_mask=attention_mask, labels=labels)
     assert rel(out.loss, ref_loss) < 1e-10
-    assert_close_rel(grads(model, out.loss), ref, 1e-10)
+    assert_each_close(param_grads(model, out.loss), ref, 1e-10)
 
 
 def test_torch_compile():
     model = make_model("qwen2-tied")
     input_ids, attention_mask, labels = batch(7)
     ref_loss = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels, 19)
-    ref = grads(model, ref_loss)
+    ref = param_grads(model, ref_loss)
     fl_hf.patch(model, backend="torch")
     compiled = torch.compile(model, backend="aot_eager")
     out = compiled(input_ids, attention_mask=attention_mask, labels=labels, num_items_in_batch=19)
     assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
-    assert_close_rel(grads(model, out.loss), ref, 1e-10)
+    assert_each_close(param_grads(model, out.loss), ref, 1e-10)
 
 
 def test_moe_router_loss_is_still_added_by_the_model():
@@ -290,7 +278,7 @@ def test_trainer_run_matches_unpatched():
     ref_losses, ref_params, _ = _train(False)
     assert len(losses) == len(ref_losses) == 3
     assert losses == pytest.approx(ref_losses, rel=1e-5)
-    assert_close_rel(params, ref_params, 1e-5)
+    assert_each_close(params, ref_params, 1e-5)
     moved = {n: params[n] - initial[n] for n in params}
     assert all(m.norm() > 1e-3 * initial[n].norm() for n, m in moved.items() if "norm" not in n), \
         "the run did not train: the comparison would be empty"
@@ -376,7 +364,7 @@ def test_accelerate_loop(mixed_precision):
             loss, grads = step(when)
             tol = 1e-5 if mixed_precision == "no" else 1e-3  # bf16 autocast: the reference rounds its logits to bf16
             assert rel(loss, ref_loss) < tol, rel(loss, ref_loss)
-            assert_close_rel(grads, ref_grads, 10 * tol)
+            assert_each_close(grads, ref_grads, 10 * tol)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
 
