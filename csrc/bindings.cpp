@@ -92,7 +92,6 @@ PYBIND11_MODULE(_C, m) {
   m.attr("NUM_COEFFS") = int(kNumCoeffs);
   m.attr("COEF_INDEX") = std::vector<int>{kCoefOnehot, kCoefConst, kCoefLogq, kCoefKlRev, kCoefTeacherProb,
                                           kCoefLogm, kCoefUniform};
-  m.attr("FOLD_THREADS") = kFoldThreads;
 
   // Device entry points: `stream` is torch.cuda.current_stream().cuda_stream.
   m.def("fold_tile", &fold_tile, py::arg("args"), py::arg("stream"));

@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 
 # Submodules reachable as attributes after `import fusedloss`, imported on first use: `reference` and `nn`
 # cost little, but `integrations` needs transformers/TRL, which `import fusedloss` must never pull in.
-_LAZY_SUBMODULES = ("reference", "nn", "integrations", "types")
+_LAZY_SUBMODULES = ("reference", "nn", "integrations")
 
 
 def __getattr__(name: str):

@@ -67,6 +67,13 @@ def require_real(name: str, value, *, positive: bool = False, nonnegative: bool 
         raise ValueError(f"{name} must be < {below}, got {value!r}")
 
 
+def require_positive_int(name: str, value, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' or None' if allow_none else ''}, got {value!r}")
+
+
 def require_bool(name: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {_describe(value)}")

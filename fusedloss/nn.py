@@ -43,7 +43,7 @@ class _FunctionalModule(torch.nn.Module):
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
-        fn = cls.__dict__["function"]
+        fn = cls.function  # a staticmethod: the plain function, on a subclass of a subclass too
         per_call = set(inspect.signature(cls.forward).parameters) - {"self"}
         options = [p for name, p in inspect.signature(fn).parameters.items()
                    if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in per_call]
@@ -63,7 +63,7 @@ class _FunctionalModule(torch.nn.Module):
         cls.__init__ = __init__
 
     def call(self, *tensors, **per_call):
-        return type(self).__dict__["function"](*tensors, **per_call, **self.options)
+        return self.function(*tensors, **per_call, **self.options)
 
     def extra_repr(self) -> str:
         return ", ".join(f"{k}={v!r}" for k, v in self.options.items())

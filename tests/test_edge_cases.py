@@ -482,3 +482,27 @@ def test_num_items_in_batch_is_the_divisor(eager, monkeypatch):
         for bad in (0, -1, 0.0, torch.tensor(-3.0), torch.tensor(0), torch.tensor(math.nan)):
             with pytest.raises(ValueError, match="num_items_in_batch"):
                 call(fusedloss, bad)
+
+
+@pytest.mark.parametrize("eager", ["0", "1"])
+def test_an_empty_batch_gives_zero_loss_and_zero_gradients(any_engine, eager, monkeypatch):
+    """No tokens at all, on every backend and gradient path: loss 0, d hidden [0, D], d weight exactly 0
+    (the plans model at least one row; the buffers a first product would fill are zeros)."""
+    backend, device = any_engine
+    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    w = torch.randn(19, 6, generator=torch.Generator().manual_seed(2)).to(device)
+    calls = {
+        "cross_entropy": lambda h, w: fusedloss.cross_entropy(h, w, torch.zeros(0, dtype=torch.long, device=device),
+                                                              reduction="sum", backend=backend),
+        "token_logprobs": lambda h, w: fusedloss.token_logprobs(h, w, torch.zeros(0, dtype=torch.long,
+                                                                                  device=device),
+                                                                backend=backend).sum(),
+        "distillation_loss": lambda h, w: fusedloss.distillation_loss(h, w, h.detach(), w.detach(),
+                                                                      reduction="sum", backend=backend),
+    }
+    for name, call in calls.items():
+        hh, ww = torch.zeros(0, 6, device=device, requires_grad=True), w.clone().requires_grad_()
+        loss = call(hh, ww)
+        loss.backward()
+        assert loss.item() == 0.0, name
+        assert hh.grad.shape == (0, 6) and torch.equal(ww.grad, torch.zeros_like(w)), name

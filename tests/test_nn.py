@@ -143,3 +143,17 @@ def test_bad_option_reaches_the_function_error():
     _, hidden, weight, _, targets = _data()
     with pytest.raises(ValueError, match="reduction"):
         fnn.LinearCrossEntropy(reduction="avg")(hidden, weight, targets)
+
+
+def test_a_subclass_keeps_its_parent_function_and_options():
+    class SummedCrossEntropy(fnn.LinearCrossEntropy):
+        """A user's subclass: same function, same options."""
+
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(4, 6, generator=g, dtype=torch.float64), torch.randn(9, 6, generator=g, dtype=torch.float64)
+    y = torch.tensor([1, 8, -100, 0])
+    got = SummedCrossEntropy(reduction="sum", backend="torch")(h, w, y)
+    want = fusedloss.cross_entropy(h, w, y, reduction="sum", backend="torch")
+    assert torch.equal(got, want)
+    with pytest.raises(TypeError, match="SummedCrossEntropy got unexpected option"):
+        SummedCrossEntropy(no_such_option=1)

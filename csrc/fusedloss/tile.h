@@ -266,13 +266,14 @@ FL_HD DzTerms dz_terms(const TileArgs& a) {
                  teacher && a.want_kl_fwd, teacher && a.has_jsd, a.want_mean_logit};
 }
 
-// A row whose gradient is identically zero: ignored, or every coefficient of a formed term zero (masked
-// tokens). Its saved lse is 0, so it must not be evaluated (exp(z - 0) may overflow, and inf * 0 is NaN).
-FL_HD bool row_inactive(const TileArgs& a, int64_t row, const RowCoeffs& k, const DzTerms& t) {
+// A row whose gradient is identically zero: ignored, or every coefficient zero (masked tokens; the same
+// rule as the backend's _active_rows). Its saved lse may be 0, so it must not be evaluated (exp(z - 0) may
+// overflow, and inf * 0 is NaN).
+FL_HD bool row_inactive(const TileArgs& a, int64_t row, const RowCoeffs& k) {
   if (row_ignored(a, row)) return true;
   FL_UNROLL
   for (int c = 0; c < kNumCoeffs; ++c)
-    if (t.forms(c) && k.c[c] != 0.0f) return false;
+    if (k.c[c] != 0.0f) return false;
   return true;
 }
 
@@ -283,7 +284,7 @@ FL_HD void dx_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes)
   const T* xr = reinterpret_cast<const T*>(a.x) + row * a.ld;
   const T* xtr = kTeacher ? reinterpret_cast<const T*>(a.xt) + row * a.ld : nullptr;
   TO* dr = reinterpret_cast<TO*>(a.dx) + row * a.dx_ld;
-  const bool inactive = row_inactive(a, row, k, terms);
+  const bool inactive = row_inactive(a, row, k);
   const int64_t y = a.targets != 0 ? reinterpret_cast<const int64_t*>(a.targets)[row] - a.v0 : -1;
   for_lane_groups(xr, xtr, a.cols, lane, nlanes, [&](int64_t c, auto n, const float* v, const float* vt) {
     constexpr int kCount = decltype(n)::value;

@@ -136,6 +136,21 @@ class Workload:
     def operand_bytes(self) -> int:
         return {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[self.dtype]
 
+    @classmethod
+    def of(cls, p, *, row_local: bool, hidden_grad: bool = True, weight_grad: bool = True) -> "Workload":
+        """The workload of a statistics problem (``core/problem.py::StatsProblem``; every backend's plan
+        describes its calls this way). Only what the plan depends on matters: the shapes (at least one row),
+        the dtype, a teacher and a JSD (its second sweep), and whether the loss is known in the forward."""
+        if p.has_teacher:
+            op = ("distill_jsd" if p.jsd_beta is not None else
+                  "distill_forward_kl" if p.want_kl_fwd and not p.want_kl_rev else "distill_reverse_kl")
+        else:
+            op = "cross_entropy" if row_local else "token_logprobs_entropy" if p.want_entropy else "token_logprobs"
+        return cls(op=op, n=max(1, p.hidden.shape[0]), d=p.hidden.shape[1], v=p.weight.shape[0],
+                   dtype=str(p.hidden.dtype).replace("torch.", ""),
+                   teacher_d=p.teacher_hidden.shape[1] if p.has_teacher else None,
+                   hidden_grad=hidden_grad, weight_grad=weight_grad)
+
 
 def product_bound(w: Workload) -> tuple[float, float]:
     """(student products, teacher products) the fewest an exact method needs: the logits once, then d hidden
@@ -201,7 +216,7 @@ def _pass_ms(p: Pass, gpu: GPUSpec) -> float:
 
 def bound_ms(w: Workload, gpu: GPUSpec) -> float:
     student, teacher = product_bound(w)
-    math = w.dtype if w.dtype != "float32" else "float32"
+    math = w.dtype
     rate = gpu.tflops[math] * 1e12
     return (student * w.product_flops + teacher * w.teacher_product_flops) / rate * 1e3
 

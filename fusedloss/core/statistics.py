@@ -35,7 +35,7 @@ def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
     try:
         if torch.is_autocast_enabled(device.type):
             return torch.get_autocast_dtype(device.type)
-    except RuntimeError:  # a device type autocast does not know (meta)
+    except (RuntimeError, TypeError):  # a device type autocast does not know (meta)
         pass
     return None
 
@@ -196,16 +196,26 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(*(x for x, t in zip(flat, ctx.is_tensor) if t), output)
 
 
+def head_gradients(problem: StatsProblem, backend: str, stats: torch.Tensor, grad_stats: torch.Tensor,
+                   vocab_size: int, needs_input_grad) -> tuple:
+    """(d hidden, d weight, d bias) of a statistics problem, each None where autograd does not ask for it
+    (``needs_input_grad``: hidden, weight, bias first, as the op's table). The backward of every autograd
+    function over the op: this one, and the distributed heads' (gathered FSDP2, ZeRO-3), whose ``problem`` has
+    the gathered head and whose ``vocab_size`` is the logical vocabulary."""
+    coeffs = dz_coefficients(grad_stats, stats, problem.jsd_beta, problem.targets, vocab_size)
+    need_h, need_w, need_b = needs_input_grad[:3]
+    need_b = need_b and problem.bias is not None
+    dh, dw, db = _statistics_backward_op(*_flatten(problem), backend, stats, coeffs, need_h, need_w, need_b)
+    return dh if need_h else None, dw if need_w else None, db if need_b else None
+
+
 def _backward(ctx, grad_stats):
     *tensors, stats = ctx.saved_tensors
     saved = iter(tensors)
     flat = [next(saved) if t else x for x, t in zip(ctx.constants, ctx.is_tensor)]
     problem = _unflatten(flat)
-    coeffs = dz_coefficients(grad_stats, stats, problem.jsd_beta, problem.targets, problem.weight.shape[0])
-    need_h, need_w, need_b = ctx.needs_input_grad[:3]  # hidden, weight, bias lead the table
-    need_b = need_b and problem.bias is not None
-    dh, dw, db = _statistics_backward_op(*flat, ctx.backend, stats, coeffs, need_h, need_w, need_b)
-    return (dh if need_h else None, dw if need_w else None, db if need_b else None) + (None,) * (len(flat) - 2)
+    grads = head_gradients(problem, ctx.backend, stats, grad_stats, problem.weight.shape[0], ctx.needs_input_grad)
+    return grads + (None,) * (len(flat) - 2)
 
 
 _statistics_op.register_autograd(_backward, setup_context=_setup_context)

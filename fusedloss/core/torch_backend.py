@@ -171,13 +171,6 @@ def _teacher_tile(p: StatsProblem, rows: slice, v0: int, v1: int, hidden=None):
     return _logits_tile(h, p.teacher_weight[v0:v1], tb, p.teacher_transform, p.acc_dtype)[0]
 
 
-def _zero_ignored(p: StatsProblem, out: dict, rows: slice) -> None:
-    if p.targets is not None:
-        valid = p.targets[rows] >= 0
-        for value in out.values():
-            value[rows] = torch.where(valid, value[rows], torch.zeros_like(value[rows]))
-
-
 def forward_statistics(p: StatsProblem) -> Statistics:
     # Ignored rows (padding, prompt tokens) cost nothing: run on the valid rows only. backward_gradients
     # recomputes the logits in these same row blocks.
@@ -194,6 +187,7 @@ def forward_statistics(p: StatsProblem) -> Statistics:
 
 
 def _forward_rows(p: StatsProblem) -> Statistics:
+    """The statistics of rows that all have a target >= 0 (or none): forward_statistics picks them."""
     acc = p.acc_dtype
     n, v = p.hidden.shape[0], p.weight.shape[0]
     dev = p.hidden.device
@@ -213,7 +207,6 @@ def _forward_rows(p: StatsProblem) -> Statistics:
         kl_qm, kl_pm = jsd_sums(p, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]))
         out["kl_qm"] = kl_qm
         out["jsd"] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * kl_qm
-    _zero_ignored(p, out, slice(0, n))
     return Statistics(**out)
 
 
@@ -314,16 +307,20 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt
     tf = p.transform
     scale = tf.logit_scale / tf.temperature
     if tf.softcap is not None:
-        return dz.mul_(scale * (1.0 - (c / tf.softcap) ** 2))
-    return dz.mul_(scale) if scale != 1.0 else dz
+        dz.mul_(scale * (1.0 - (c / tf.softcap) ** 2))
+    elif scale != 1.0:
+        dz.mul_(scale)
+    # Rows that do not enter the loss (ignored, masked) give exact zeros, as in the kernels: their logits may
+    # overflow exp (q = inf, times a zero coefficient = NaN) or be NaN padding.
+    return dz.masked_fill_(~(coeffs != 0).any(dim=0)[:, None], 0.0)
 
 
 def _valid_rows(p: StatsProblem) -> Optional[torch.Tensor]:
     """The rows the forward computes, as an index tensor (None: every row): those with a target >= 0."""
     if p.targets is None:
         return None
-    valid = p.targets >= 0
-    return None if bool(valid.all()) else torch.nonzero(valid).squeeze(1)
+    rows = torch.nonzero(p.targets >= 0).squeeze(1)  # one host sync: the row count sizes what follows
+    return None if rows.numel() == p.targets.numel() else rows
 
 
 def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds):
@@ -341,9 +338,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     acc = p.acc_dtype
     h_all, w = p.hidden, p.weight
     v = w.shape[0]
-    dh = torch.zeros(h_all.shape, device=h_all.device, dtype=acc) if needs.hidden else None
-    dw = torch.zeros_like(w) if needs.weight else None
-    db = torch.zeros_like(p.bias) if needs.bias else None
+    dw = torch.empty_like(w) if needs.weight else None  # every vocabulary tile writes its rows
+    db = torch.empty_like(p.bias) if needs.bias else None
     rows = _valid_rows(p)
 
     def pick(t):
@@ -359,7 +355,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     live = torch.stack([carries[r0:r1].any() for r0, r1 in chunks]).tolist() if chunks else []
     chunks = [(r0, r1) for (r0, r1), keep in zip(chunks, live) if keep]
     if not chunks:
-        return (None if dh is None else dh.to(h_all.dtype)), dw, db
+        dh = torch.zeros_like(h_all) if needs.hidden else None
+        return dh, (None if dw is None else dw.zero_()), (None if db is None else db.zero_())
     dh_act = torch.zeros((n_act, h_all.shape[1]), device=h_all.device, dtype=acc) if needs.hidden else None
     for v0 in range(0, v, VOCAB_TILE):
         v1 = min(v, v0 + VOCAB_TILE)
@@ -378,7 +375,6 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
             tgt = None if tgt_act is None else tgt_act[r0:r1]
             dx = logits_gradient_tile(p, z, c, zt, coeffs_act[:, r0:r1], RowNorms(*norms_act[:, r0:r1].unbind(0)),
                                       tgt, v0, v1)
-            dx.masked_fill_(~carries[r0:r1, None], 0.0)
             if dh_act is not None:
                 dh_act[r0:r1] += dx @ w_acc
             if dw_tile is not None:
@@ -389,12 +385,12 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
             dw[v0:v1] = dw_tile.to(w.dtype)
         if db is not None:
             db[v0:v1] = db_tile.to(p.bias.dtype)
-    if dh is not None:
-        if rows is None:
-            dh = dh_act
-        else:
-            dh.index_copy_(0, rows, dh_act)
-        dh = dh.to(h_all.dtype)
+    dh = None
+    if dh_act is not None:
+        if rows is not None:
+            dh_act = torch.zeros((h_all.shape[0], h_all.shape[1]), device=h_all.device,
+                                 dtype=acc).index_copy_(0, rows, dh_act)
+        dh = dh_act.to(h_all.dtype)
     return dh, dw, db
 
 
@@ -433,9 +429,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     w_acc = p.weight.to(acc)
     loss = torch.zeros((), device=p.hidden.device, dtype=acc)
     # Ignored rows (prompt tokens, padding) cost nothing: chunk over the valid rows only.
-    active = None
-    if p.targets is not None and not bool((p.targets >= 0).all()):
-        active = torch.nonzero(p.targets >= 0).squeeze(1)
+    active = _valid_rows(p)
     count = n if active is None else active.numel()
     step = eager_rows(p)
     for r0 in range(0, count, step):
@@ -451,15 +445,9 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
             out["kl_qm"], kl_pm = _jsd_sums(z, zt, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
                                             p.jsd_beta)
             out["jsd"] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * out["kl_qm"]
-        if tgt is not None:
-            valid = tgt >= 0
-            out = {k: torch.where(valid, x, torch.zeros_like(x)) for k, x in out.items()}
         chunk_loss, coeffs = chunk_fn(Statistics(**out), rows)
         loss = loss + chunk_loss.to(acc)
         dx = logits_gradient_tile(p, z, c, zt, coeffs, row_norms(out), tgt, 0, v)
-        # Rows that do not enter the loss (ignored, masked) must give exact zeros: their logits may overflow
-        # exp (q = inf, times a zero coefficient = NaN) or be NaN padding.
-        dx.masked_fill_(~(coeffs != 0).any(dim=0)[:, None], 0.0)
         del z, c, zt
         if dh is not None:
             dh[rows] = dx @ w_acc

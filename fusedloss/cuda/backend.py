@@ -66,7 +66,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import config
-from ..core import cost, torch_backend
+from ..core import backends, cost, torch_backend
 from ..core import problem as coef  # coef.COEF_*: the dz formula's coefficient rows (docs/design.md)
 from ..core.problem import NUM_COEFFS, GradientNeeds, Statistics, StatsProblem
 
@@ -106,6 +106,11 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
 
 
+def _needs_driver(runtime: int) -> str:
+    """The driver branch a CUDA runtime (``cudaRuntimeGetVersion``) needs, for messages."""
+    return _MIN_DRIVER.get(runtime // 1000, f"one for CUDA {runtime // 1000}.x")
+
+
 def _version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
 
@@ -132,7 +137,7 @@ def runtime_info() -> dict:
         return {"extension": availability()}
     runtime, driver = _C.runtime_version(), _C.driver_version()
     return {"runtime": _version(runtime), "driver": _version(driver) if driver else None,
-            "needs_driver": _MIN_DRIVER.get(runtime // 1000, f"one for CUDA {runtime // 1000}.x"),
+            "needs_driver": _needs_driver(runtime),
             "devices": _C.device_count()}
 
 
@@ -151,7 +156,7 @@ def availability() -> str:
         if driver == 0:
             return "built; no CUDA device visible"
         if driver // 1000 < runtime // 1000:
-            need = _MIN_DRIVER.get(runtime // 1000, f"one for CUDA {runtime // 1000}.x")
+            need = _needs_driver(runtime)
             return (f"built with the CUDA {_version(runtime)} runtime, which needs a {need}+ driver; this driver "
                     f"supports CUDA {_version(driver)}: rebuild the extension with a CUDA {driver // 1000}.x "
                     f"toolkit, or upgrade the driver")
@@ -503,39 +508,10 @@ def gpu_of(device: torch.device) -> cost.GPUSpec:
     return cost.GPUS["h200"]
 
 
-def workload_of(p: StatsProblem, *, row_local: bool, hidden_grad: bool = True,
-                weight_grad: bool = True) -> cost.Workload:
-    """The cost model's description of a statistics problem. Only what the plan depends on matters: the
-    shapes, the dtype, a teacher and a JSD (its second sweep), and whether the loss is known in the forward."""
-    n, d = p.hidden.shape
-    v = p.weight.shape[0]
-    dtype = str(p.hidden.dtype).replace("torch.", "")
-    if p.has_teacher:
-        op = "distill_jsd" if p.jsd_beta is not None else "distill_forward_kl" if (
-            p.want_kl_fwd and not p.want_kl_rev) else "distill_reverse_kl"
-    elif row_local:
-        op = "cross_entropy"
-    else:
-        op = "token_logprobs_entropy" if p.want_entropy else "token_logprobs"
-    teacher_d = p.teacher_hidden.shape[1] if p.has_teacher else None
-    return cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype, teacher_d=teacher_d, hidden_grad=hidden_grad,
-                         weight_grad=weight_grad)
+workload_of = cost.Workload.of  # the cost model's description of a problem
 
 
-# The per-device facts the run-time plan needs, fixed for the process once the backend first runs there.
-_DEVICE_FREE: dict = {}
-
-
-def _free_bytes(device: torch.device) -> Optional[int]:
-    """Memory free for torch on the device (the driver's free memory plus what torch's caching allocator
-    holds unused), the first time the backend runs there; None for CPU tensors."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _DEVICE_FREE:
-        free, _ = torch.cuda.mem_get_info(index)
-        _DEVICE_FREE[index] = free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
-    return _DEVICE_FREE[index]
+_free_bytes = backends.free_bytes  # fixed per device for the process (core/backends.py)
 
 
 def _problem_plan(p: StatsProblem, *, row_local: bool, path: Optional[str],
@@ -822,29 +798,6 @@ def _contiguous_problem(p: StatsProblem) -> StatsProblem:
     return dataclasses.replace(p, targets=targets, bias=bias, teacher_bias=tbias)
 
 
-def _formed_terms(p: StatsProblem) -> list:
-    """The coefficients whose terms the dx kernel forms for this problem (csrc/fusedloss/math.h, DzTerms)."""
-    teacher = p.has_teacher
-    jsd = teacher and p.jsd_beta is not None
-    formed = {coef.COEF_ONEHOT: True, coef.COEF_CONST: True,
-              coef.COEF_LOGQ: p.want_entropy or jsd,
-              coef.COEF_KL_REV: teacher and p.want_kl_rev, coef.COEF_TEACHER_PROB: teacher and p.want_kl_fwd,
-              coef.COEF_LOGM: jsd, coef.COEF_UNIFORM: p.want_mean_logit}
-    return [k for k, on in formed.items() if on]
-
-
-def _gate_coeffs(p: StatsProblem, coeffs: torch.Tensor) -> torch.Tensor:
-    """fp32 contiguous coefficients with the terms the problem cannot produce set to 0, as the kernel
-    ignores them: a row is then outside the loss (``_active_rows``) exactly when the kernel says so."""
-    coeffs = coeffs.to(torch.float32)
-    unformed = sorted(set(range(NUM_COEFFS)) - set(_formed_terms(p)))
-    if unformed:
-        coeffs = coeffs.clone()
-        for k in unformed:  # one fill each (an index list would be a host-to-device copy: not capturable)
-            coeffs[k].zero_()
-    return coeffs.contiguous()
-
-
 def _active_rows(coeffs: torch.Tensor, targets: Optional[torch.Tensor]) -> torch.Tensor:
     """[rows] bool: the rows whose gradient is not identically zero (the dx kernel's row_inactive)."""
     active = (coeffs != 0).any(dim=0)
@@ -999,7 +952,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                 torch.zeros_like(p.bias) if needs.bias else None)
     shape = _shapes(p)[0]
     products = _Products(dev)
-    coeffs = _gate_coeffs(p, coeffs)
+    coeffs = coeffs.to(torch.float32).contiguous()
     stats = torch.stack(tuple(saved)).to(torch.float32).contiguous()
     h_dw = _zero_rows_outside(h_all, _active_rows(coeffs, p.targets)) if needs.weight else None
     one_vocab_tile = shape.vocab_tiles == 1
@@ -1100,7 +1053,9 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     dw = None
     direct_dw = chunks == 1 and w.dtype == torch.bfloat16
     if needs.weight:
-        dw = torch.empty(w.shape, device=dev, dtype=w.dtype if direct_dw else torch.float32)
+        # written whole by the first chunk's product; zeros when there is no chunk (no rows)
+        dw = (torch.zeros if n == 0 else torch.empty)(w.shape, device=dev,
+                                                      dtype=w.dtype if direct_dw else torch.float32)
     loss = torch.zeros((), device=dev, dtype=torch.float32)
     ws = _Workspace(step, chunk.ld, p, dx_copy=h_all.dtype != torch.float32)
     out_chunk = torch.empty((_NUM_OUTPUTS, step), device=dev, dtype=torch.float32)
@@ -1122,7 +1077,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
             if coeffs.shape != (NUM_COEFFS, m):
                 raise ValueError(f"chunk_fn must return coefficients of shape [{NUM_COEFFS}, {m}], "
                                  f"got {tuple(coeffs.shape)}")
-            coeffs = _gate_coeffs(p, coeffs)
+            coeffs = coeffs.to(torch.float32).contiguous()
             a.coeffs, a.coeff_stride = _ptr(coeffs), m
             unscale = None
             if half16:

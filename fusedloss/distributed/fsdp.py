@@ -106,13 +106,9 @@ class _Gathered(torch.autograd.Function):
         p, layout = ctx.problem, ctx.layout
         w, b = _gather_head(w_local, b_local, layout)
         full = dataclasses.replace(p, hidden=hidden, weight=w, bias=b)
-        coeffs = core.dz_coefficients(grad, stats, p.jsd_beta, p.targets, layout.vocab_size)
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and b is not None
-        dh, dw, db = core._statistics_backward_op(*core._flatten(full), ctx.backend, stats, coeffs, need_h,
-                                                  need_w, need_b)
-        return (dh if need_h else None, _scatter_mean(dw, w_local, layout) if need_w else None,
-                _scatter_mean(db, b_local, layout) if need_b else None, None, None, None)
+        dh, dw, db = core.head_gradients(full, ctx.backend, stats, grad, layout.vocab_size, ctx.needs_input_grad)
+        return (dh, None if dw is None else _scatter_mean(dw, w_local, layout),
+                None if db is None else _scatter_mean(db, b_local, layout), None, None, None)
 
 
 class VocabParallelOverData(LaidOutHead):

@@ -89,15 +89,15 @@ def local_targets(targets: torch.Tensor, start: int, rows: int) -> torch.Tensor:
 def owners(targets: torch.Tensor, starts: Sequence[int], rows: Sequence[int]) -> torch.Tensor:
     """``[N]``: the rank whose real rows hold each row's target, -1 for ignored rows. A rank owns y when the
     shards before it end at or below y and its own does not; empty shards end where the previous one does."""
-    ends = _ends(tuple(s + n for s, n in zip(starts, rows)), targets.device)
+    ends = _host_constant(tuple(s + n for s, n in zip(starts, rows)), targets.device)
     owner = torch.searchsorted(ends, targets, right=True)
     return torch.where(targets < 0, torch.full_like(owner, -1), owner)
 
 
 @lru_cache(maxsize=64)
-def _ends(ends: tuple, device: torch.device) -> torch.Tensor:
+def _host_constant(values: tuple, device: torch.device) -> torch.Tensor:
     # Cached: building it copies from the host, which must not happen (and synchronise) every call.
-    return torch.tensor(ends, dtype=torch.int64, device=device)
+    return torch.tensor(values, dtype=torch.int64, device=device)
 
 
 def merge(gathered: torch.Tensor, fields: Sequence[str], p: StatsProblem, rows: Sequence[int], vocab_size: int,
@@ -121,7 +121,7 @@ def merge(gathered: torch.Tensor, fields: Sequence[str], p: StatsProblem, rows: 
     if "log_sum_sq_probs" in x:
         pieces["s2"] = where_some(torch.exp(2.0 * lo + x["log_sum_sq_probs"]))
     if "mean_logit" in x:
-        counts = torch.tensor(rows, device=hi.device, dtype=hi.dtype)[:, None]
+        counts = _host_constant(tuple(rows), hi.device).to(hi.dtype)[:, None]
         pieces["sz"] = where_some(x["mean_logit"] * counts)
     if p.has_teacher:
         hi_t, lo_t = x["lse_t"], x["lse_t_lo"]
@@ -136,8 +136,8 @@ def merge(gathered: torch.Tensor, fields: Sequence[str], p: StatsProblem, rows: 
     state = partials.merge(pieces)
     out = partials.finalize(state, p, vocab_size, has_targets=False)
     out.pop("row_max", None)
+    row_max = x["row_max"].amax(0) if "row_max" in x else None
     if "kl_rev_rel" in x:  # finalised in the frame of the largest log-sum-exp: move it to the row maximum's
-        row_max = x["row_max"].amax(0)
         shift = torch.where(torch.isneginf(row_max), zero[0], state["m"] - row_max)
         out["kl_rev_rel"] = out["kl_rev_rel"] + shift
     if owner is not None:
@@ -148,12 +148,12 @@ def merge(gathered: torch.Tensor, fields: Sequence[str], p: StatsProblem, rows: 
             in_owner_frame = torch.where(own, (x["logp"] + lo) + (hi - state["m"]), zero).sum(0)
             out["logp"] = in_owner_frame - log_s
         if "is_top1" in x:
-            row_max = x["row_max"]
+            rank_max = x["row_max"]
             top_here = torch.where(own, x["is_top1"], zero).sum(0) > 0
-            z_y = torch.where(own, row_max, torch.full_like(row_max, -math.inf)).amax(0)
-            before = torch.where(rank < owner[None, :], row_max < z_y, True).all(0)
-            after = torch.where(rank > owner[None, :], row_max <= z_y, True).all(0)
+            z_y = torch.where(own, rank_max, torch.full_like(rank_max, -math.inf)).amax(0)
+            before = torch.where(rank < owner[None, :], rank_max < z_y, True).all(0)
+            after = torch.where(rank > owner[None, :], rank_max <= z_y, True).all(0)
             out["is_top1"] = (top_here & before & after).to(hi.dtype)
-    if "row_max" in x:
-        out["row_max"] = x["row_max"].amax(0)
+    if row_max is not None:
+        out["row_max"] = row_max
     return out

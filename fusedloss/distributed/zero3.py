@@ -128,14 +128,11 @@ class _Zero3(torch.autograd.Function):
     def backward(ctx, grad):
         hidden, stats = ctx.saved_tensors
         (w_param, b_param), p = ctx.params, ctx.problem
-        need_h, need_w, need_b = ctx.needs_input_grad[:3]
-        need_b = need_b and b_param is not None
         gather = gathered(w_param, b_param)
         gather.__enter__()
         full = dataclasses.replace(_student(p, w_param, b_param, ctx.vocab, hidden.dtype), hidden=hidden)
-        coeffs = core.dz_coefficients(grad, stats, p.jsd_beta, p.targets, ctx.vocab)
-        dh, dw, db = core._statistics_backward_op(*core._flatten(full), ctx.backend, stats, coeffs, need_h,
-                                                  need_w, need_b)
+        dh, dw, db = core.head_gradients(full, ctx.backend, stats, grad, ctx.vocab, ctx.needs_input_grad)
+        need_w, need_b = dw is not None, db is not None
         # Autograd accumulates a gradient into a tensor of the parameter's current shape, and ZeRO-3's hook
         # reduce-scatters it from there: the parameters stay gathered until their gradients are accumulated.
         _release_after_accumulation(gather, [q for q, need in ((w_param, need_w), (b_param, need_b)) if need])
@@ -145,8 +142,8 @@ class _Zero3(torch.autograd.Function):
             out[: g.shape[0]] = g
             return out
 
-        return (dh if need_h else None, whole(dw, w_param) if need_w else None,
-                whole(db, b_param) if need_b else None, None, None, None)
+        return (dh, whole(dw, w_param) if need_w else None, whole(db, b_param) if need_b else None,
+                None, None, None)
 
 
 def _release_after_accumulation(gather, params) -> None:

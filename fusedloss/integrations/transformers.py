@@ -386,7 +386,8 @@ def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_ite
         reduction="mean" if num_items_in_batch is None else "sum", logit_scale=head.logit_scale,
         softcap=head.softcap, backend=state.backend)
     if num_items_in_batch is not None:
-        # transformers divides the sum by num_items_in_batch as given (int or tensor), with no max(1, n)
+        # transformers divides the sum by num_items_in_batch as given (int or tensor) and never checks it:
+        # cross_entropy(num_items_in_batch=) would refuse n <= 0 with a host sync, in a trainer's hot loop
         if isinstance(num_items_in_batch, torch.Tensor):
             num_items_in_batch = num_items_in_batch.to(loss.device)
         loss = loss / num_items_in_batch

@@ -41,6 +41,7 @@ import torch
 
 from ..core import LogitTransform, TeacherHead, token_statistics
 from ..core import backends as _backends
+from ..core.statistics import autocast_dtype
 from ..distributed import zero3
 
 __all__ = ["SUPPORTED_TRL", "FusedChunkedDivergenceFunction", "FusedChunkedLogProbFunction", "disable", "enable",
@@ -132,8 +133,7 @@ def enabled(backend: str = "auto"):
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     # TRL projects in the autocast dtype when autocast is on, else in the hidden states' dtype.
-    device_type = hidden.device.type
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
+    return autocast_dtype(hidden.device) or hidden.dtype
 
 
 def _cast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:

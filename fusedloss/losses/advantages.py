@@ -48,8 +48,7 @@ def group_advantages(rewards: torch.Tensor, group_size: int, *, scale: Literal["
     v.require_tensor("rewards", rewards)
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [num_groups * group_size], got shape {tuple(rewards.shape)}")
-    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
-        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    v.require_positive_int("group_size", group_size)
     if rewards.numel() % group_size:
         raise ValueError(f"rewards has {rewards.numel()} entries, not a multiple of group_size={group_size}")
     v.require_choice("scale", scale, SCALES)

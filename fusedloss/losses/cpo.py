@@ -21,7 +21,6 @@ from __future__ import annotations
 from typing import Literal, Optional, Union
 
 import torch
-import torch.nn.functional as F
 
 from .. import _validation as v
 from ..types import CPODetails
@@ -75,13 +74,13 @@ def cpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *
     if loss_type == "simpo":
         x = x - simpo_gamma / beta
     if loss_type in ("sigmoid", "simpo"):
-        per_pair = -(1 - e) * F.logsigmoid(beta * x) - e * F.logsigmoid(-beta * x)
+        per_pair = sequences.smoothed_sigmoid_loss(x, beta, e)
     elif loss_type == "hinge":
         per_pair = torch.relu(1 - beta * x)
     else:
         per_pair = (x - 1 / (2 * beta)) ** 2
     nll = sequences.chosen_nll(tokens.logp, tokens.valid) if cpo_alpha != 0 else torch.zeros_like(logps.sum())
-    loss = (per_pair.mean() if pairs else per_pair.sum()) + cpo_alpha * nll
+    loss = sequences.mean_or_zero(per_pair) + cpo_alpha * nll
     if not return_details:
         return loss
     return loss, CPODetails(chosen_logps=chosen, rejected_logps=rejected, chosen_rewards=(beta * reward_c).detach(),

@@ -101,8 +101,7 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
                              softcap=softcap, backend=backend, **head)
     pairs = sequences.require_rows(logits, paired=True)
-    sequences.require_pair_refs(pairs, hidden, ref_chosen_logps=ref_chosen_logps,
-                                ref_rejected_logps=ref_rejected_logps)
+    sequences.require_refs(pairs, hidden, ref_chosen_logps=ref_chosen_logps, ref_rejected_logps=ref_rejected_logps)
     tokens = sequences.token_logps(logits, labels, ignore_index, want_log_sum_sq=use_weighting)
     logps = tokens.sums()
     if ld_alpha is not None:
@@ -117,7 +116,7 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
                                sft=lambda: sequences.chosen_nll(tokens.logp, tokens.valid))
         if pair_weight is not None:
             per_pair = per_pair * pair_weight
-        loss = loss + (per_pair.mean() if pairs else per_pair.sum()) * w
+        loss = loss + sequences.mean_or_zero(per_pair) * w
     if not return_details:
         return loss
     return loss, DPODetails(chosen_logps=batch.chosen_logps, rejected_logps=batch.rejected_logps,
@@ -155,7 +154,7 @@ def pair_losses(loss_type: str, p: _Pairs, *, beta: float, label_smoothing: floa
     delta = p.s_chosen - p.s_rejected
     logsig = F.logsigmoid
     if loss_type == "sigmoid":
-        return -(1 - e) * logsig(beta * delta) - e * logsig(-beta * delta)
+        return sequences.smoothed_sigmoid_loss(delta, beta, e)
     if loss_type == "hinge":
         return torch.relu(1 - beta * delta)
     if loss_type == "ipo":
@@ -179,7 +178,7 @@ def pair_losses(loss_type: str, p: _Pairs, *, beta: float, label_smoothing: floa
                    - torch.sort(p.ref_chosen - p.ref_rejected)[0])
         else:
             gap = torch.sort(p.u_chosen)[0] - torch.sort(p.u_rejected)[0]
-        return -(1 - e) * logsig(beta * gap) - e * logsig(-beta * gap)
+        return sequences.smoothed_sigmoid_loss(gap, beta, e)
     if loss_type == "apo_zero":
         return 1 - torch.sigmoid(beta * p.u_chosen) + torch.sigmoid(beta * p.u_rejected)
     if loss_type == "apo_down":

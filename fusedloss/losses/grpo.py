@@ -122,6 +122,8 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
                        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                        vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
                        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
+    v.require_positive_int("num_processes", num_processes)
+    v.require_positive_int("max_completion_length", max_completion_length, allow_none=True)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
                              softcap=softcap, backend=backend, **head)
     batch = _Completions.of(logits, opts, completion_ids, advantages, completion_mask, old_logprobs=old_logprobs,
@@ -418,12 +420,6 @@ def _aggregation_weights(m, loss_type, max_completion_length, num_items_in_batch
         dapo, cispo, vespo   sum m l / (max(1, num_items_in_batch) / num_processes)
         luspo                mean_i( sum_t m l )
     """
-    if isinstance(num_processes, bool) or not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes must be a positive int, got {num_processes!r}")
-    if max_completion_length is not None and (isinstance(max_completion_length, bool)
-                                              or not isinstance(max_completion_length, int)
-                                              or max_completion_length < 1):
-        raise ValueError(f"max_completion_length must be a positive int or None, got {max_completion_length!r}")
     b, c = m.shape
     if loss_type in ("grpo", "sapo"):
         return m / (b * count_or_one(m.sum(-1, keepdim=True)))

@@ -116,13 +116,14 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
         raise ValueError(f"{weight_name} must have at least one vocabulary row, got shape {tuple(weight.shape)}")
     if bias is not None:
         v.require_tensor(bias_name, bias, floating=True)
-    if weight.dtype != hidden.dtype or (bias is not None and bias.dtype != weight.dtype):
-        cast = _autocast_dtype(hidden)
-        if cast is not None:
-            # Under torch.autocast a bf16 hidden state meets the fp32 head parameters; the head's matmul
-            # would run in the autocast dtype, so the head is cast to it (as the TRL drop-in does).
-            hidden, weight = hidden.to(cast), weight.to(cast)
-            bias = None if bias is None else bias.to(cast)
+    cast = autocast_dtype(hidden.device)
+    if cast is not None:
+        # Under autocast the head is a linear layer like any other: hidden, weight and bias are cast to the
+        # autocast dtype as F.linear would cast them (a bf16 hidden state meets fp32 head parameters), and the
+        # op itself runs with autocast off, so that the logits are formed in fp32 from those values in the
+        # forward and again in the backward (which runs outside the autocast region). One behaviour for every
+        # backend and device.
+        hidden, weight, bias = (_autocast(t, cast) for t in (hidden, weight, bias))
     if weight.dtype != hidden.dtype:
         raise TypeError(f"{weight_name} has dtype {weight.dtype} but {hidden_name} has {hidden.dtype}: "
                         f"cast them to one dtype")
@@ -137,13 +138,6 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, one of {backends.BACKEND_NAMES}, got {backend!r}")
     name = backends.resolve(backend, device)
-    cast = autocast_dtype(device)
-    if cast is not None:
-        # Under autocast the head is a linear layer like any other: hidden, weight and bias are cast to the
-        # autocast dtype as F.linear would cast them, and the op itself runs with autocast off, so that the
-        # logits are formed in fp32 from those values in the forward and again in the backward (which runs
-        # outside the autocast region). One behaviour for every backend and device.
-        hidden, weight, bias = (_autocast(t, cast) for t in (hidden, weight, bias))
     lead = tuple(hidden.shape[:-1])
     return ImplicitLogits(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])),
                           weight=_rows_contiguous(weight), bias=None if bias is None else bias.contiguous(),
@@ -157,17 +151,6 @@ def _autocast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.T
     if t is None or t.dtype == dtype or t.dtype == torch.float64:
         return t
     return t.to(dtype)
-
-
-def _autocast_dtype(hidden: torch.Tensor):
-    """The autocast dtype when ``torch.autocast`` is on for ``hidden``'s device, else None."""
-    device_type = hidden.device.type
-    try:
-        if torch.is_autocast_enabled(device_type):
-            return torch.get_autocast_dtype(device_type)
-    except (RuntimeError, TypeError):  # a device type autocast does not know
-        pass
-    return None
 
 
 def alignment_hint(name: str, shape: tuple, lead: tuple) -> str:

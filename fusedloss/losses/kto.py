@@ -81,9 +81,8 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
                              softcap=softcap, backend=backend, **head)
     rows = sequences.require_rows(logits, paired=False)
     desirable = v.require_mask("preference_labels", preference_labels, (rows,)) != 0
-    v.require_tensor("ref_logps", ref_logps, floating=True)
-    v.require_shape("ref_logps", ref_logps, (rows,), "one value per row")
-    v.require_same_device(hidden=hidden, preference_labels=preference_labels, ref_logps=ref_logps)
+    sequences.require_refs(rows, hidden, per="row", ref_logps=ref_logps)
+    v.require_same_device(hidden=hidden, preference_labels=preference_labels)
     logps = sequences.token_logps(logits, labels, ignore_index).sums()
     acc = logps.dtype
     z0 = torch.zeros((), dtype=acc, device=logps.device)
@@ -97,7 +96,7 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
     else:
         gain, loss_ = 1 - torch.sigmoid(beta * u), torch.sigmoid(beta * u)
     per_row = torch.where(desirable, desirable_weight * gain, undesirable_weight * loss_)
-    loss = per_row.mean() if rows else per_row.sum()
+    loss = sequences.mean_or_zero(per_row)
     if not return_details:
         return loss
     return loss, KTODetails(logps=logps, rewards=(beta * u).detach(), kl=z0.detach())
@@ -111,8 +110,7 @@ def _reference_point(kl, kl_hidden, kl_labels, ref_kl_logps, weight, bias, acc, 
     with torch.no_grad():
         logits = implicit_logits(kl_hidden, weight, bias, hidden_name="kl_hidden", **head)
         rows = sequences.require_rows(logits, paired=False)
-        v.require_tensor("ref_kl_logps", ref_kl_logps, floating=True)
-        v.require_shape("ref_kl_logps", ref_kl_logps, (rows,), "one value per row of kl_hidden")
+        sequences.require_refs(rows, kl_hidden, per="row of kl_hidden", ref_kl_logps=ref_kl_logps)
         kl_logps = sequences.token_logps(logits, kl_labels, ignore_index).sums().to(acc)
         if rows == 0:
             return torch.zeros((), dtype=acc, device=kl_logps.device)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import _validation as v
 from .implicit_logits import ImplicitLogits, count_or_one, items_divisor
 
 
@@ -17,8 +16,7 @@ def reduced_token_loss(logits: ImplicitLogits, per_token, valid: torch.Tensor, r
     (gradient accumulation over micro-batches, as transformers passes it and divides by it); it must be > 0.
     A reduced loss is a weighted sum of per-row terms, so it may take the eager 3-product path unless
     ``row_local`` is False (a per-token term that also depends on another statistics pass)."""
-    v.require_choice("reduction", reduction, (mean_name, "sum", "none"))
-    if reduction == "none":
+    if reduction == "none":  # reduction was checked by the caller, before any work
         return logits.unflatten(per_token(logits.statistics(**wants), slice(None)))
     if num_items_in_batch is not None:
         scale = 1.0 / items_divisor(num_items_in_batch, valid.new_zeros((), dtype=torch.float64), positive=True)

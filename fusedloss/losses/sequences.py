@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
 from .. import _validation as v
 from .implicit_logits import ImplicitLogits, count_or_one
@@ -50,17 +51,17 @@ def require_rows(logits: ImplicitLogits, *, paired: bool) -> int:
 
 
 def token_logps(logits: ImplicitLogits, labels, ignore_index: int, *, extra_labels=None,
-                extra_name: str = "nll_labels", want_log_sum_sq: bool = False) -> TokenLogps:
+                want_log_sum_sq: bool = False) -> TokenLogps:
     """One statistics pass for the log-probs of ``labels`` and of ``extra_labels`` (ORPO's NLL also scores
     the prompt). Where both label a token they must agree: a token has one target in the pass."""
     tgt = logits.targets("labels", labels, ignore_index)
     targets, extra = tgt, None
     if extra_labels is not None:
-        extra = logits.targets(extra_name, extra_labels, ignore_index)
+        extra = logits.targets("nll_labels", extra_labels, ignore_index)
         if not torch.compiler.is_compiling() and tgt.device.type != "meta":
             clash = (tgt >= 0) & (extra >= 0) & (tgt != extra)
             if bool(clash.any()):
-                raise ValueError(f"{extra_name} and labels label a token differently; where both are not "
+                raise ValueError(f"nll_labels and labels label a token differently; where both are not "
                                  f"ignore_index ({ignore_index}) they must agree")
         targets = torch.where(tgt >= 0, tgt, extra)
     stats = logits.statistics(targets=targets, want_extras=want_log_sum_sq)
@@ -81,8 +82,21 @@ def chosen_nll(logp: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     return -logp[:half].sum() / count_or_one(valid[:half].sum().to(logp.dtype))
 
 
-def require_pair_refs(pairs: int, hidden, **refs) -> None:
+def require_refs(count: int, hidden, *, per: str = "pair", **refs) -> None:
+    """Reference log-probs (or other per-sequence values): floating ``[count]`` tensors, one value ``per``
+    pair or row, on ``hidden``'s device."""
     for name, ref in refs.items():
         v.require_tensor(name, ref, floating=True)
-        v.require_shape(name, ref, (pairs,), "one value per pair")
+        v.require_shape(name, ref, (count,), f"one value per {per}")
     v.require_same_device(hidden=hidden, **refs)
+
+
+def smoothed_sigmoid_loss(x: torch.Tensor, beta: float, e: float) -> torch.Tensor:
+    """``-(1 - e) log sig(beta x) - e log sig(-beta x)``: the sigmoid preference loss of a margin x with label
+    smoothing e (conservative DPO; DPO's sigmoid and aot, CPO's sigmoid and SimPO)."""
+    return -(1 - e) * F.logsigmoid(beta * x) - e * F.logsigmoid(-beta * x)
+
+
+def mean_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """The mean over pairs (or rows), 0 rather than NaN for an empty batch."""
+    return x.mean() if x.numel() else x.sum()

@@ -60,7 +60,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import config
-from ..core import cost, partials
+from ..core import backends, cost, partials
 from ..core.problem import GradientNeeds, Statistics, StatsProblem
 
 _INTERPRET_HINT = ("no CUDA device visible; set TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
@@ -373,7 +373,6 @@ def eager_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: Tile
     return max(cfg.block_m, min(rows, _cdiv(n, cfg.block_m) * cfg.block_m))
 
 
-_PASS_FIELDS = {f.name for f in dataclasses.fields(cost.Pass)}
 # Small launches per step: the split merge and finalisation (~25 torch ops), per eager chunk the merge, the
 # loss's per-token math and the masks (~50), per backward block the gradient kernel, two products, a sum.
 MERGE_LAUNCHES, EAGER_CHUNK_LAUNCHES, BACKWARD_BLOCK_LAUNCHES = 25, 50, 5
@@ -381,21 +380,8 @@ MERGE_LAUNCHES, EAGER_CHUNK_LAUNCHES, BACKWARD_BLOCK_LAUNCHES = 25, 50, 5
 
 def _pass(name: str, flops: float, hbm_bytes: float, math: str, *, efficiency: float = 1.0,
           launches: int = 0) -> cost.Pass:
-    """A ``cost.Pass``, with the efficiency of a skinny product and the fixed cost of small launches where the
-    cost model has those fields (``Pass.efficiency``, ``Pass.fixed_us``)."""
-    extra = {}
-    if "efficiency" in _PASS_FIELDS:
-        extra["efficiency"] = efficiency
-    if "fixed_us" in _PASS_FIELDS and launches:
-        extra["fixed_us"] = launches * getattr(cost, "LAUNCH_US", 0.0)
-    return cost.Pass(name, flops, hbm_bytes, math, **extra)
-
-
-def _cublas_efficiency(m: int, n: int, k: int, gpu: cost.GPUSpec) -> float:
-    """``cost.gemm_efficiency`` of a cuBLAS product with an [m, n] output and inner dimension k, where the
-    model has it."""
-    fn = getattr(cost, "gemm_efficiency", None)
-    return fn(m, n, k, gpu) if fn is not None else 1.0
+    """A ``cost.Pass`` with the efficiency of a skinny product and the fixed cost of its small launches."""
+    return cost.Pass(name, flops, hbm_bytes, math, efficiency=efficiency, fixed_us=launches * cost.LAUNCH_US)
 
 
 def _product_math(dtype: str, precision: str, gpu: Optional[cost.GPUSpec] = None) -> tuple:
@@ -419,12 +405,13 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
     d_all = w.d + _teacher_d(w)
     flops = 2.0 * n * w.v * d_all * factor
     groups = _cdiv(row_blocks, group)
-    traffic = groups * w.v * d_all * e + n * d_all * e + 12 * splits * n * acc + store_bytes
+    partials_bytes = len(partials.FIELDS) * splits * n * acc
+    traffic = groups * w.v * d_all * e + n * d_all * e + partials_bytes + store_bytes
     busy = row_blocks * _cdiv(w.v, cfg.block_v)
     capacity = _cdiv(row_blocks * splits, slots) * slots * per
     passes = [_pass(f"{prefix}: logits and statistics", flops, traffic, math_key, launches=1),
               _pass(f"{prefix}: idle in the last wave", flops * (capacity / busy - 1.0), 0.0, math_key),
-              _pass(f"{prefix}: split merge", 0.0, 4 * 12 * splits * n * acc, "cuda_core", launches=MERGE_LAUNCHES)]
+              _pass(f"{prefix}: split merge", 0.0, 4 * partials_bytes, "cuda_core", launches=MERGE_LAUNCHES)]
     if w.op == "distill_jsd":  # the mixture's second sweep
         passes.append(_pass(f"{prefix}: JSD pass", 0.0 if store_bytes else flops,
                             2 * n * w.v * acc if store_bytes else traffic, math_key, launches=2))
@@ -496,7 +483,7 @@ def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int
     if w.hidden_grad:
         passes.append(_pass("d hidden (cuBLAS)", flops, dx_bytes + chunks_r * w.v * w.d * e
                             + chunks_v * 2 * w.n * w.d * acc, math,
-                            efficiency=_cublas_efficiency(rows, w.d, cols, gpu)))
+                            efficiency=cost.gemm_efficiency(rows, w.d, cols, gpu)))
         if e != acc:
             passes.append(_pass("d hidden: round to the input dtype", 0.0, w.n * w.d * (acc + e), "cuda_core",
                                 launches=1))
@@ -504,7 +491,7 @@ def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int
         cast = w.v * w.d * (acc + e) if e != acc else 0
         passes.append(_pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e
                             + (2 * chunks_r - 1) * w.v * w.d * acc + cast, math,
-                            efficiency=_cublas_efficiency(cols, w.d, rows, gpu)))
+                            efficiency=cost.gemm_efficiency(cols, w.d, rows, gpu)))
         passes.append(_pass("d weight: rows without gradient masked", 0.0, 2 * w.n * w.d * e, "cuda_core",
                             launches=1))
     return passes
@@ -554,17 +541,8 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
 
 
 def workload_of(p: StatsProblem, needs: GradientNeeds, row_local: bool) -> cost.Workload:
-    """The cost model's description of a problem (the op only says what the bound counts: a row-local loss
-    can finish a chunk in the forward; a teacher adds its products)."""
-    if p.has_teacher:
-        op = ("distill_jsd" if p.jsd_beta is not None else
-              "distill_forward_kl" if p.want_kl_fwd and not p.want_kl_rev else "distill_reverse_kl")
-    else:
-        op = "cross_entropy" if row_local else "token_logprobs_entropy" if p.want_entropy else "token_logprobs"
-    return cost.Workload(op=op, n=max(1, p.hidden.shape[0]), d=p.hidden.shape[1], v=p.weight.shape[0],
-                         dtype=_DTYPE_NAMES[p.hidden.dtype],
-                         teacher_d=p.teacher_hidden.shape[1] if p.has_teacher else None,
-                         hidden_grad=needs.hidden, weight_grad=needs.weight)
+    """The cost model's description of a problem with these gradients (``cost.Workload.of``)."""
+    return cost.Workload.of(p, row_local=row_local, hidden_grad=needs.hidden, weight_grad=needs.weight)
 
 
 @lru_cache(maxsize=16)
@@ -582,10 +560,7 @@ def gpu_of(device: torch.device) -> cost.GPUSpec:
     return _device_gpu(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def _free_bytes(device: torch.device) -> Optional[int]:
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return None
-    return torch.cuda.mem_get_info(device)[0]
+_free_bytes = backends.free_bytes  # fixed per device for the process (core/backends.py)
 
 
 def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: Optional[TileConfig] = None):
@@ -593,8 +568,10 @@ def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: 
     and precision."""
     dev = p.hidden.device
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    cfg = tiles if tiles is not None and path == "composable" else tiles_for(p)
-    eager_cfg = tiles if tiles is not None and path == "eager" else tiles_for(p, "eager")
+    # Only the tiles of the path(s) the plan weighs: tiles_for may autotune (a device sync) on first use.
+    cfg = (tiles if tiles is not None and path == "composable" else None if path == "eager" else tiles_for(p))
+    eager_cfg = (tiles if tiles is not None and path == "eager" else None if path == "composable"
+                 else tiles_for(p, "eager"))
     return plan(workload_of(p, needs, row_local=path != "composable"), gpu_of(dev), _free_bytes(dev), tiles=cfg,
                 eager_tiles=eager_cfg, workspace_mb=p.workspace_mb, precision=fp32_precision(p, capability),
                 allow_tf32=_allow_tf32(p), path=path)
@@ -955,8 +932,9 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     n, v, d = h.shape[0], w.shape[0], h.shape[1]
     dev = h.device
     need_h, need_w, need_b = needs.hidden, needs.weight, needs.bias and b is not None
-    dh = _alloc(h.shape, h.dtype, dev) if need_h else None
-    dw = _alloc(w.shape, w.dtype, dev) if need_w else None
+    # d hidden and d weight: every element is written by the first product into it (zeros only for no rows)
+    dh = _alloc(h.shape, h.dtype, dev, zero=n == 0) if need_h else None
+    dw = _alloc(w.shape, w.dtype, dev, zero=n == 0) if need_w else None
     db = _alloc(b.shape, b.dtype, dev) if need_b else None
     if n == 0 or not (need_h or need_w or need_b):
         return dh, dw, db
@@ -969,7 +947,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         lc = _launch(p, cfg)
         coeffs = coeffs.to(acc).contiguous()
         norm, norm_t = _normalisers(saved, acc, p.has_teacher)
-        dh_acc = (dh if dh.dtype == acc else _alloc((n, d), acc, dev)) if need_h else None
+        dh_acc = (dh if dh.dtype == acc else _alloc((n, d), acc, dev, zero=False)) if need_h else None
         db_acc = (db if db.dtype == acc else _alloc((v,), acc, dev)) if need_b else None
         dw_block = _alloc((min(cols, v), d), acc, dev, zero=False) if need_w and w.dtype != acc else None
         h_w = _masked_rows(h, (coeffs != 0).any(dim=0)) if need_w else None
@@ -986,7 +964,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                 _gradient_block(chunk_lc, part, coeffs[:, r0:r1].contiguous(), norm[:, r0:r1].contiguous(),
                                 norm_t[:, r0:r1].contiguous(), v0, v1, dx)
                 if need_h:
-                    _product(dh_acc[r0:r1], dx, w[v0:v1], accumulate=True)
+                    _product(dh_acc[r0:r1], dx, w[v0:v1], accumulate=v0 > 0)
                 if need_w:
                     _product(dw_out, dx.T, h_w[r0:r1], accumulate=r0 > 0)
                 if need_b:
@@ -1024,8 +1002,9 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
     h, w = p.hidden, p.weight
     n, v, d = h.shape[0], w.shape[0], h.shape[1]
     dev = h.device
-    dh = _alloc((n, d), acc, dev) if needs.hidden else None
-    dw = _alloc((v, d), acc, dev) if needs.weight else None
+    # written whole by each chunk's product (d hidden) or the first chunk's (d weight): zeros only for no rows
+    dh = _alloc((n, d), acc, dev, zero=False) if needs.hidden else None
+    dw = _alloc((v, d), acc, dev, zero=n == 0) if needs.weight else None
     db = _alloc((v,), acc, dev) if needs.bias and p.bias is not None else None
     loss = torch.zeros((), dtype=acc, device=dev)
     if n == 0:

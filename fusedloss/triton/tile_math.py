@@ -41,7 +41,6 @@ P_T_SCALE = tl.constexpr(3)
 P_LOG1M_BETA = tl.constexpr(6)
 P_LOG_BETA = tl.constexpr(7)
 P_DX_SCALE = tl.constexpr(8)
-NUM_PARAMS = 9
 # The running state of ``online_update``, in the order of core/partials.FIELDS (the backend checks it).
 STATE_FIELDS = ("m", "s", "t", "e", "s2", "sz", "mt", "st", "a", "b", "zy", "mb", "ztm")
 NUM_STATE = tl.constexpr(len(STATE_FIELDS))
