@@ -101,14 +101,19 @@ def check_step(rank, world, *, mode, head_unit=True):
     else:
         raise ValueError(mode)
     head_is_dtensor = type(fl_hf.lm_head(model).weight).__name__ == "DTensor"
+    return dict(_step(model, opt, loss), head_is_dtensor=head_is_dtensor)
+
+
+def _step(model, opt, loss) -> dict:
+    """Backward and one optimizer step: the loss, the head's gradient and every parameter after the step,
+    gathered where FSDP2 shards them."""
     loss.backward()
     head_grad = model.lm_head.weight.grad
     head_grad = head_grad.full_tensor() if hasattr(head_grad, "full_tensor") else head_grad
     opt.step()
     params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
               for name, p in model.named_parameters()}
-    return {"loss": loss.detach(), "params": params, "head_grad": head_grad.detach(),
-            "head_is_dtensor": head_is_dtensor}
+    return {"loss": loss.detach(), "params": params, "head_grad": head_grad.detach()}
 
 
 def check_trl_step(rank, world, *, fused: bool, head_unit: bool):
@@ -128,13 +133,7 @@ def check_trl_step(rank, world, *, fused: bool, head_unit: bool):
         loss = model(input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True).loss
     finally:
         fl_trl.enable() if was else fl_trl.disable()
-    loss.backward()
-    head_grad = model.lm_head.weight.grad
-    head_grad = head_grad.full_tensor() if hasattr(head_grad, "full_tensor") else head_grad
-    opt.step()
-    params = {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach()
-              for name, p in model.named_parameters()}
-    return {"loss": loss.detach(), "params": params, "head_grad": head_grad.detach()}
+    return _step(model, opt, loss)
 
 
 MODES = ("reference", "patch", "logprobs_reference", "logprobs", "full_tensor")
