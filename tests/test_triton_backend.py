@@ -14,7 +14,9 @@ interpreter does not check (registers, spills, shared memory, the tensor-core in
 
 from __future__ import annotations
 
+import importlib.util
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +35,11 @@ from fusedloss.core.statistics import dz_coefficients
 triton_backend = pytest.importorskip("fusedloss.triton.backend")
 if triton_backend.availability() != "available":  # pragma: no cover - depends on the machine
     pytest.skip(f"triton backend: {triton_backend.availability()}", allow_module_level=True)
+
+_spec = importlib.util.spec_from_file_location(
+    "triton_versions", Path(__file__).resolve().parent.parent / "tools" / "triton_versions.py")
+triton_versions = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(triton_versions)
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP64_TOL = 1e-9
@@ -465,14 +472,23 @@ def test_availability_reasons(monkeypatch):
     assert triton_backend.availability() == "triton not installed"
 
 
-def test_kernels_compile_for_sm90():
+@pytest.mark.parametrize("version", ["installed", *triton_versions.PINNED])
+def test_kernels_compile_for_sm90(version):
     """Every launch the backend makes for bf16, fp16 and fp32 (composable and eager paths, every autotuning
     candidate, a lean, a heavy and a teacher epilogue, D = 4096 and D = 1000), recorded on meta tensors and
     compiled for an H100/H200 (sm_90a) without a GPU: no spills, at most 227 KB of shared memory, the products
-    on wgmma, the operands loaded 16 bytes at a time (tests/test_triton_compile.py)."""
-    from test_triton_compile import SHARED_LIMIT, run_harness
+    on wgmma, the operands loaded 16 bytes at a time (tests/test_triton_compile.py). Once with this
+    environment's Triton, once with each pinned one of the supported range (tools/triton_versions.py: the
+    oldest, and the version of the H200 images)."""
+    from test_triton_compile import SHARED_LIMIT
 
-    report = run_harness("compile")
+    if version != "installed":
+        assert triton_versions.installed(version), (
+            f"Triton {version} is not installed for the compile check: run `python tools/triton_versions.py "
+            "install` (CI does)")
+    report = triton_versions.compile_report(None if version == "installed" else version)
+    if version != "installed":
+        assert report["triton"] == version  # the pinned Triton, not this environment's, compiled the kernels
     results = report["results"]
     assert {r["dtype"] for r in results} == {"bfloat16", "float16", "float32"}
     assert {r["kernel"] for r in results} == {"statistics_forward_kernel", "jsd_forward_kernel",

@@ -23,12 +23,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_LIMIT = 227 * 1024
 
 
-def run_harness(mode: str, timeout: int = 1500) -> dict:
-    """Run this file as a script in a subprocess without the interpreter; returns its JSON report."""
+def run_harness(mode: str, timeout: int = 1500, extra_path: tuple = (), args: tuple = ()) -> dict:
+    """Run this file as a script in a subprocess without the interpreter; returns its JSON report.
+    ``extra_path``: folders put first on the path (another Triton version, tools/triton_versions.py)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = os.pathsep.join((*extra_path, ROOT, env.get("PYTHONPATH", "")))
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
-    result = subprocess.run([sys.executable, os.path.abspath(__file__), mode], env=env, cwd=ROOT,
+    result = subprocess.run([sys.executable, os.path.abspath(__file__), mode, *args], env=env, cwd=ROOT,
                             capture_output=True, text=True, timeout=timeout)
     assert result.returncode == 0, result.stderr[-6000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -185,7 +186,7 @@ def _compile_one(i: int) -> dict:
                 **_ptxas_report(ptx))
 
 
-def _compile():
+def _compile(dtypes=("bfloat16", "float16", "float32")):
     import multiprocessing
 
     import torch
@@ -194,7 +195,7 @@ def _compile():
 
     _, launches = _install_stub_driver()
     seen = set()
-    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+    for dtype in (getattr(torch, name) for name in dtypes):
         for kind, scenario in (("lean", "cross_entropy"), ("heavy", "rich"), ("teacher", "teacher")):
             for i, cfg in enumerate(backend.candidates(dtype, kind)):
                 start = len(launches)
@@ -208,9 +209,11 @@ def _compile():
     # Compiles are independent: two processes (forked, so they share the recorded launches).
     with multiprocessing.get_context("fork").Pool(2) as pool:
         results = pool.map(_compile_one, range(len(_JOBS)))
-    return dict(compiled=len(results), results=results)
+    import triton
+
+    return dict(triton=triton.__version__, compiled=len(results), results=results)
 
 
 if __name__ == "__main__":
-    mode = sys.argv[1]
-    print(json.dumps(_count() if mode == "count" else _compile()))
+    mode, dtypes = sys.argv[1], sys.argv[2:]  # compile [dtype ...]: a subset of bfloat16 float16 float32
+    print(json.dumps(_count() if mode == "count" else _compile(*([dtypes] if dtypes else []))))

@@ -151,16 +151,17 @@ class TileConfig:
 # registers; "teacher": a second product); the first is the default (deterministic mode, CUDA graph capture
 # and the cost model). A 128 x 128 tile on 8 warps holds 64 fp32 values per thread per tile-sized temporary:
 # enough for the lean epilogue, a spill for the heavy ones, which take 64 x 128; a teacher's second product
-# and its statistics fit 64 x 64 (64 x 128 sits at 255 registers and spills with some feature sets). Each
-# candidate compiles for sm_90 to wgmma without spills and within 227 KB of shared memory
-# (tests/test_triton_backend.py::test_kernels_compile_for_sm90).
+# and its statistics fit 64 x 64 (64 x 128 sits at 255 registers and spills with some feature sets). fp32
+# operands step K by 16: tf32x3 holds each operand as two tf32 halves in registers, and a 32-wide step spills
+# on Triton 3.6 (docs/design.md, "Triton versions"). Each candidate compiles for sm_90 to wgmma without spills
+# and within 227 KB of shared memory on every supported Triton (tests/test_triton_backend.py).
 GPU_CANDIDATES = {
     ("half", "lean"): (TileConfig(128, 128, 64, 8, 4), TileConfig(128, 128, 64, 8, 3)),
     ("half", "heavy"): (TileConfig(64, 128, 64, 8, 4), TileConfig(64, 128, 64, 8, 3)),
     ("half", "teacher"): (TileConfig(64, 64, 64, 8, 3),),
-    ("fp32", "lean"): (TileConfig(128, 64, 32, 8, 3), TileConfig(64, 128, 32, 8, 3)),
-    ("fp32", "heavy"): (TileConfig(64, 64, 32, 8, 3),),
-    ("fp32", "teacher"): (TileConfig(64, 64, 32, 8, 3),),
+    ("fp32", "lean"): (TileConfig(128, 64, 16, 8, 3), TileConfig(64, 128, 16, 8, 3)),
+    ("fp32", "heavy"): (TileConfig(64, 64, 16, 8, 3),),
+    ("fp32", "teacher"): (TileConfig(64, 64, 16, 8, 3),),
     ("fp64", "lean"): (TileConfig(32, 32, 32, 4, 1),),
     ("fp64", "heavy"): (TileConfig(32, 32, 32, 4, 1),),
     ("fp64", "teacher"): (TileConfig(32, 32, 32, 4, 1),),
@@ -172,9 +173,9 @@ EAGER_TILES = {
     ("half", "lean"): TileConfig(64, 128, 64, 8, 4),
     ("half", "heavy"): TileConfig(64, 64, 64, 8, 4),
     ("half", "teacher"): TileConfig(64, 64, 64, 8, 3),
-    ("fp32", "lean"): TileConfig(128, 64, 32, 8, 3),
-    ("fp32", "heavy"): TileConfig(64, 64, 32, 8, 3),
-    ("fp32", "teacher"): TileConfig(64, 64, 32, 8, 3),
+    ("fp32", "lean"): TileConfig(128, 64, 16, 8, 3),
+    ("fp32", "heavy"): TileConfig(64, 64, 16, 8, 3),
+    ("fp32", "teacher"): TileConfig(64, 64, 16, 8, 3),
     ("fp64", "lean"): TileConfig(32, 32, 32, 4, 1),
     ("fp64", "heavy"): TileConfig(32, 32, 32, 4, 1),
     ("fp64", "teacher"): TileConfig(32, 32, 32, 4, 1),

@@ -33,8 +33,9 @@ def jsd_forward_kernel(
     lse_t, lse_t_lo = load_normaliser(norm_t_ptr, N, rows, active)
     log1m_beta = tl.load(params_ptr + P_LOG1M_BETA)
     log_beta = tl.load(params_ptr + P_LOG_BETA)
-    kl_qm = tl.zeros((T.BLOCK_M,), ACC)
-    kl_pm = tl.zeros((T.BLOCK_M,), ACC)
+    BLOCK_M: tl.constexpr = tl.constexpr(T.BLOCK_M)  # a constexpr on every Triton (tile_math.raw_product)
+    kl_qm = tl.zeros((BLOCK_M,), ACC)
+    kl_pm = tl.zeros((BLOCK_M,), ACC)
     if tl.max(active.to(tl.int32), axis=0) > 0:
         for i in range(tiles_per_split):
             v0, cols, col_mask = split_tile(split, tiles_per_split, i, V, T.BLOCK_V)

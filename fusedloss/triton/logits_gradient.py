@@ -38,17 +38,19 @@ def logits_gradient_kernel(
     N, v_start, v_end, D, DT, stride_dx, group_m,
     F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
 ):
-    row_blocks = tl.cdiv(N, T.BLOCK_M)
-    col_blocks = tl.cdiv(v_end - v_start, T.BLOCK_V)
+    BLOCK_M: tl.constexpr = tl.constexpr(T.BLOCK_M)  # a constexpr on every Triton (tile_math.raw_product)
+    BLOCK_V: tl.constexpr = tl.constexpr(T.BLOCK_V)
+    row_blocks = tl.cdiv(N, BLOCK_M)
+    col_blocks = tl.cdiv(v_end - v_start, BLOCK_V)
     pid_m, pid_v = grouped_program(tl.program_id(0), row_blocks, col_blocks, group_m)
-    rows = pid_m * T.BLOCK_M + tl.arange(0, T.BLOCK_M)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < N
     # Chunks start at multiples of BLOCK_V and workspace rows at multiples of 16 elements (the backend
     # allocates them so): hints on the products, so that the tile moves 16 bytes at a time.
-    cols = tl.multiple_of(v_start + pid_v * T.BLOCK_V, 16) + tl.arange(0, T.BLOCK_V)
+    cols = tl.multiple_of(v_start + pid_v * BLOCK_V, 16) + tl.arange(0, BLOCK_V)
     col_mask = cols < v_end
     coef, active = load_coefficients(coef_ptr, N, rows, row_mask)
-    dx = tl.zeros((T.BLOCK_M, T.BLOCK_V), ACC)
+    dx = tl.zeros((BLOCK_M, BLOCK_V), ACC)
     if tl.max(active.to(tl.int32), axis=0) > 0:
         tgt, _ = load_targets(tgt_ptr, rows, row_mask, F.HAS_TARGETS)
         norm = load_normaliser(norm_ptr, N, rows, active)
@@ -67,6 +69,6 @@ def logits_gradient_kernel(
         dx = logits_gradient(z, c, zt, norm, norm_t, frame, coef, logq_y, tgt, cols, col_mask, active, params_ptr,
                              F)
     out = (dx_ptr + tl.multiple_of(rows.to(tl.int64)[:, None] * stride_dx, [16, 16])
-           + (pid_v * T.BLOCK_V + tl.arange(0, T.BLOCK_V))[None, :])
+           + (pid_v * BLOCK_V + tl.arange(0, BLOCK_V))[None, :])
     # The workspace's rows hold a whole number of tiles: dx is 0 past the chunk, and stored unmasked there.
     tl.store(out, dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None])

@@ -183,17 +183,23 @@ def raw_product(head: Head, D, rows, row_mask, cols, col_mask, T: tl.constexpr, 
     vectorise), then one masked step for the remainder of a hidden size that is not a multiple of BLOCK_K."""
     # The alignment of the row offsets (a hint on the products: a kernel argument carries none) lets rows of
     # D = 1000 load 16 bytes at a time like rows of D = 4096.
-    h_rows = head.hidden + tl.multiple_of(rows.to(tl.int64)[:, None] * head.stride_h, [T.ALIGN, T.ALIGN])
-    w_rows = head.weight + tl.multiple_of(cols.to(tl.int64)[:, None] * head.stride_w, [T.ALIGN, T.ALIGN])
-    acc = tl.zeros((T.BLOCK_M, T.BLOCK_V), dtype=ACC)
-    d_full = D - D % T.BLOCK_K
-    for k0 in range(0, d_full, T.BLOCK_K):
-        ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, T.BLOCK_K), T.BLOCK_K), T.BLOCK_K)
+    # Fields of a NamedTuple constexpr reach the kernel as plain ints on some Triton versions (3.6 among
+    # them); shapes and hints need constexprs, so they are rebound as such (docs/design.md, "Triton versions").
+    ALIGN: tl.constexpr = tl.constexpr(T.ALIGN)
+    BLOCK_M: tl.constexpr = tl.constexpr(T.BLOCK_M)
+    BLOCK_V: tl.constexpr = tl.constexpr(T.BLOCK_V)
+    BLOCK_K: tl.constexpr = tl.constexpr(T.BLOCK_K)
+    h_rows = head.hidden + tl.multiple_of(rows.to(tl.int64)[:, None] * head.stride_h, [ALIGN, ALIGN])
+    w_rows = head.weight + tl.multiple_of(cols.to(tl.int64)[:, None] * head.stride_w, [ALIGN, ALIGN])
+    acc = tl.zeros((BLOCK_M, BLOCK_V), dtype=ACC)
+    d_full = D - D % BLOCK_K
+    for k0 in range(0, d_full, BLOCK_K):
+        ks = tl.max_contiguous(tl.multiple_of(k0 + tl.arange(0, BLOCK_K), BLOCK_K), BLOCK_K)
         h = tl.load(h_rows + ks[None, :], mask=row_mask[:, None], other=0.0)
         w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None], other=0.0)
         acc = tl.dot(h, tl.trans(w), acc, input_precision=T.PRECISION, out_dtype=ACC)
     if d_full < D:
-        ks = d_full + tl.arange(0, T.BLOCK_K)
+        ks = d_full + tl.arange(0, BLOCK_K)
         k_mask = ks < D
         h = tl.load(h_rows + ks[None, :], mask=row_mask[:, None] & k_mask[None, :], other=0.0)
         w = tl.load(w_rows + ks[None, :], mask=col_mask[:, None] & k_mask[None, :], other=0.0)
