@@ -496,7 +496,8 @@ def test_kernels_compile_for_sm90(version):
     for r in results:
         what = f"{r['dtype']} {r['kernel']} {r['config']} {r['flags']}"
         assert r["ok"], what + r["log"]
-        assert r["spill_stores"] == 0 and r["spill_loads"] == 0 and r["stack"] == 0, what + r["log"]
+        allowed = triton_versions.spill_allowed(report["triton"], r["kernel"], r["config"])
+        assert max(r["spill_stores"], r["spill_loads"], r["stack"]) <= allowed, what + r["log"]
         assert r["shared"] <= SHARED_LIMIT, what
         assert r["vector_loads"], what
         if "LOAD_LOGITS" not in (r["flags"] or []):

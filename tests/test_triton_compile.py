@@ -154,7 +154,11 @@ def _ptxas_report(ptx: str) -> dict:
         src = os.path.join(tmp, "k.ptx")
         with open(src, "w") as f:
             f.write(ptx)
-        out = subprocess.run([get_ptxas(90).path, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.o")],
+        try:
+            ptxas = get_ptxas(90)  # Triton >= 3.5 picks the ptxas per architecture
+        except TypeError:
+            ptxas = get_ptxas()
+        out = subprocess.run([ptxas.path, "-v", "--gpu-name", "sm_90a", src, "-o", os.path.join(tmp, "k.o")],
                              capture_output=True, text=True)
     text = out.stdout + out.stderr
     spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
