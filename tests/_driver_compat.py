@@ -168,3 +168,18 @@ def fatbinary(library: Path, workdir: Path) -> dict:
         arch = re.search(r"^\.target\s+(sm_\w+)", text, re.M).group(1)
         ptx[arch] = re.search(r"^\.version\s+(\d+\.\d+)", text, re.M).group(1)
     return {"cubins": cubins, "ptx": ptx}
+
+
+def check_fatbinary(images: dict, info: dict) -> None:
+    """The images of a built extension against what its ``_build_info`` claims."""
+    major = int(info["CUDA_RUNTIME_VERSION"].split(".")[0])
+    assert sorted(images["cubins"]) == sorted(info["CUDA_ARCHS"]), images
+    for arch, abi in images["cubins"].items():
+        assert abi == CUBIN_ELF_ABI[major], f"{arch}: ELF OS/ABI {abi[0]:#x} version {abi[1]}, expected CUDA {major}'s"
+    assert sorted("compute_" + a[len("sm_"):] for a in images["ptx"]) == sorted(info["CUDA_PTX_ARCHS"]), images
+    assert set(images["ptx"].values()) == {info["CUDA_PTX_ISA"]}, images
+    # PTX ISA 8.x comes from CUDA 12.x toolkits (8.4 from 12.4), 9.x from 13.x
+    isa_major = int(info["CUDA_PTX_ISA"].split(".")[0])
+    assert isa_major == major - 4, info
+    # the claim: a 12.x runtime (and its cubins) load on drivers >= 525.60.13, 13.x needs >= 580.65.06
+    assert info["CUDA_MIN_DRIVER_LINUX"] == {12: "525.60.13", 13: "580.65.06"}[major], info
