@@ -77,7 +77,7 @@ def readme_wheel_claims() -> dict:
               "cubins": tuple(re.search(r"cubins for ([\w, and]+) \(ELF ABI", paragraph).group(1)
                               .replace(" and ", ", ").split(", ")),
               "elf_abi": int(re.search(r"ELF ABI (\d+)", paragraph).group(1)),
-              "ptx": re.search(r"PTX for (compute_\d+) \(ISA (\d+\.\d+)\)", paragraph).groups()}
+              "ptx": re.search(r"PTX for (compute_\d+) \(ISA (\d+\.\d+)", paragraph).groups()}
     return claims
 
 

@@ -40,6 +40,11 @@ rm -rf "$PREFIX"
 echo "== debootstrap $SUITE into $PREFIX (minbase + g++, libc6-dev)" >&2
 "${debootstrap[@]}" --variant=minbase --include=g++,libc6-dev --keyring="$KEYRING" "$SUITE" "$PREFIX" "$MIRROR" >&2
 rm -rf "$PREFIX"/var/cache/apt/archives/*.deb
+# As a sysroot, the root is read from outside: its absolute library links (lib64/ld-linux-x86-64.so.2 ->
+# /lib/x86_64-linux-gnu/ld-2.31.so, ...) would point into this host, so make them relative.
+while IFS= read -r link; do
+  ln -sfn "$(realpath -m --relative-to="$(dirname "$link")" "$PREFIX$(readlink "$link")")" "$link"
+done < <(find -H "$PREFIX/usr/lib" "$PREFIX/usr/lib64" -type l -lname '/*')
 touch "$PREFIX/.complete"
 echo "== $SUITE root: $(ls "$PREFIX"/usr/bin/g++-[0-9]* | head -1), $(ls "$PREFIX"/lib/x86_64-linux-gnu/libc-*.so | head -1) ($(( SECONDS - t0 )) s, $(du -sh "$PREFIX" | cut -f1))" >&2
 echo "$PREFIX"
