@@ -96,8 +96,8 @@ def status_under_driver(python: str, driver_api: int, libcuda_dir: Path, cwd: Pa
     """``backend_status()["cuda"]``, what ``backend="auto"`` chose for CUDA tensors three times and the
     fusedloss warnings it gave, in a fresh ``python`` whose only libcuda is the stand-in."""
     env = dict(os.environ if env is None else env)
-    env.update(FAKE_CUDA_DRIVER=str(driver_api), LD_LIBRARY_PATH=str(libcuda_dir), CUDA_VISIBLE_DEVICES="")
-    env.pop("CUDA_VISIBLE_DEVICES")
+    # LD_LIBRARY_PATH comes before the system's library directories, so a real driver stays out of the way
+    env.update(FAKE_CUDA_DRIVER=str(driver_api), LD_LIBRARY_PATH=str(libcuda_dir))
     out = subprocess.run([python, "-c", _PROBE], capture_output=True, text=True, cwd=cwd, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
