@@ -90,7 +90,9 @@ else
   release="$("$nvcc" --version | sed -n 's/.*release \([0-9]*\.[0-9]*\).*/\1/p')"
   echo "== toolkit: $nvcc (CUDA $release)"
   if [[ "${release%%.*}" != "12" ]]; then
-    msg="CUDA $release, not 12.x: the wheels will need an NVIDIA driver >= 580.65.06 (a CUDA 12 build runs on >= 525.60.13)"
+    declare -A min_driver=([11]=450.80.02 [12]=525.60.13 [13]=580.65.06)   # setup.py's MIN_DRIVER_LINUX
+    msg="CUDA $release, not 12.x: the wheels will need an NVIDIA driver >= ${min_driver[${release%%.*}]:-?}"
+    msg+=" (a CUDA 12 build runs on >= 525.60.13)"
     if [[ "${REQUIRE_CUDA12:-0}" == "1" ]]; then echo "REQUIRE_CUDA12=1: $msg" >&2; exit 1; fi
     echo "!! $msg"
   fi
