@@ -44,6 +44,12 @@ for tool in apt-get dpkg-deb sha256sum; do
 done
 [[ -r "$KEYRING" ]] || { echo "fetch_cuda12.sh needs Debian's archive keyring at $KEYRING (DEBIAN_KEYRING=...)" >&2; exit 1; }
 
+# PREFIX is emptied below: only ever one this script made (marked), or a new or empty directory
+if [[ -d "$PREFIX" && -n "$(ls -A "$PREFIX")" && ! -f "$PREFIX/.fusedloss-cuda12" ]]; then
+  echo "PREFIX=$PREFIX is a non-empty directory this script did not make; choose another" >&2; exit 1
+fi
+mkdir -p "$PREFIX" && touch "$PREFIX/.fusedloss-cuda12"
+
 t0=$SECONDS
 APT="$PREFIX/apt"
 ROOTFS="$PREFIX/root"

@@ -9,7 +9,7 @@
 #
 # Needs root: debootstrap's second stage configures the packages with dpkg inside a chroot of the new root.
 # Nothing outside PREFIX changes (debootstrap itself is used from the host, or its .deb is downloaded with
-# apt-get and unpacked next to the root when the host has none). ~110 MB download, ~400 MB on disk, 3-6 min.
+# apt-get and unpacked next to the root when the host has none). ~400 MB on disk, 12 min on a busy 2-core VM.
 # Release signatures are checked by debootstrap against Debian's bullseye archive key.
 set -euo pipefail
 PREFIX="${PREFIX:-$HOME/.cache/fusedloss/bullseye}"
@@ -36,7 +36,12 @@ else
   export DEBOOTSTRAP_DIR="$tools/x/usr/share/debootstrap"
   debootstrap=("$tools/x/usr/sbin/debootstrap")
 fi
+# PREFIX is emptied: only ever a root this script started (marked), or a new or empty directory
+if [[ -d "$PREFIX" && -n "$(ls -A "$PREFIX")" && ! -f "$PREFIX/.fusedloss-sysroot" ]]; then
+  echo "PREFIX=$PREFIX is a non-empty directory this script did not make; choose another" >&2; exit 1
+fi
 rm -rf "$PREFIX"
+mkdir -p "$PREFIX" && touch "$PREFIX/.fusedloss-sysroot"
 echo "== debootstrap $SUITE into $PREFIX (minbase + g++, libc6-dev)" >&2
 "${debootstrap[@]}" --variant=minbase --include=g++,libc6-dev --keyring="$KEYRING" "$SUITE" "$PREFIX" "$MIRROR" >&2
 rm -rf "$PREFIX"/var/cache/apt/archives/*.deb
