@@ -7,7 +7,7 @@
   read with cuobjdump (cubins, ELF ABI, PTX ISA against its build info, and against the README's wheel
   paragraph when built with the README's toolkit), then installed into a fresh virtual environment whose PATH
   has no nvcc, where it imports, reports its CUDA runtime and minimum driver, computes a loss, and answers
-  under stand-in drivers 525/550/575/580 (tests/_driver_compat.py). About 3-6 minutes on a 2-core machine
+  under stand-in drivers 525/550/575/580 (tests/_driver_compat.py). 5-10 minutes on a busy 2-core machine
   (the CUDA compile, installing the CPU torch into the new environment, four fresh interpreters), plus 2-3
   minutes the first time, to fetch the CUDA 12.4 toolkit (~1 GB) into ~/.cache/fusedloss/cuda-12.4. These
   need pip to reach the package index for the build requirements and auditwheel.

@@ -13,7 +13,7 @@
 # non-free nvidia-cuda-toolkit 12.4.131 has all of them. Needs apt-get, dpkg-deb, sha256sum and Debian's
 # archive keyring (/usr/share/keyrings/debian-archive-keyring.gpg, package debian-archive-keyring); the
 # binaries need glibc >= 2.34 on the build host. Downloads 1.03 GB (nvidia-cuda-dev is 934 MB: every CUDA
-# library; only its headers and static runtime are kept), leaves ~0.6 GB under the prefix.
+# library; only its headers and static runtime are kept), leaves 0.5 GB under the prefix; 2-3 min here.
 #
 # Checksums: apt checks each package against the signed trixie index; this script then checks each file
 # against the SHA256 pinned below, so a different build of the same version is refused too. The packages
