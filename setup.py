@@ -100,6 +100,30 @@ def runtime_version(nvcc: str) -> str | None:
     return f"{m.group(1)}.{m.group(2)}" if m else None
 
 
+def ptx_arch() -> str:
+    """The virtual architecture whose PTX the extension also carries: the oldest target's."""
+    oldest = min(archs(), key=lambda a: int("".join(ch for ch in a if ch.isdigit())))
+    return oldest.rstrip("a")
+
+
+def ptx_isa(nvcc: str) -> str | None:
+    """The PTX ISA version nvcc writes (".version 8.4" for CUDA 12.4): a driver JIT-compiles the embedded PTX
+    only if it knows that ISA, i.e. if it supports this CUDA version or a newer one."""
+    import re
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "isa.cu", Path(tmp) / "isa.ptx"
+        src.write_text("__global__ void isa_probe() {}\n")
+        try:
+            subprocess.run([nvcc, f"-arch=compute_{ptx_arch()}", "-ptx", str(src), "-o", str(out)],
+                           capture_output=True, check=True, timeout=300)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        m = re.search(r"^\.version\s+(\d+\.\d+)", out.read_text(), re.M)
+        return m.group(1) if m else None
+
+
 def write_build_info(package_dir: Path) -> None:
     runtime = runtime_version(NVCC) if NVCC else None
     major = int(runtime.split(".")[0]) if runtime else None
@@ -108,7 +132,10 @@ def write_build_info(package_dir: Path) -> None:
         "",
         f"CUDA_EXTENSION = {CUDA_STATUS!r}",
         f"NVCC_VERSION = {nvcc_version(NVCC) if NVCC else None!r}",
+        "# Device code: cubins for CUDA_ARCHS; PTX (ISA CUDA_PTX_ISA) for CUDA_PTX_ARCHS, JIT-compiled by newer GPUs.",
         f"CUDA_ARCHS = {tuple('sm_' + a for a in archs()) if NVCC else ()!r}",
+        f"CUDA_PTX_ARCHS = {('compute_' + ptx_arch(),) if NVCC else ()!r}",
+        f"CUDA_PTX_ISA = {ptx_isa(NVCC) if NVCC else None!r}",
         "# The CUDA runtime inside fusedloss._C (linked statically) and what it needs from the driver:",
         "# cudaDriverGetVersion() must report at least CUDA_MIN_DRIVER_API (major * 1000), which Linux",
         "# drivers CUDA_MIN_DRIVER_LINUX and newer do.",
@@ -158,8 +185,7 @@ class BuildExt(build_ext):
         gencode = [f"-gencode=arch=compute_{a},code=sm_{a}" for a in archs()]
         # PTX of the oldest target too, so that newer GPUs (e.g. sm_100/sm_120) JIT-compile the kernels
         # instead of failing with "no kernel image is available".
-        oldest = min(archs(), key=lambda a: int("".join(ch for ch in a if ch.isdigit())))
-        gencode.append(f"-gencode=arch=compute_{oldest.rstrip('a')},code=compute_{oldest.rstrip('a')}")
+        gencode.append(f"-gencode=arch=compute_{ptx_arch()},code=compute_{ptx_arch()}")
         threads = os.environ.get("FUSEDLOSS_NVCC_THREADS", "2")
         cuda_flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
                       f"--threads={threads}", "-lineinfo", f"-I{CSRC}"] + gencode

@@ -69,13 +69,15 @@ def test_products_with_the_fallback_are_exact_fp32_products():
 # availability()
 # ------------------------------------------------------------------------------------------------
 @built
-def test_availability_with_the_extension_and_no_device():
+def test_availability_with_the_extension_and_no_device(monkeypatch):
     """This machine: the extension is built, no driver and no GPU. "auto" must not pick cuda."""
     if torch.cuda.is_available():
         pytest.skip("a CUDA device is visible")
     assert cuda.availability() == "built; no CUDA device visible"
     assert fusedloss.backend_status()["cuda"] == "built; no CUDA device visible"
-    assert backends.resolve("auto", torch.device("cuda")) != "cuda"
+    monkeypatch.setattr(backends, "_CUDA_SKIP_WARNED", [])
+    with pytest.warns(UserWarning, match="because the CUDA backend cannot run: built; no CUDA device visible"):
+        assert backends.resolve("auto", torch.device("cuda")) != "cuda"
     info = cuda.runtime_info()
     assert info["devices"] == 0 and info["driver"] is None and info["runtime"].count(".") == 1
 
@@ -91,9 +93,17 @@ def _fake_extension(devices, runtime, driver, error=""):
 def test_availability_names_a_driver_older_than_the_runtime(monkeypatch):
     monkeypatch.setattr(cuda, "_C", _fake_extension(0, 13000, 12040, "CUDA driver version is insufficient"))
     msg = cuda.availability()
-    assert msg.startswith("built with the CUDA 13.0 runtime, which needs a R580+ driver")
-    assert "supports CUDA 12.4" in msg and "rebuild the extension with a CUDA 12.x toolkit" in msg
-    assert cuda.runtime_info() == {"runtime": "13.0", "driver": "12.4", "needs_driver": "R580", "devices": 0}
+    assert msg.startswith("built with the CUDA 13.0 runtime, which needs an NVIDIA driver >= 580.65.06; this driver "
+                          "supports CUDA 12.4 (R550); fix: install a fusedloss wheel built with CUDA 12")
+    assert "rebuild against a CUDA 12.x toolkit: CUDA_HOME=" in msg and "upgrade the driver to >= 580.65.06" in msg
+    assert cuda.runtime_info() == {"runtime": "13.0", "driver": "12.4", "needs_driver": "580.65.06", "devices": 0}
+    # a driver too old for any CUDA 12 build: only a newer driver helps
+    monkeypatch.setattr(cuda, "_C", _fake_extension(0, 13000, 11080, "CUDA driver version is insufficient"))
+    assert cuda.availability().endswith("supports CUDA 11.8 (R520); fix: upgrade the driver to >= 525.60.13 and "
+                                        "use a CUDA 12 build, or to >= 580.65.06")
+    monkeypatch.setattr(cuda, "_C", _fake_extension(0, 12040, 11080, "CUDA driver version is insufficient"))
+    assert cuda.availability() == ("built with the CUDA 12.4 runtime, which needs an NVIDIA driver >= 525.60.13; "
+                                   "this driver supports CUDA 11.8 (R520); fix: upgrade the driver to >= 525.60.13")
 
 
 @built

@@ -10,6 +10,9 @@ backend"). Modules are imported lazily, so a missing Triton or an unbuilt CUDA e
 from __future__ import annotations
 
 import importlib
+import os
+import sys
+import warnings
 from functools import lru_cache
 from typing import Callable, Optional, Protocol, runtime_checkable
 
@@ -112,11 +115,12 @@ def resolve(backend: str, device: torch.device) -> str:
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
     if backend == "auto":
-        if device.type == "cuda":
-            for name in ("cuda", "triton"):
-                if availability(name) == "available":
-                    return name
-        return "torch"
+        if device.type != "cuda":
+            return "torch"
+        chosen = next((name for name in ("cuda", "triton") if availability(name) == "available"), "torch")
+        if chosen != "cuda":
+            _warn_cuda_skipped(chosen)
+        return chosen
     state = availability(backend)
     if state != "available":
         raise ValueError(f"backend={backend!r} is not available here: {state}")
@@ -126,6 +130,36 @@ def resolve(backend: str, device: torch.device) -> str:
         raise ValueError(f"backend='triton' needs tensors on a CUDA device, got device {device} "
                          "(TRITON_INTERPRET=1 runs the kernels on CPU tensors, slowly)")
     return backend
+
+
+_CUDA_SKIP_WARNED = []  # one warning per process
+
+
+@torch.compiler.disable
+def _warn_cuda_skipped(chosen: str) -> None:
+    """Say once, with the reason and the fix, that CUDA tensors run on ``chosen`` because the CUDA backend's
+    driver or build is not right (never for a choice: FUSEDLOSS_CUDA=0, a ROCm torch)."""
+    if _CUDA_SKIP_WARNED:
+        return
+    try:
+        reason = _module("cuda").auto_skip_reason()
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        reason = f"not importable: {exc}"
+    if reason is None:
+        return
+    _CUDA_SKIP_WARNED.append(reason)
+    warnings.warn(f"fusedloss: backend='auto' runs CUDA tensors on the {chosen} backend because the CUDA backend "
+                  f"cannot run: {reason}. (backend_status() says the same; pass backend='{chosen}' to choose it "
+                  "explicitly.)", UserWarning, stacklevel=_first_frame_outside_fusedloss())
+
+
+def _first_frame_outside_fusedloss() -> int:
+    """The ``stacklevel`` that attributes a warning to the user's code (whatever wraps the calls in between)."""
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and (frame.f_code.co_filename.startswith(package) or "/torch/" in frame.f_code.co_filename):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _interpreting() -> bool:

@@ -102,17 +102,48 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # ------------------------------------------------------------------------------------------------
 # Availability
 # ------------------------------------------------------------------------------------------------
-# The oldest driver branch that runs each CUDA major version's runtime (CUDA minor-version compatibility).
-_MIN_DRIVER = {11: "R450", 12: "R525", 13: "R580"}
+# The oldest Linux driver that runs each CUDA major version's runtime (CUDA minor-version compatibility; setup.py
+# records the one of the build in _build_info.CUDA_MIN_DRIVER_LINUX).
+_MIN_DRIVER = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
+# The driver branch that first supported each CUDA version, to name what cudaDriverGetVersion reports.
+_DRIVER_BRANCH = {(11, 8): "R520", (12, 0): "R525", (12, 1): "R530", (12, 2): "R535", (12, 3): "R545",
+                  (12, 4): "R550", (12, 5): "R555", (12, 6): "R560", (12, 8): "R570", (12, 9): "R575",
+                  (13, 0): "R580"}
+# What to run for a CUDA 12 build (drivers >= 525.60.13); the README's wheel paragraph says more.
+_REBUILD_CUDA12 = ("CUDA_HOME=/path/to/cuda-12.x pip install --force-reinstall --no-deps --no-binary fusedloss "
+                   "fusedloss (in a checkout, `bash tools/fetch_cuda12.sh` prints such a CUDA_HOME and "
+                   "`bash tools/build_wheels.sh` builds the wheels with it)")
 
 
 def _needs_driver(runtime: int) -> str:
-    """The driver branch a CUDA runtime (``cudaRuntimeGetVersion``) needs, for messages."""
+    """The oldest Linux driver a CUDA runtime (``cudaRuntimeGetVersion``) runs on, for messages."""
     return _MIN_DRIVER.get(runtime // 1000, f"one for CUDA {runtime // 1000}.x")
 
 
 def _version(v: int) -> str:
     return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def _driver_name(driver: int) -> str:
+    """"CUDA 12.4 (R550)": what a driver reporting ``driver`` (``cudaDriverGetVersion``) supports."""
+    branch = _DRIVER_BRANCH.get((driver // 1000, driver % 1000 // 10))
+    return f"CUDA {_version(driver)}" + (f" ({branch})" if branch else "")
+
+
+def _driver_too_old(runtime: int, driver: int) -> str:
+    """What to do about a driver older than the extension's runtime: a CUDA 12 build where the driver runs
+    one (>= 525.60.13), else a newer driver."""
+    need = _needs_driver(runtime)
+    if runtime // 1000 > 12 and driver // 1000 >= 12:
+        return (f"fix: install a fusedloss wheel built with CUDA 12 (it needs a driver >= {_MIN_DRIVER[12]}), or "
+                f"rebuild against a CUDA 12.x toolkit: {_REBUILD_CUDA12}; or upgrade the driver to >= {need}")
+    if runtime // 1000 > 12:
+        return f"fix: upgrade the driver to >= {_MIN_DRIVER[12]} and use a CUDA 12 build, or to >= {need}"
+    return f"fix: upgrade the driver to >= {need}"
+
+
+_NOT_BUILT_FIX = ("fix: install a manylinux wheel of fusedloss (it carries the extension), or reinstall with a "
+                  "CUDA toolkit: " + _REBUILD_CUDA12.replace("cuda-12.x", "cuda"))
 
 
 def _build_status() -> str:
@@ -122,6 +153,19 @@ def _build_status() -> str:
         return ("not built: fusedloss._C is missing (install the package with pip so that setup.py builds "
                 "the CUDA extension)")
     return _build_info.CUDA_EXTENSION
+
+
+def auto_skip_reason() -> Optional[str]:
+    """Why ``backend="auto"`` cannot give CUDA tensors this backend when the driver or the build is to blame
+    (the availability sentence, with its fix), for the warning ``core/backends.py`` gives once; None when the
+    backend is available or nothing is to be fixed (built without it on purpose, a ROCm torch, a GPU older
+    than sm_80)."""
+    state = availability()
+    if state == "available" or state == "not built: FUSEDLOSS_CUDA=0" or torch.version.hip:
+        return None
+    if state.startswith("built for sm_80 and newer"):
+        return None
+    return state
 
 
 def extension_built() -> bool:
@@ -150,16 +194,17 @@ def availability() -> str:
             return f"built but stale: {_IMPORT_ERROR}"
         if status == "built":
             return f"built but not importable: {_IMPORT_ERROR}"
+        if status.startswith("not built: nvcc"):
+            return f"{status}; {_NOT_BUILT_FIX}"
         return status
     if _C.device_count() == 0:
         runtime, driver = _C.runtime_version(), _C.driver_version()
         if driver == 0:
             return "built; no CUDA device visible"
         if driver // 1000 < runtime // 1000:
-            need = _needs_driver(runtime)
-            return (f"built with the CUDA {_version(runtime)} runtime, which needs a {need}+ driver; this driver "
-                    f"supports CUDA {_version(driver)}: rebuild the extension with a CUDA {driver // 1000}.x "
-                    f"toolkit, or upgrade the driver")
+            return (f"built with the CUDA {_version(runtime)} runtime, which needs an NVIDIA driver >= "
+                    f"{_needs_driver(runtime)}; this driver supports {_driver_name(driver)}; "
+                    + _driver_too_old(runtime, driver))
         return f"built; the extension's CUDA {_version(runtime)} runtime sees no device ({_C.device_error()})"
     if not torch.cuda.is_available():
         return f"built; torch {torch.__version__} sees no CUDA device (a CPU build of torch?)"
