@@ -39,13 +39,15 @@ import torch
 
 from .. import _validation as v
 from ..types import GRPODetails
-from .implicit_logits import ImplicitLogits, count_or_one, implicit_logits, items_divisor
+from .implicit_logits import ImplicitLogits, count_or_one, implicit_logits, items_divisor, require_aligned
 from .options import RUN, SHARDING, shared_arguments, shared_options
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types of the clipped surrogate
-_NO_IGNORE_INDEX = -(2**63)  # completion ids have no ignore value: the mask says which tokens count
+# Completion ids have no ignore value: the mask says which tokens count. The fix for -100 labels given as ids:
+_MASK_NOT_LABELS = (" inside completion_mask, where every id must be a token: grpo_loss has no ignore_index, so "
+                    "instead of -100 labels use completion_mask, 0 at the tokens outside the loss (padding)")
 _VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's clamp range of VESPO's log sequence weight
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -254,7 +256,7 @@ class _Completions(NamedTuple):
         valid = mask != 0
         # Ids outside the mask (padding) are never read; every id inside it must be a real token.
         ids = logits.targets("completion_ids", torch.where(valid, completion_ids, torch.zeros_like(completion_ids)),
-                             ignore_index=_NO_IGNORE_INDEX)
+                             ignore_index=None, hint=_MASK_NOT_LABELS)
         ids = torch.where(valid.reshape(-1), ids, torch.full_like(ids, -1))
         acc = torch.float64 if logits.hidden.dtype == torch.float64 else torch.float32
 
@@ -290,7 +292,7 @@ def _check_inputs(logits: ImplicitLogits, opts: _Options, completion_ids, advant
                          f"{tuple(logits.lead_shape) + (logits.hidden.shape[-1],)}")
     b, c = logits.lead_shape
     v.require_tensor("completion_ids", completion_ids, floating=False)
-    v.require_shape("completion_ids", completion_ids, (b, c), "the leading dimensions of hidden")
+    require_aligned("completion_ids", completion_ids, (b, c))
     mask = v.require_mask("completion_mask", completion_mask, (b, c))
     v.require_tensor("advantages", advantages)
     if advantages.is_complex() or advantages.dtype == torch.bool:
