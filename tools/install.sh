@@ -22,8 +22,11 @@ elif command -v nvidia-smi >/dev/null && nvidia-smi >/dev/null 2>&1; then
     pip_install "torch==$TORCH_VERSION"
 else
     echo "fusedloss install: torch==$TORCH_VERSION, CPU build (no NVIDIA driver found)"
-    pip_install --no-index "torch==$TORCH_VERSION" 2>/dev/null \
-        || pip_install "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
+    if pip_install --no-deps --no-index "torch==$TORCH_VERSION" 2>/dev/null; then
+        pip_install "torch==$TORCH_VERSION"  # the local wheel's dependencies, from the configured index
+    else
+        pip_install "torch==$TORCH_VERSION" --index-url "$TORCH_INDEX_URL"
+    fi
 fi
 
 # The CUDA extension is compiled by nvcc whenever setup.py finds one (the same places it looks), GPU or not.
