@@ -79,15 +79,14 @@ class SizingEstimate:
     def __str__(self) -> str:
         lines = [f"{self.op}: N={self.tokens} tokens, D={self.hidden_size}, V={self.vocab_size}, {self.dtype}; "
                  f"the fp32 logits alone: {_size(self.logits_fp32_bytes)}",
-                 "[N, V]-sized memory by the cost model's formulas: buffer sizes, not measured peaks (the [V, D] "
-                 "weight gradient, which every path has, is left out)",
+                 "[N, V]-sized buffers by the cost model's formulas, not measured peaks ([V, D] gradients left out)",
                  "",
                  f"{'path':<34} {'held fwd->bwd':>14} {'transient':>14} {'products':>9}"]
         for p in self.paths:
             lines.append(f"{p.name:<34} {_size(p.held_bytes):>14} {_size(p.transient_bytes):>14} "
                          f"{p.products:>9g}" + (f"  {p.note}" if p.note else ""))
         lines.append(f"{'fewest any exact method needs':<34} {'':>14} {'':>14} {self.bound_products:>9g}  "
-                     f"(products of 2 N V D = {2.0 * self.tokens * self.vocab_size * self.hidden_size:.3g} flops)")
+                     f"(2 N V D = {2.0 * self.tokens * self.vocab_size * self.hidden_size:.3g} flops each)")
         return "\n".join(lines)
 
 
@@ -177,15 +176,13 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
     bound, _ = cost.product_bound(w)
     paths = (
         PathCost("materialised logits (naive)", logits * (b + 4), logits * (4 + b), row_local,
-                 "held: logits, fp32 log-softmax; then d log-softmax, d logits"),
+                 "logits, fp32 log-softmax; their grads"),
         PathCost("TRL 1.16 chunked kernel", 0, trl_tile, composable,
-                 f"one [{min(n, TRL_TOKEN_CHUNK)}, {min(v, TRL_VOCAB_CHUNK)}] tile per pass"),
+                 f"one [{min(n, TRL_TOKEN_CHUNK)}, {min(v, TRL_VOCAB_CHUNK)}] tile"),
         PathCost(f"fusedloss, GPU ({plan.path} path)", 0, fused, plan.products,
-                 f"the workspace, at most: {'workspace_mb' if workspace_mb is not None else 'default for ' + spec.name}"
-                 " (workspace_mb= sets it)"),
+                 "workspace (workspace_mb=)" if workspace_mb is not None else f"workspace, {spec.name} default"),
         PathCost("fusedloss, torch backend (CPU)", 0, torch_tile, composable,
-                 f"per [{min(n, _torch_backend.ROW_CHUNK)}, {min(v, _torch_backend.VOCAB_TILE)}] fp32 tile, a few "
-                 "live at a time; 4 products on a CPU, where they do not set the time"),
+                 f"per [{min(n, _torch_backend.ROW_CHUNK)}, {min(v, _torch_backend.VOCAB_TILE)}] fp32 tile"),
     )
     return SizingEstimate(tokens=n, hidden_size=d, vocab_size=v, dtype=DTYPES[dtype], op=op, gpu=spec.name,
                           paths=paths, bound_products=bound)
