@@ -3,12 +3,11 @@ ORPO, CPO/SimPO) straight from hidden states and the lm_head weight, never mater
 [tokens x vocab] logits.
 
 Public API: ``token_logprobs``, ``cross_entropy``, ``distillation_loss``, ``grpo_loss``, ``dpo_loss``,
-``kto_loss``, ``orpo_loss``, ``cpo_loss``, ``group_advantages``, ``backend_status``. ``fusedloss.reference``
+``kto_loss``, ``orpo_loss``, ``cpo_loss``, ``group_advantages``, ``backend_status``, and ``estimate`` (what
+fusedloss would save for a model and a batch; ``python -m fusedloss estimate``). ``fusedloss.reference``
 holds the same functions on materialised logits: the executable specification every backend is tested
 against. ``fusedloss.nn`` wraps each loss as a ``torch.nn.Module``.
 """
-
-from __future__ import annotations
 
 from .core import backends as _backends
 from .losses import (
@@ -22,6 +21,7 @@ from .losses import (
     orpo_loss,
     token_logprobs,
 )
+from .sizing import estimate
 from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails
 
 __version__ = "0.1.0"
@@ -41,7 +41,8 @@ def __getattr__(name: str):
 
 
 def __dir__():
-    return sorted(set(globals()) | set(_LAZY_SUBMODULES))
+    # The public names and the submodules a user reaches, not the modules the package imports internally.
+    return sorted(set(__all__) | set(_LAZY_SUBMODULES) | {"__version__"})
 
 
 def backend_status() -> dict:
@@ -61,6 +62,7 @@ __all__ = [
     "cross_entropy",
     "distillation_loss",
     "dpo_loss",
+    "estimate",
     "group_advantages",
     "grpo_loss",
     "kto_loss",

@@ -1,13 +1,15 @@
 """Argument checks shared by every public function (docs/design.md, "Bad input"). Each error names the
-argument and what was expected. Checks on values (targets in range) are skipped while torch.compile traces,
-because they need a host synchronisation; the kernels never index out of bounds anyway, since targets outside
-``[0, V)`` reach them as ignored rows."""
+argument and what was expected. Checks on values (targets in range) never synchronise with an accelerator
+(``refuse_values``): on CPU tensors they raise the error with the offending value, on a GPU they are
+device-side assertions, so that a training step can run ahead of the host and be captured in a CUDA graph.
+They are skipped while torch.compile traces; the kernels never index out of bounds anyway, since targets
+outside ``[0, V)`` reach them as ignored rows."""
 
 from __future__ import annotations
 
 import math
 from numbers import Real
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -87,15 +89,39 @@ def require_mask(name: str, t, shape) -> torch.Tensor:
     return t
 
 
-def map_targets(name: str, targets: torch.Tensor, vocab_size: int, ignore_index: int) -> torch.Tensor:
-    """Flatten targets to int64 ``[N]`` with -1 on ignored rows, after checking they lie in ``[0, V)``."""
+def refuse_values(bad: torch.Tensor, message: Callable[[], str], device_message: str, *,
+                  synchronise: Optional[bool] = None) -> None:
+    """Raise ``ValueError(message())`` when the one-element bool tensor ``bad`` is true, without a host
+    synchronisation where one would cost something.
+
+    On the CPU reading ``bad`` is free, so the error is raised here with ``message()`` (which may read values
+    of the data to name the offender). On any other device ``bad`` becomes a device-side assertion
+    (``torch._assert_async``) carrying ``device_message``: the host never waits for the device, so a step
+    can run ahead and be captured in a CUDA graph; a failure surfaces at the next synchronisation as a
+    device-side assert (rerun on CPU tensors, or with ``CUDA_LAUNCH_BLOCKING=1``, to see which call). Not
+    checked while torch.compile traces or on meta tensors (no values). ``synchronise``: read ``bad`` on the
+    host (default: on the CPU only)."""
+    if torch.compiler.is_compiling() or bad.device.type == "meta":
+        return
+    if bad.device.type == "cpu" if synchronise is None else synchronise:
+        if bool(bad):
+            raise ValueError(message())
+        return
+    torch._assert_async(~bad, device_message)
+
+
+def map_targets(name: str, targets: torch.Tensor, vocab_size: int, ignore_index: Optional[int], *,
+                hint: str = "") -> torch.Tensor:
+    """Flatten targets to int64 ``[N]`` with -1 on ignored rows, after checking they lie in ``[0, V)``
+    (``refuse_values``: no host synchronisation on a GPU). ``hint``: what to do about it, appended to the
+    message; ``ignore_index=None``: this argument has no ignore_index (every row counts; the caller masks),
+    so the message does not name one."""
     flat = targets.reshape(-1).long()
-    ignored = flat == ignore_index
+    ignored = flat == ignore_index if ignore_index is not None else torch.zeros_like(flat, dtype=torch.bool)
     out_of_range = (flat < 0) | (flat >= vocab_size)
-    if not torch.compiler.is_compiling() and flat.device.type != "meta":
-        bad = out_of_range & ~ignored
-        if bool(bad.any()):
-            value = int(flat[bad][0])
-            raise ValueError(f"{name} contains {value}, outside [0, {vocab_size}) and not ignore_index "
-                             f"({ignore_index})")
+    bad = out_of_range & ~ignored
+    allowed = f"outside [0, {vocab_size})" + (f" and not ignore_index ({ignore_index})" if ignore_index is not None
+                                              else "")
+    refuse_values(bad.any(), lambda: f"{name} contains {int(flat[bad][0])}, {allowed}{hint}",
+                  f"{name} contains a value {allowed}{hint}")
     return torch.where(ignored | out_of_range, torch.full_like(flat, -1), flat)

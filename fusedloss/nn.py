@@ -61,6 +61,10 @@ class _FunctionalModule(torch.nn.Module):
             [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)] + options)
         __init__.__doc__ = f"Options of ``fusedloss.{fn.__name__}`` (see its documentation): {', '.join(names)}."
         cls.__init__ = __init__
+        if cls.__dict__.get("forward") is not None and not cls.forward.__doc__:
+            # help(Module.forward) shows the function's own documentation, not torch.nn.Module's generic text.
+            cls.forward.__doc__ = (f"{inspect.cleandoc(cls.__doc__ or '')}\n\nThe options given to ``__init__`` "
+                                   f"are passed on. ``fusedloss.{fn.__name__}``:\n\n{inspect.getdoc(fn)}")
 
     def call(self, *tensors, **per_call):
         return self.function(*tensors, **per_call, **self.options)
@@ -156,3 +160,8 @@ class CPOLoss(_FunctionalModule):
 
     def forward(self, hidden, weight, labels, bias=None):
         return self.call(hidden, weight, labels, bias=bias)
+
+
+def __dir__():
+    # What the module offers (``__all__``), not the names it imports for its own use (torch, typing, ...).
+    return sorted(__all__)

@@ -637,3 +637,8 @@ def group_advantages(rewards, group_size, *, scale="group", drop_silent_groups=F
     else:
         keep = torch.ones_like(r, dtype=torch.bool)
     return GroupAdvantages(advantages=adv.reshape(-1), std=std, keep=keep.reshape(-1))
+
+
+def __dir__():
+    # What the module offers (``__all__``), not the names it imports for its own use (torch, typing, ...).
+    return sorted(__all__)

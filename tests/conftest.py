@@ -47,6 +47,29 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """One line per reason something was skipped, with how many tests and which modules, so that a run that
+    silently lost a whole group (every TRL check, say, for want of an extra) says so at its end."""
+    groups: dict = {}
+    for report in terminalreporter.stats.get("skipped", []):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        tests, modules = groups.setdefault(reason, [0, set()])
+        module = report.nodeid.split("::")[0].rsplit("/", 1)[-1]
+        if isinstance(report, pytest.CollectReport):  # a whole module (pytest.importorskip at its top)
+            modules.add(f"{module} (all)")
+        else:
+            groups[reason][0] = tests + 1
+            modules.add(module)
+    if not groups:
+        return
+    terminalreporter.section("skipped, by reason")
+    for reason, (tests, modules) in sorted(groups.items(), key=lambda item: -len(item[1][1])):
+        count = f"{tests} test{'s' * (tests != 1)}, " if tests else ""
+        listed = ", ".join(sorted(modules)[:6]) + (f" and {len(modules) - 6} more" if len(modules) > 6 else "")
+        terminalreporter.write_line(f"{reason}: {count}{len(modules)} module{'s' * (len(modules) != 1)} ({listed})")
+
+
 def available_backends() -> list[str]:
     """Concrete backends that can run here, per ``fusedloss.backend_status()``.
 

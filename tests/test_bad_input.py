@@ -306,3 +306,56 @@ def test_nonfinite_inputs_propagate(backend, device):
     assert bool(torch.isfinite(logp[[0, 2, 4]]).all()), "other rows must be unaffected"
     loss = fusedloss.cross_entropy(h, w, t, backend=backend)
     assert not bool(torch.isfinite(loss))
+
+
+def test_grpo_traps_name_their_fix():
+    h, w, ids, adv, mask = grpo_inputs()
+    labels = ids.clone()
+    labels[0, 1] = -100  # labels with -100 passed as completion ids, inside the mask
+    msg = raises(lambda: fusedloss.grpo_loss(h, w, labels, adv, mask), "completion_ids", exc=ValueError)
+    assert "-100" in msg and "use completion_mask" in msg
+    assert "ignore_index (" not in msg and str(-(2**63)) not in msg  # no internal sentinel value
+    masked = mask.clone()
+    masked[0, 1] = False  # outside the mask an id is never read
+    assert torch.isfinite(fusedloss.grpo_loss(h, w, labels, adv, masked))
+    # the hidden states of prompt + completion instead of the completion's rows
+    prompt = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(5))
+    full = torch.cat((prompt, h), dim=1)
+    msg = raises(lambda: fusedloss.grpo_loss(full, w, ids, adv, mask), "completion_ids", exc=ValueError)
+    assert "pass hidden[:, P - 1:-1]" in msg
+
+
+def test_value_checks_off_the_cpu_are_device_side_assertions():
+    """On an accelerator the range checks never read a value on the host (a training step runs ahead of it and
+    can be captured in a CUDA graph): they become ``torch._assert_async``, which carries the argument's name.
+    On the CPU, where the host owns the data, the error names the offending value."""
+    from fusedloss import _validation
+
+    targets = torch.tensor([3, -100, V + 2])
+    with pytest.raises(ValueError, match=rf"targets contains {V + 2}, outside \[0, {V}\)"):
+        _validation.map_targets("targets", targets, V, -100)
+    with pytest.raises(RuntimeError, match=rf"targets contains a value outside \[0, {V}\) and not ignore_index"):
+        bad = (targets >= V).any()
+        _validation.refuse_values(bad, lambda: "not read", f"targets contains a value outside [0, {V}) and not "
+                                  "ignore_index (-100)", synchronise=False)
+    for good in (torch.tensor(False), torch.tensor([False])):
+        _validation.refuse_values(good, lambda: "not read", "never raised", synchronise=False)
+        _validation.refuse_values(good, lambda: "not read", "never raised")
+    mapped = _validation.map_targets("targets", targets[:2], V, -100)
+    assert mapped.tolist() == [3, -1]
+
+
+@pytest.mark.gpu
+def test_value_checks_do_not_synchronise_on_a_gpu():
+    from fusedloss import _validation
+    from fusedloss.losses.implicit_logits import items_divisor
+
+    targets = torch.tensor([3, -100, 7], device="cuda")
+    like = torch.zeros((), device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        mapped = _validation.map_targets("targets", targets, V, -100)
+        divisor = items_divisor(torch.tensor(4, device="cuda"), like, positive=True)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert mapped.tolist() == [3, -1, 7] and divisor.item() == 4

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -27,6 +28,7 @@ pytest.importorskip("datasets")
 from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen2Config, TrainerCallback  # noqa: E402
 
+import fusedloss  # noqa: E402
 from fusedloss.integrations import trl as fl_trl  # noqa: E402
 
 # Timing numbers and counters that legitimately differ between two runs.
@@ -234,6 +236,19 @@ def test_enable_is_idempotent_and_disable_restores_trl():
     with pytest.raises(ValueError, match="backend"):
         fl_trl.enable(backend="tpu")
     assert not fl_trl.is_enabled()
+
+
+def test_a_backend_that_cannot_run_here_is_refused_at_enable():
+    unavailable = {name: state for name, state in fusedloss.backend_status().items() if state != "available"}
+    for name, state in unavailable.items():  # on a CPU machine: cuda (and triton without the interpreter)
+        with pytest.raises(ValueError, match=rf"backend='{name}' cannot run here \({re.escape(state)}\).*'auto'"):
+            fl_trl.enable(backend=name)
+        assert not fl_trl.is_enabled()
+    available = [name for name in ("torch", "triton", "cuda") if name not in unavailable]
+    for name in available:
+        with fl_trl.enabled(backend=name):
+            assert fl_trl.is_enabled()
+    assert "torch" in available and (torch.cuda.is_available() or "cuda" in unavailable)
 
 
 def test_unsupported_trl_version_is_refused(monkeypatch):

@@ -92,9 +92,14 @@ def enable(backend: str = "auto") -> None:
     """Route TRL's fused LM-head log-probs and the distillation divergence through fusedloss.
 
     Idempotent: a second call only changes ``backend``. ``backend`` is fusedloss's (``"auto"``,
-    ``"torch"``, ``"triton"``, ``"cuda"``), resolved per call for the tensors at hand."""
+    ``"torch"``, ``"triton"``, ``"cuda"``), resolved per call for the tensors at hand. A backend that cannot
+    run in this process (``fusedloss.backend_status()``) is refused here, before a trainer loads its models."""
     if backend not in _backends.BACKEND_NAMES:
         raise ValueError(f"backend must be one of {_backends.BACKEND_NAMES}, got {backend!r}")
+    state = "available" if backend == "auto" else _backends.availability(backend)
+    if state != "available":
+        raise ValueError(f"backend={backend!r} cannot run here ({state}); use backend='auto', which picks the "
+                         "CUDA or Triton backend on a GPU and the torch backend elsewhere")
     _check_trl_version()
     sites = list(_sites())
     for module, module_name, attr in sites:

@@ -46,7 +46,8 @@ def cpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *
         weight: ``[V, D]`` lm_head weight. bias: ``[V]`` or None.
         labels: ``[2B, T]`` token ids, ``ignore_index`` outside the completions.
         beta: the preference temperature (IPO's tau).
-        loss_type: ``"sigmoid"``, ``"hinge"``, ``"ipo"`` or ``"simpo"`` (module docstring).
+        loss_type: ``"sigmoid"``, ``"hinge"``, ``"ipo"`` or ``"simpo"`` (each one's formula:
+            ``help(fusedloss.losses.cpo)``).
         label_smoothing: the sigmoid/simpo smoothing e. cpo_alpha: weight of the chosen NLL term.
         simpo_gamma: SimPO's target margin. alpha: AlphaPO's reward shape (0: log-prob rewards).
         temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.

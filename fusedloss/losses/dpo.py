@@ -78,7 +78,9 @@ def dpo_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, r
         ref_chosen_logps, ref_rejected_logps: ``[B]`` reference sequence log-probs (LD-DPO weighted like the
             policy's when ``ld_alpha`` is set, as TRL's ``compute_ref_log_probs`` does).
         beta: the DPO temperature (IPO's tau).
-        loss_type: one of ``LOSS_TYPES`` (module docstring), or a list of them (MPO).
+        loss_type: sigmoid, hinge, ipo, exo_pair, nca_pair, robust, bco_pair, sppo_hard, aot, aot_unpaired,
+            apo_zero, apo_down, discopop, sft or sigmoid_norm, or a list of them (MPO); each one's formula:
+            ``help(fusedloss.losses.dpo)``.
         loss_weights: one weight per loss type of a list (default 1.0 each); None for a single loss type.
         label_smoothing: robust's flip probability (< 0.5), exo_pair's epsilon (> 0), aot's smoothing, and
             sigmoid's cDPO smoothing.

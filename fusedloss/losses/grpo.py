@@ -1,26 +1,9 @@
 """The policy-gradient objectives of TRL 1.16's ``GRPOTrainer._compute_loss``, gradient accumulation 1.
 
-Per token t of completion i (mask m, advantage A, log-probability logp; sg = stop-gradient), with the
-importance ratio r = exp(logp - old) per token, or at ``importance_sampling_level="sequence"`` (GSPO)
-r_i = exp(sum_t m (logp - old) / max(1, sum_t m)), one per completion::
-
-    grpo, bnpo, dr_grpo, dapo, luspo : l = -min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A)
-                                       (delta set: r <- min(r, delta) in the first term only)
-    cispo : l = -sg(min(r, eps_high)) A logp
-    sapo  : l = -(4 / tau) sigmoid(tau (r - 1)) A,    tau = sapo_temperature_pos if A > 0 else _neg
-    vespo : l = -sg(phi) A logp,    phi = exp(lam + k log w - lam w)  (k, lam: _pos if A >= 0 else _neg)
-            log w = clamp(sum_t m clamp(logp - old, -20, 20) + sum_t m log IS, log 1e-8, 20)
-    off-policy mask (off_policy_mask_threshold) : l <- l * [A >= 0  or  mean_t m (sampling - sg(logp)) <= threshold]
-    entropy mask (top_entropy_quantile = q < 1) : l <- l * [H m >= quantile(H over the mask, 1 - q)]
-    importance_weights IS (not vespo)           : l <- l * IS
-    KL penalty (beta != 0)                      : l <- l + beta (exp(ref - logp) - (ref - logp) - 1) * r^c
-                                                  (c = 1 with use_bias_correction_kl, else 0)
-
-aggregated over the mask (``_aggregation_weights``), then ``- entropy_coef * (masked mean entropy)``. The
-ratio in the KL term is TRL's differentiable ``coef_1``, before the delta cap: on-policy its value is 1 but
-its gradient is not zero. Tokens outside the mask produce nothing, gradient included: their per-token
-inputs are replaced by neutral values before any arithmetic, so garbage there (NaN, inf) never meets a
-``0 *`` on any branch.
+The per-token formulas of every ``loss_type``, the KL penalty and the masks are in ``grpo_loss``'s docstring
+(``help(fusedloss.grpo_loss)``, "Loss types"). Tokens outside the mask produce nothing, gradient included: their
+per-token inputs are replaced by neutral values before any arithmetic, so garbage there (NaN, inf) never meets
+a ``0 *`` on any branch.
 
 The per-token and per-sequence math is a few elementwise operations and masked sums on ``[B, C]``
 vectors: negligible beside the GEMM-sized products, so it is written once, here, in Python for every
@@ -39,13 +22,15 @@ import torch
 
 from .. import _validation as v
 from ..types import GRPODetails
-from .implicit_logits import ImplicitLogits, count_or_one, implicit_logits, items_divisor
+from .implicit_logits import ImplicitLogits, count_or_one, implicit_logits, items_divisor, require_aligned
 from .options import RUN, SHARDING, shared_arguments, shared_options
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types of the clipped surrogate
-_NO_IGNORE_INDEX = -(2**63)  # completion ids have no ignore value: the mask says which tokens count
+# Completion ids have no ignore value: the mask says which tokens count. The fix for -100 labels given as ids:
+_MASK_NOT_LABELS = (" inside completion_mask, where every id must be a token: grpo_loss has no ignore_index, so "
+                    "instead of -100 labels use completion_mask, 0 at the tokens outside the loss (padding)")
 _VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's clamp range of VESPO's log sequence weight
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
@@ -80,7 +65,8 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         old_logprobs: ``[B, C]`` log-probs of the policy that sampled (None: on-policy, ``sg(logp)``).
         ref_logprobs: ``[B, C]`` reference-model log-probs; required when ``beta != 0``.
         temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.
-        loss_type: one of ``LOSS_TYPES`` (module docstring). epsilon_low, epsilon_high: clip range
+        loss_type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo or vespo (formulas under "Loss types"
+            below). epsilon_low, epsilon_high: clip range
             (``epsilon_high`` None: ``epsilon_low``; cispo's cap is ``epsilon_high``). delta: two-sided
             clipping cap of the grpo-family ratio (INTELLECT-2), None for none; other loss types ignore it.
         beta: KL coefficient. use_bias_correction_kl: multiply the k3 KL term by the differentiable ratio
@@ -109,6 +95,27 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         the KL term as it enters the loss), the clip ratios (grpo family; cispo: its ``cispo_clip_ratio`` as
         ``clip_ratio_high``; None for sapo and vespo), ``vespo_phi_seq_mean``, and ``policy_loss`` (the loss
         before the entropy bonus).
+
+    Loss types:
+    Per token t of completion i (mask m, advantage A, log-probability logp; sg = stop-gradient), with the
+    importance ratio r = exp(logp - old) per token, or at ``importance_sampling_level="sequence"`` (GSPO)
+    r_i = exp(sum_t m (logp - old) / max(1, sum_t m)), one per completion::
+
+        grpo, bnpo, dr_grpo, dapo, luspo : l = -min(r A, clamp(r, 1 - eps_low, 1 + eps_high) A)
+                                           (delta set: r <- min(r, delta) in the first term only)
+        cispo : l = -sg(min(r, eps_high)) A logp
+        sapo  : l = -(4 / tau) sigmoid(tau (r - 1)) A,    tau = sapo_temperature_pos if A > 0 else _neg
+        vespo : l = -sg(phi) A logp,    phi = exp(lam + k log w - lam w)  (k, lam: _pos if A >= 0 else _neg)
+                log w = clamp(sum_t m clamp(logp - old, -20, 20) + sum_t m log IS, log 1e-8, 20)
+        off-policy mask (off_policy_mask_threshold) : l <- l * [A >= 0  or  mean_t m (sampling - sg(logp)) <= threshold]
+        entropy mask (top_entropy_quantile = q < 1) : l <- l * [H m >= quantile(H over the mask, 1 - q)]
+        importance_weights IS (not vespo)           : l <- l * IS
+        KL penalty (beta != 0)                      : l <- l + beta (exp(ref - logp) - (ref - logp) - 1) * r^c
+                                                      (c = 1 with use_bias_correction_kl, else 0)
+
+    aggregated over the mask (``_aggregation_weights``), then ``- entropy_coef * (masked mean entropy)``. The
+    ratio in the KL term is TRL's differentiable ``coef_1``, before the delta cap: on-policy its value is 1 but
+    its gradient is not zero.
 
     Example::
 
@@ -254,7 +261,7 @@ class _Completions(NamedTuple):
         valid = mask != 0
         # Ids outside the mask (padding) are never read; every id inside it must be a real token.
         ids = logits.targets("completion_ids", torch.where(valid, completion_ids, torch.zeros_like(completion_ids)),
-                             ignore_index=_NO_IGNORE_INDEX)
+                             ignore_index=None, hint=_MASK_NOT_LABELS)
         ids = torch.where(valid.reshape(-1), ids, torch.full_like(ids, -1))
         acc = torch.float64 if logits.hidden.dtype == torch.float64 else torch.float32
 
@@ -290,7 +297,7 @@ def _check_inputs(logits: ImplicitLogits, opts: _Options, completion_ids, advant
                          f"{tuple(logits.lead_shape) + (logits.hidden.shape[-1],)}")
     b, c = logits.lead_shape
     v.require_tensor("completion_ids", completion_ids, floating=False)
-    v.require_shape("completion_ids", completion_ids, (b, c), "the leading dimensions of hidden")
+    require_aligned("completion_ids", completion_ids, (b, c))
     mask = v.require_mask("completion_mask", completion_mask, (b, c))
     v.require_tensor("advantages", advantages)
     if advantages.is_complex() or advantages.dtype == torch.bool:

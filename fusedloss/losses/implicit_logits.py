@@ -43,16 +43,15 @@ class ImplicitLogits:
     def num_rows(self) -> int:
         return self.hidden.shape[0]
 
-    def targets(self, name: str, targets, ignore_index: int) -> torch.Tensor:
-        """Validate ``targets`` (shape = leading shape of hidden) and map them to the core's convention."""
+    def targets(self, name: str, targets, ignore_index: Optional[int], *, hint: str = "") -> torch.Tensor:
+        """Validate ``targets`` (shape = leading shape of hidden) and map them to the core's convention.
+        ``ignore_index=None``: no value is ignored (the caller masks); ``hint``: the fix for an id out of range."""
         v.require_tensor(name, targets, floating=False)
-        if tuple(targets.shape) != self.lead_shape:
-            raise ValueError(f"{name} must have shape {self.lead_shape} (the leading dimensions of hidden), got "
-                             f"{tuple(targets.shape)}{alignment_hint(name, tuple(targets.shape), self.lead_shape)}")
+        require_aligned(name, targets, self.lead_shape)
         v.require_same_device(hidden=self.hidden, **{name: targets})
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        if ignore_index is not None and (isinstance(ignore_index, bool) or not isinstance(ignore_index, int)):
             raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
-        return v.map_targets(name, targets, self.vocab_size, ignore_index)
+        return v.map_targets(name, targets, self.vocab_size, ignore_index, hint=hint)
 
     def statistics(self, *, targets=None, teacher: Optional[TeacherHead] = None, transform=None,
                    **wants) -> Statistics:
@@ -153,6 +152,13 @@ def _autocast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.T
     return t.to(dtype)
 
 
+def require_aligned(name: str, targets: torch.Tensor, lead_shape: tuple) -> None:
+    """``targets`` must have the leading shape of hidden; the near misses of next-token scoring get their fix."""
+    if tuple(targets.shape) != tuple(lead_shape):
+        raise ValueError(f"{name} must have shape {tuple(lead_shape)} (the leading dimensions of hidden), got "
+                         f"{tuple(targets.shape)}{alignment_hint(name, tuple(targets.shape), tuple(lead_shape))}")
+
+
 def alignment_hint(name: str, shape: tuple, lead: tuple) -> str:
     """A sentence for the two shape near misses of next-token scoring (empty when neither applies):
     ``targets`` one position longer than ``hidden`` (labels of the whole sequence), or shorter (a
@@ -163,8 +169,8 @@ def alignment_hint(name: str, shape: tuple, lead: tuple) -> str:
         return (f": next-token labels? position t of hidden predicts token t + 1, so pass hidden[:, :-1] with "
                 f"{name}[:, 1:]")
     if 0 < shape[-1] < lead[-1]:
-        return (f": scoring a completion of {shape[-1]} tokens after a prompt of P tokens? The rows that predict "
-                f"it are hidden[:, P - 1:-1] (not hidden[:, -{shape[-1]}:] nor hidden[:, P:]); "
+        return (f": scoring a completion of {shape[-1]} tokens after a prompt of P tokens? pass hidden[:, P - 1:-1], "
+                f"the rows that predict it (not hidden[:, -{shape[-1]}:] nor hidden[:, P:]); "
                 f"fusedloss.integrations.transformers.completion_logprobs(model, prompt_ids, completion_ids) "
                 f"aligns them for you")
     return ""
@@ -185,17 +191,17 @@ def items_divisor(num_items_in_batch, like: torch.Tensor, *, positive: bool = Fa
 
     ``positive``: the loss is ``sum / num_items_in_batch`` itself (cross-entropy, distillation: what
     transformers computes), so a value that is not > 0 is refused with a ValueError, a tensor's too, rather
-    than silently clamped (0.5 must give 2 * sum, as the reference does) or turned into inf / NaN. The
-    tensor's value is checked outside torch.compile only (it needs a host synchronisation)."""
+    than silently clamped (0.5 must give 2 * sum, as the reference does) or turned into inf / NaN. A tensor's
+    value is checked without a host synchronisation (``_validation.refuse_values``)."""
     if isinstance(num_items_in_batch, torch.Tensor):
         if (num_items_in_batch.numel() != 1 or num_items_in_batch.is_complex()
                 or num_items_in_batch.dtype == torch.bool):
             raise ValueError("num_items_in_batch must be a number or a one-element real tensor, got "
                              f"shape {tuple(num_items_in_batch.shape)} ({num_items_in_batch.dtype})")
-        if (positive and not torch.compiler.is_compiling() and num_items_in_batch.device.type != "meta"
-                and not bool(num_items_in_batch.reshape(()) > 0)):
-            raise ValueError("num_items_in_batch must be > 0 (the loss is sum / num_items_in_batch), got "
-                             f"{num_items_in_batch.reshape(()).item()!r}")
-        return num_items_in_batch.reshape(()).to(device=like.device, dtype=like.dtype)
+        value = num_items_in_batch.reshape(())
+        if positive:  # no host synchronisation on a GPU (a device-side assertion there)
+            why = "num_items_in_batch must be > 0 (the loss is sum / num_items_in_batch)"
+            v.refuse_values(~(value > 0), lambda: f"{why}, got {value.item()!r}", why)
+        return value.to(device=like.device, dtype=like.dtype)
     v.require_real("num_items_in_batch", num_items_in_batch, nonnegative=True, positive=positive)
     return torch.tensor(float(num_items_in_batch), device=like.device, dtype=like.dtype)

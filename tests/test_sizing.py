@@ -1,0 +1,98 @@
+"""``fusedloss.estimate`` and ``python -m fusedloss estimate``: the sizes follow from the shapes by the formulas of
+``fusedloss/sizing.py`` (checked here against numbers worked out by hand), the products from the cost model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import fusedloss
+from fusedloss.__main__ import main
+from fusedloss.core import cost
+from fusedloss.cuda import backend as cuda_backend
+
+GiB, MiB = 2**30, 2**20
+QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "vocab_size": 152064}
+
+
+def test_a_qwen_7b_sized_sft_batch(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))
+    est = fusedloss.estimate(tmp_path, tokens=16384, dtype="bf16")
+    assert (est.hidden_size, est.vocab_size, est.dtype, est.op) == (3584, 152064, "bfloat16", "cross_entropy")
+    assert est.logits_fp32_bytes == 16384 * 152064 * 4 == 9965666304  # the README's "10 GB in fp32"
+    naive = est.path("materialised logits (naive)")
+    # bf16 logits (2 B) and the fp32 log-softmax (4 B) held; d log-softmax (4 B) and d logits (2 B) in the backward
+    assert naive.held_bytes == naive.transient_bytes == 16384 * 152064 * 6 == 14948499456
+    assert naive.products == 3
+    trl = est.path("TRL 1.16 chunked kernel")
+    assert (trl.held_bytes, trl.transient_bytes, trl.products) == (0, 256 * MiB, 4)  # [4096, 32768] bf16
+    fused = next(p for p in est.paths if p.name.startswith("fusedloss, GPU"))
+    spec = cost.GPUS["h200"]
+    assert fused.transient_bytes == cuda_backend.workspace_bytes(spec.memory_bytes // 2) and fused.held_bytes == 0
+    assert fused.products == 3 and "eager" in fused.name  # cross-entropy is known in the forward
+    torch_path = est.path("fusedloss, torch backend (CPU)")
+    assert torch_path.transient_bytes == 1024 * 4096 * 4 == 16 * MiB
+    assert est.bound_products == 3
+    text = str(est)
+    assert "9.28 GiB" in text and "13.92 GiB" in text and "256 MiB" in text
+
+
+def test_log_probs_need_four_products_and_the_workspace_is_what_is_asked():
+    est = fusedloss.estimate(hidden_size=4096, vocab_size=128256, tokens=4096, op="token_logprobs_entropy",
+                             dtype="float32", workspace_mb=512)
+    assert est.bound_products == 4
+    fused = next(p for p in est.paths if p.name.startswith("fusedloss, GPU"))
+    assert fused.products == 4 and fused.transient_bytes == 512 * MiB
+    naive = est.path("materialised logits (naive)")
+    assert naive.held_bytes == 4096 * 128256 * 8  # fp32 logits and fp32 log-softmax
+    assert est.path("TRL 1.16 chunked kernel").transient_bytes == 4096 * 32768 * 4
+
+
+def test_small_batches_never_exceed_their_own_logits():
+    est = fusedloss.estimate({"hidden_size": 64, "vocab_size": 1000}, tokens=8)
+    assert est.path("TRL 1.16 chunked kernel").transient_bytes == 8 * 1000 * 2
+    assert next(p for p in est.paths if p.name.startswith("fusedloss, GPU")).transient_bytes == 8 * 1000 * 4
+    assert est.path("fusedloss, torch backend (CPU)").transient_bytes == 8 * 1000 * 4
+
+
+def test_config_forms():
+    nested = {"architectures": ["Gemma3ForConditionalGeneration"], "text_config": {"hidden_size": 2560,
+                                                                                    "vocab_size": 262208}}
+    assert (fusedloss.estimate(nested, tokens=1).hidden_size, fusedloss.estimate(nested, tokens=1).vocab_size) == (
+        2560, 262208)
+    assert fusedloss.estimate(QWEN_7B, tokens=1, vocab_size=151936).vocab_size == 151936  # the override wins
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(hidden_size=64, vocab_size=1009, num_attention_heads=4)
+    assert fusedloss.estimate(config, tokens=2).hidden_size == 64
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(tokens=16), "hidden_size"),
+    (dict(hidden_size=64, tokens=16), "vocab_size"),
+    (dict(hidden_size=64, vocab_size=100, tokens=0), "tokens"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, dtype="int8"), "dtype"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, op="distill_jsd"), "op"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, gpu="tpu"), "gpu"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=0), "workspace_mb"),
+])
+def test_bad_arguments_are_named(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        fusedloss.estimate(**kwargs)
+
+
+def test_a_missing_config_says_what_it_wants():
+    with pytest.raises(ValueError, match="config.json"):
+        fusedloss.estimate("/nonexistent/model", tokens=4)
+
+
+def test_the_command_prints_the_table(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(QWEN_7B))
+    assert main(["estimate", "--model-config", str(tmp_path / "config.json"), "--tokens", "16384",
+                 "--dtype", "bfloat16"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip() == str(fusedloss.estimate(tmp_path, tokens=16384)).strip()
+    with pytest.raises(SystemExit):
+        main(["estimate", "--tokens", "16"])
+    assert "--model-config" in capsys.readouterr().err
+    assert main(["status"]) == 0 and json.loads(capsys.readouterr().out)["torch"] == "available"
