@@ -141,6 +141,8 @@ def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfl
         "backward_passes": [p.name for p, k in zip(plan.passes, phases(plan)) if k == "backward"],
         "plan": _jsonable(plan.params),
         "passes": {name: round(ms, 4) for name, ms in est.pass_ms.items()},
+        # each pass: its time, what bounds it (math, memory, issue, mufu, launches) and the rates it assumed
+        "pass_detail": _jsonable({name: {**d, "ms": round(d["ms"], 4)} for name, d in est.pass_detail.items()}),
     }
 
 
