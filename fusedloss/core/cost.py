@@ -2,10 +2,12 @@
 
 Every GPU backend describes how it will execute a call as a ``Plan``: a list of ``Pass``es (a GEMM-sized
 product, an elementwise sweep over a workspace, a reduction ...) each with the flops it performs and the
-bytes it moves through HBM. ``evaluate`` turns a plan into a modelled time with a roofline per pass
-(``max(flops / peak, bytes / bandwidth)``, passes summed unless a pass says it overlaps the previous one)
-and compares it with the *product-count bound* of the workload: the time of the fewest GEMM-sized
-products any exact method needs for that op at the GPU's dense peak (``product_bound``).
+bytes it moves through HBM, and for elementwise kernels the instructions they issue (counted in their
+compiled SASS). ``evaluate`` turns a plan into a modelled time per pass (``max(flops / rate, bytes /
+bandwidth, instructions / issue rate)``, plus a product's exposed epilogue and its small launches; passes summed
+unless a pass says it overlaps the previous one; ``pass_breakdown`` says which limit bounds each) and
+compares it with the *product-count bound* of the workload: the time of the fewest GEMM-sized products any
+exact method needs for that op at the GPU's dense peak (``product_bound``).
 
 The backends' own plan functions are what the model evaluates (``fusedloss.cuda.backend.plan``,
 ``fusedloss.triton.backend.plan``), and the same functions drive their run-time choices (eager or
