@@ -108,12 +108,13 @@ def bound(op: str, n: int, d: int, v: int, *, dtype: str = "bfloat16", gpu: str 
 def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfloat16", gpu: str = "h200",
              teacher_d: Optional[int] = None, hidden_grad: bool = True, weight_grad: bool = True,
              free_bytes: Optional[int] = None, workspace_mb: Optional[float] = None, path: Optional[str] = None,
-             before: bool = False, what_if_fused: bool = False) -> dict:
+             before: bool = False, what_if_fused: bool = False, plain: bool = True) -> dict:
     """The modelled cost of ``backend``'s plan for one call (the fields of the CLI's JSON).
-    ``free_bytes`` defaults to half the GPU's memory (a training step's state holds the rest)."""
+    ``free_bytes`` defaults to half the GPU's memory (a training step's state holds the rest); ``plain=False``:
+    logits with a bias, scale, soft-cap or temperature (the CUDA kernels' general instantiation)."""
     spec = cost.GPUS[gpu]
     w = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype, teacher_d=teacher_d, hidden_grad=hidden_grad,
-                      weight_grad=weight_grad)
+                      weight_grad=weight_grad, plain=plain)
     if free_bytes is None:
         free_bytes = spec.memory_bytes // 2
     if before:
@@ -137,7 +138,7 @@ def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfl
     student, teacher = cost.product_bound(w)
     return {
         "op": op, "backend": backend, "N": n, "D": d, "V": v, "dtype": dtype, "gpu": spec.name,
-        "path": plan.path, "products": plan.products,
+        "path": plan.path, "products": plan.products, "plain": plain,
         "teacher_products": plan.params.get("teacher_products", 0.0),
         "bound_products": student, "bound_teacher_products": teacher,
         "flops": est.flops, "hbm_bytes": est.hbm_bytes, "model_ms": est.model_ms, "bound_ms": est.bound_ms,
@@ -336,6 +337,8 @@ def main(argv=None) -> int:
     ap.add_argument("--path", choices=("eager", "composable"), default=None, help="force a path")
     ap.add_argument("--frozen-weight", action="store_true", help="no d weight (LoRA, frozen head)")
     ap.add_argument("--before", action="store_true", help="the CUDA backend at db85361 instead")
+    ap.add_argument("--transformed", action="store_true",
+                    help="logits with a bias, logit scale, soft-cap or temperature (default: the raw products)")
     ap.add_argument("--what-if-fused-epilogue", action="store_true",
                     help="the CUDA plan with fold and dx inside the products' epilogues (no backend runs it)")
     ap.add_argument("--json", action="store_true", help="one JSON object")
@@ -349,7 +352,7 @@ def main(argv=None) -> int:
         e = estimate(args.op, args.backend, args.N, args.D, args.V, dtype=args.dtype, gpu=args.gpu,
                      teacher_d=args.teacher_D, weight_grad=not args.frozen_weight, free_bytes=free,
                      workspace_mb=args.workspace_mb, path=args.path, before=args.before,
-                     what_if_fused=args.what_if_fused_epilogue)
+                     what_if_fused=args.what_if_fused_epilogue, plain=not args.transformed)
     except NoPlan as exc:
         if args.json:
             print(json.dumps({"op": args.op, "backend": args.backend, "error": str(exc)}))
