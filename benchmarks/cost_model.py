@@ -108,12 +108,13 @@ def bound(op: str, n: int, d: int, v: int, *, dtype: str = "bfloat16", gpu: str 
 def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfloat16", gpu: str = "h200",
              teacher_d: Optional[int] = None, hidden_grad: bool = True, weight_grad: bool = True,
              free_bytes: Optional[int] = None, workspace_mb: Optional[float] = None, path: Optional[str] = None,
-             before: bool = False) -> dict:
+             before: bool = False, what_if_fused: bool = False, plain: bool = True) -> dict:
     """The modelled cost of ``backend``'s plan for one call (the fields of the CLI's JSON).
-    ``free_bytes`` defaults to half the GPU's memory (a training step's state holds the rest)."""
+    ``free_bytes`` defaults to half the GPU's memory (a training step's state holds the rest); ``plain=False``:
+    logits with a bias, scale, soft-cap or temperature (the CUDA kernels' general instantiation)."""
     spec = cost.GPUS[gpu]
     w = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype, teacher_d=teacher_d, hidden_grad=hidden_grad,
-                      weight_grad=weight_grad)
+                      weight_grad=weight_grad, plain=plain)
     if free_bytes is None:
         free_bytes = spec.memory_bytes // 2
     if before:
@@ -128,12 +129,16 @@ def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfl
         if workspace_mb is not None:
             kwargs["workspace"] = int(workspace_mb * 2**20)
         plan = fn(w, spec, free_bytes, **kwargs)
+    if what_if_fused:
+        if backend != "cuda":
+            raise NoPlan("--what-if-fused-epilogue rewrites the CUDA plan only")
+        plan = fused_epilogue(plan)
     est = cost.evaluate(plan, w, spec)
     fwd_ms, bwd_ms = split_ms(plan, w, spec)
     student, teacher = cost.product_bound(w)
     return {
         "op": op, "backend": backend, "N": n, "D": d, "V": v, "dtype": dtype, "gpu": spec.name,
-        "path": plan.path, "products": plan.products,
+        "path": plan.path, "products": plan.products, "plain": plain,
         "teacher_products": plan.params.get("teacher_products", 0.0),
         "bound_products": student, "bound_teacher_products": teacher,
         "flops": est.flops, "hbm_bytes": est.hbm_bytes, "model_ms": est.model_ms, "bound_ms": est.bound_ms,
@@ -141,7 +146,32 @@ def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfl
         "backward_passes": [p.name for p, k in zip(plan.passes, phases(plan)) if k == "backward"],
         "plan": _jsonable(plan.params),
         "passes": {name: round(ms, 4) for name, ms in est.pass_ms.items()},
+        # each pass: its time, what bounds it (math, memory, issue, mufu, launches) and the rates it assumed
+        "pass_detail": _jsonable({name: {**d, "ms": round(d["ms"], 4)} for name, d in est.pass_detail.items()}),
     }
+
+
+def fused_epilogue(plan: cost.Plan) -> cost.Plan:
+    """What-if (no backend runs it): the CUDA plan with the fold and dx moved into the products that form the
+    logits (a GEMM epilogue computing the row statistics of each output tile, and dx written in the input dtype
+    by the recompute's epilogue), overlapped with the main loop as a warp-specialised kernel overlaps them. The
+    fp32 logits still make their round trip where the 3-product eager path keeps them between the statistics
+    and dx (a loss's coefficients need the whole row); the separate elementwise passes are gone. See
+    docs/design.md, "Beyond the bound of this design"."""
+    passes = []
+    composable = plan.path == "composable"
+    for p in plan.passes:
+        if p.name in ("fold", "jsd"):
+            continue
+        if p.name == "dx" and composable:
+            continue  # dx in the recompute's epilogue
+        if composable and p.name in ("logits", "teacher logits"):
+            p = dataclasses.replace(p, hbm_bytes=p.hbm_bytes - p.epilogue_bytes, epilogue_bytes=0.0)
+        if composable and p.name in ("recompute", "teacher recompute"):
+            dx_bytes = p.epilogue_bytes / 2 if plan.params.get("dx", "").startswith("bf16") else p.epilogue_bytes
+            p = dataclasses.replace(p, hbm_bytes=p.hbm_bytes - p.epilogue_bytes + dx_bytes, epilogue_bytes=dx_bytes)
+        passes.append(p)
+    return dataclasses.replace(plan, passes=passes, params={**plan.params, "what_if": "fold and dx in the epilogue"})
 
 
 def _jsonable(x):
@@ -307,6 +337,10 @@ def main(argv=None) -> int:
     ap.add_argument("--path", choices=("eager", "composable"), default=None, help="force a path")
     ap.add_argument("--frozen-weight", action="store_true", help="no d weight (LoRA, frozen head)")
     ap.add_argument("--before", action="store_true", help="the CUDA backend at db85361 instead")
+    ap.add_argument("--transformed", action="store_true",
+                    help="logits with a bias, logit scale, soft-cap or temperature (default: the raw products)")
+    ap.add_argument("--what-if-fused-epilogue", action="store_true",
+                    help="the CUDA plan with fold and dx inside the products' epilogues (no backend runs it)")
     ap.add_argument("--json", action="store_true", help="one JSON object")
     ap.add_argument("--table", action="store_true", help="the before/after table of issue 11 (markdown)")
     args = ap.parse_args(argv)
@@ -317,7 +351,8 @@ def main(argv=None) -> int:
     try:
         e = estimate(args.op, args.backend, args.N, args.D, args.V, dtype=args.dtype, gpu=args.gpu,
                      teacher_d=args.teacher_D, weight_grad=not args.frozen_weight, free_bytes=free,
-                     workspace_mb=args.workspace_mb, path=args.path, before=args.before)
+                     workspace_mb=args.workspace_mb, path=args.path, before=args.before,
+                     what_if_fused=args.what_if_fused_epilogue, plain=not args.transformed)
     except NoPlan as exc:
         if args.json:
             print(json.dumps({"op": args.op, "backend": args.backend, "error": str(exc)}))

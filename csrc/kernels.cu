@@ -16,6 +16,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 #include "fusedloss/args.h"
 #include "fusedloss/check.h"
@@ -52,7 +53,7 @@ __device__ RowState warp_merge(RowState r) {
   return r;
 }
 
-template <typename T, bool kEntropy, bool kTeacher>
+template <typename T, bool kEntropy, bool kTeacher, bool kPlain>
 __global__ void __launch_bounds__(kFoldThreads) fold_kernel(const TileArgs a) {
   __shared__ RowState warp_states[kFoldThreads / 32];
   const int64_t row = blockIdx.x;
@@ -60,7 +61,7 @@ __global__ void __launch_bounds__(kFoldThreads) fold_kernel(const TileArgs a) {
     if (threadIdx.x == 0) fold_row_finish<kEntropy, kTeacher>(a, row, empty_state());
     return;
   }
-  RowState st = fold_lane<T, kEntropy, kTeacher>(a, row, threadIdx.x, blockDim.x);
+  RowState st = fold_lane<T, kEntropy, kTeacher, kPlain>(a, row, threadIdx.x, blockDim.x);
   st = warp_merge<kEntropy, kTeacher>(st);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   if (lane == 0) warp_states[warp] = st;
@@ -100,34 +101,51 @@ __global__ void __launch_bounds__(kFoldThreads) jsd_kernel(const TileArgs a) {
 
 constexpr int kDxThreads = 256;
 
-template <typename T, typename TO, bool kTeacher>
+template <typename T, typename TO, bool kTeacher, bool kPlain>
 __global__ void __launch_bounds__(kDxThreads) dx_kernel(const TileArgs a) {
   const int64_t row = blockIdx.x;
   const int64_t lane = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t nlanes = int64_t(gridDim.y) * blockDim.x;
-  dx_lane<T, TO, kTeacher>(a, row, lane, nlanes);
+  dx_lane<T, TO, kTeacher, kPlain>(a, row, lane, nlanes);
+}
+
+// The kPlain instantiations exist for fp32 tiles only: the ones the backend launches (cuBLAS writes fp32).
+template <typename T, bool kPlain>
+void launch_fold_as(const TileArgs& a, cudaStream_t s) {
+  const dim3 grid(unsigned(a.rows));
+  const bool teacher = a.xt != 0;
+  if (a.want_entropy && teacher) fold_kernel<T, true, true, kPlain><<<grid, kFoldThreads, 0, s>>>(a);
+  else if (a.want_entropy) fold_kernel<T, true, false, kPlain><<<grid, kFoldThreads, 0, s>>>(a);
+  else if (teacher) fold_kernel<T, false, true, kPlain><<<grid, kFoldThreads, 0, s>>>(a);
+  else fold_kernel<T, false, false, kPlain><<<grid, kFoldThreads, 0, s>>>(a);
 }
 
 template <typename T>
 void launch_fold(const TileArgs& a, cudaStream_t s) {
-  const dim3 grid(unsigned(a.rows));
-  const bool teacher = a.xt != 0;
-  if (a.want_entropy && teacher) fold_kernel<T, true, true><<<grid, kFoldThreads, 0, s>>>(a);
-  else if (a.want_entropy) fold_kernel<T, true, false><<<grid, kFoldThreads, 0, s>>>(a);
-  else if (teacher) fold_kernel<T, false, true><<<grid, kFoldThreads, 0, s>>>(a);
-  else fold_kernel<T, false, false><<<grid, kFoldThreads, 0, s>>>(a);
+  if constexpr (std::is_same_v<T, float>) {
+    if (plain_tile(a)) return launch_fold_as<T, true>(a, s);
+  }
+  launch_fold_as<T, false>(a, s);
 }
 
-template <typename T, typename TO>
-void launch_dx(const TileArgs& a, cudaStream_t s) {
+template <typename T, typename TO, bool kPlain>
+void launch_dx_as(const TileArgs& a, cudaStream_t s) {
   // Enough column blocks to fill the machine when there are few rows, each lane covering >= 4 groups.
   const int64_t per_block = int64_t(kDxThreads) * Vec<T>::kSize * 4;
   int64_t yblocks = (a.cols + per_block - 1) / per_block;
   if (yblocks < 1) yblocks = 1;
   if (yblocks > 65535) yblocks = 65535;
   const dim3 grid(unsigned(a.rows), unsigned(yblocks));
-  if (a.xt != 0) dx_kernel<T, TO, true><<<grid, kDxThreads, 0, s>>>(a);
-  else dx_kernel<T, TO, false><<<grid, kDxThreads, 0, s>>>(a);
+  if (a.xt != 0) dx_kernel<T, TO, true, kPlain><<<grid, kDxThreads, 0, s>>>(a);
+  else dx_kernel<T, TO, false, kPlain><<<grid, kDxThreads, 0, s>>>(a);
+}
+
+template <typename T, typename TO>
+void launch_dx(const TileArgs& a, cudaStream_t s) {
+  if constexpr (std::is_same_v<T, float>) {
+    if (plain_tile(a)) return launch_dx_as<T, TO, true>(a, s);
+  }
+  launch_dx_as<T, TO, false>(a, s);
 }
 
 template <typename T>
@@ -138,30 +156,31 @@ void launch_jsd(const TileArgs& a, cudaStream_t s) {
 // Validates, makes the tensors' device current for the launch, restores the caller's, and reports a
 // launch error with the launcher's name.
 template <typename Launch>
-void launch(const TileArgs& a, Kernel k, uint64_t stream, const char* name, Launch&& body) {
-  validate(a, k);
-  if (a.rows == 0 || (k == Kernel::kDx && a.cols == 0)) return;  // a fold of no columns still finalises
+void launch(const TileArgs& args, Kernel k, uint64_t stream, const char* name, Launch&& body) {
+  validate(args, k);
+  if (args.rows == 0 || (k == Kernel::kDx && args.cols == 0)) return;  // a fold of no columns still finalises
+  const TileArgs a = with_reciprocals(args);
   CudaDeviceGuard guard(a.device);
-  body(reinterpret_cast<cudaStream_t>(stream));
+  body(a, reinterpret_cast<cudaStream_t>(stream));
   check(cudaGetLastError(), name);
 }
 
 }  // namespace
 
-void fold_tile(const TileArgs& a, uint64_t stream) {
-  launch(a, Kernel::kFold, stream, "fold_tile launch", [&](cudaStream_t s) {
+void fold_tile(const TileArgs& args, uint64_t stream) {
+  launch(args, Kernel::kFold, stream, "fold_tile launch", [&](const TileArgs& a, cudaStream_t s) {
     with_dtype(a.dtype, [&](auto t) { launch_fold<decltype(t)>(a, s); });
   });
 }
 
-void jsd_tile(const TileArgs& a, uint64_t stream) {
-  launch(a, Kernel::kJsd, stream, "jsd_tile launch", [&](cudaStream_t s) {
+void jsd_tile(const TileArgs& args, uint64_t stream) {
+  launch(args, Kernel::kJsd, stream, "jsd_tile launch", [&](const TileArgs& a, cudaStream_t s) {
     with_dtype(a.dtype, [&](auto t) { launch_jsd<decltype(t)>(a, s); });
   });
 }
 
-void dx_tile(const TileArgs& a, uint64_t stream) {
-  launch(a, Kernel::kDx, stream, "dx_tile launch", [&](cudaStream_t s) {
+void dx_tile(const TileArgs& args, uint64_t stream) {
+  launch(args, Kernel::kDx, stream, "dx_tile launch", [&](const TileArgs& a, cudaStream_t s) {
     with_dtype(a.dtype, [&](auto t) {
       with_dtype(a.dx_dtype, [&](auto o) { launch_dx<decltype(t), decltype(o)>(a, s); });
     });

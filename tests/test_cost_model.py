@@ -77,3 +77,37 @@ def test_before_and_after_table():
 def test_bad_backend_is_refused():
     rc, out, err = cli("--backend", "torch", "--json")
     assert rc == 2 and "cuda' or 'triton" in json.loads(out)["error"]
+
+
+def test_json_carries_each_pass_time_its_limit_and_rates():
+    e = cost_model.estimate("cross_entropy", "cuda", 16384, 4096, 151936)
+    detail = e["pass_detail"]
+    assert set(detail) == set(e["passes"])
+    assert sum(d["ms"] for d in detail.values()) == pytest.approx(e["model_ms"], rel=1e-3)
+    # the logits product: its C (fp32 logits) priced apart, at the main-loop rate of the measured product
+    logits = detail["logits"]
+    assert logits["bound_by"] == "math" and logits["rates"]["epilogue_bytes"] == 16384 * 151936 * 4
+    assert logits["rates"]["tflops"] < 790 * cost.mainloop_factor(cost.GPUS["h200"], "bfloat16")
+    # the fold: HBM-bound now, with the warp-instructions of its compiled loop beside its bytes
+    fold = detail["fold"]
+    assert fold["bound_by"] == "memory" and fold["rates"]["warp_instructions"] > 0
+
+
+def test_a_pass_is_bounded_by_its_slowest_limit():
+    gpu = cost.GPUS["h200"]
+    issue_bound = cost.Pass("k", hbm_bytes=1e9, math="cuda_core", instructions=1e12)
+    b = cost.pass_breakdown(issue_bound, gpu)
+    assert b["bound_by"] == "issue" and b["ms"] == pytest.approx(1e12 / cost.issue_rate(gpu) * 1e3)
+    product = cost.Pass("p", flops=1e15, hbm_bytes=2e9, epilogue_bytes=1e9)
+    b = cost.pass_breakdown(product, gpu)
+    main = 1e15 / (790e12 * cost.mainloop_factor(gpu, "bfloat16")) * 1e3
+    assert b["bound_by"] == "math" and b["ms"] == pytest.approx(main + 1e9 / 4e12 * 1e3)
+
+
+def test_fused_epilogue_what_if_drops_the_elementwise_passes():
+    now = cost_model.estimate("token_logprobs_entropy", "cuda", 16384, 4096, 151936)
+    fused = cost_model.estimate("token_logprobs_entropy", "cuda", 16384, 4096, 151936, what_if_fused=True)
+    assert "fold" in now["passes"] and "fold" not in fused["passes"] and "dx" not in fused["passes"]
+    assert fused["model_ms"] < now["model_ms"] and fused["ratio"] < 1.05
+    with pytest.raises(cost_model.NoPlan):
+        cost_model.estimate("cross_entropy", "triton", 4096, 4096, 32000, what_if_fused=True)

@@ -125,26 +125,54 @@ struct Transform {
   float softcap = 0.0f;  // <= 0: no soft-cap
   float temperature = 1.0f;
   float chain = 1.0f;    // logit_scale / temperature, formed in double on the host
+  float inv_temperature = 1.0f;  // 1 / temperature, formed in double by the launchers (with_reciprocals)
 };
+
+// The identity transform (logit_scale 1, no soft-cap, temperature 1) of a tile without biases: z = x and
+// d z / d x = 1. The kernels have an instantiation for it (kPlain) that forms nothing per element.
+FL_HD bool is_identity(const Transform& t) {
+  return t.logit_scale == 1.0f && !(t.softcap > 0.0f) && t.temperature == 1.0f;
+}
 
 struct Logit {
   float z;  // the transformed logit
   float c;  // the soft-capped value (the chain rule needs it)
 };
 
+// z = c * (1 / T): a multiply by the launcher's reciprocal, not a division per element (an IEEE division
+// is a reciprocal, a Newton step and a slow-path test). Forward and backward form z the same way.
+template <bool kPlain = false>
 FL_HD Logit transform_logit(float x, float bias, const Transform& t) {
+  if (kPlain) return Logit{x, x};
   const float u = (x + bias) * t.logit_scale;
   const float c = t.softcap > 0.0f ? t.softcap * tanhf(u / t.softcap) : u;
-  return Logit{c / t.temperature, c};
+  return Logit{c * t.inv_temperature, c};
 }
 
 // d z / d x, elementwise: (logit_scale / temperature) * (1 - (c / softcap)^2).
+template <bool kPlain = false>
 FL_HD float chain_factor(float c, const Transform& t) {
+  if (kPlain) return 1.0f;
   if (t.softcap > 0.0f) {
     const float r = c / t.softcap;
     return t.chain * (1.0f - r * r);
   }
   return t.chain;
+}
+
+// e^x as one multiply by log2(e) and the hardware's base-2 exponential on the device (MUFU.EX2 through
+// ex2.approx.ftz: ~2 ulp, results below 2^-126 flush to 0, which no sum here can see), where expf's accurate
+// range reduction costs ~8 instructions; exp2f on the host twins. -inf gives 0, NaN stays NaN. Used for the
+// terms of the sums and of dz; the normalisers' logs and the tile merges keep the accurate functions.
+constexpr float kLog2e = 1.44269504088896340736f;
+FL_HD float fast_exp(float x) {
+#ifdef __CUDA_ARCH__
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * kLog2e));
+  return y;
+#else
+  return std::exp2(x * kLog2e);
+#endif
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -221,53 +249,73 @@ FL_HD float rev_kl_term(float ez, float d, float z, float zt, float ztm) {
 // gives KL(p || q) = +inf, never -inf - -inf = NaN (and likewise for the teacher side).
 FL_HD float shifted(float z, float m) { return z == -fl_inf() ? z : z - m; }
 
-// Fold one column (z, zt) into the running state. The rescale branch runs only when a maximum grows,
-// so a column costs one exp per side. -inf logits contribute nothing to the sums; NaN and +inf propagate.
-template <bool kEntropy, bool kTeacher>
-FL_HD void state_add(RowState& r, float z, float zt, float col) {
-  const bool new_max = z > r[kM];
-  if (new_max) {
+// Fold a group of kN columns (z[k], zt[k]; the first at vocabulary column col0) into the running state. The
+// maxima move once per group, to the group's maximum (its first column on ties), and only when it exceeds
+// the running one, so a column costs one exponential per side and no branch. -inf logits contribute nothing
+// to the sums; NaN never becomes a maximum and propagates through the sums; +inf propagates.
+template <bool kEntropy, bool kTeacher, int kN>
+FL_HD void state_add_group(RowState& r, const float* z, const float* zt, float col0) {
+  float gmax = -fl_inf(), gzt = 0.0f;
+  int kmax = -1;
+  FL_UNROLL
+  for (int k = 0; k < kN; ++k) {
+    if (z[k] > gmax) {
+      gmax = z[k];
+      gzt = kTeacher ? zt[k] : 0.0f;
+      kmax = k;
+    }
+  }
+  const bool grow = gmax > r[kM];
+  if (grow) {
     if (r[kM] != -fl_inf()) {
-      const float dm = r[kM] - z;
-      const float f = expf(dm);
+      const float dm = r[kM] - gmax;
+      const float f = fast_exp(dm);
       if (kEntropy) r[kE] = f * (r[kE] + r[kS] * dm);
       if (kTeacher) {
         // a moves to the new maximum column's frame (z, zt): shift (old m - z) - (old ztm - zt).
-        r[kA] = zt == -fl_inf() ? fl_inf() : keep_inf(r[kA], f * (r[kA] + r[kS] * (dm - (r[kZtm] - zt))));
+        r[kA] = gzt == -fl_inf() ? fl_inf() : keep_inf(r[kA], f * (r[kA] + r[kS] * (dm - (r[kZtm] - gzt))));
         r[kB] = r[kB] - r[kSt] * dm;
       }
       r[kS] *= f;
       r[kS2] *= f * f;
       r[kT] = (r[kT] + 1.0f) * f;  // the old maximum column now contributes f
     }
-    r[kM] = z;
+    r[kM] = gmax;
     if (kTeacher) {
-      r[kZtm] = zt;
-      r[kCol] = col;
+      r[kZtm] = gzt;
+      r[kCol] = col0 + float(kmax);
     }
   }
-  if (kTeacher && zt > r[kMt]) {
-    if (r[kMt] != -fl_inf()) {
-      const float dmt = r[kMt] - zt;
-      const float g = expf(dmt);
-      r[kB] = keep_inf(r[kB], g * (r[kB] + r[kSt] * dmt));
-      r[kSt] *= g;
-    }
-    r[kMt] = zt;
-  }
-  const float d = shifted(z, r[kM]);
-  const float ez = z == -fl_inf() ? 0.0f : expf(d);
-  r[kS] += ez;
-  if (!new_max) r[kT] += ez;  // the new maximum contributes the implicit 1
-  r[kS2] += ez * ez;
-  r[kSz] += z;
-  if (kEntropy) r[kE] += xmul(ez, d);
   if (kTeacher) {
-    const float dt = shifted(zt, r[kMt]);
-    const float ezt = zt == -fl_inf() ? 0.0f : expf(dt);
-    r[kSt] += ezt;
-    r[kA] += rev_kl_term(ez, d, z, zt, r[kZtm]);
-    r[kB] += kl_term(ezt, dt - d, zt, z);
+    float gtmax = -fl_inf();
+    FL_UNROLL
+    for (int k = 0; k < kN; ++k) gtmax = zt[k] > gtmax ? zt[k] : gtmax;
+    if (gtmax > r[kMt]) {
+      if (r[kMt] != -fl_inf()) {
+        const float dmt = r[kMt] - gtmax;
+        const float g = fast_exp(dmt);
+        r[kB] = keep_inf(r[kB], g * (r[kB] + r[kSt] * dmt));
+        r[kSt] *= g;
+      }
+      r[kMt] = gtmax;
+    }
+  }
+  FL_UNROLL
+  for (int k = 0; k < kN; ++k) {
+    const float d = shifted(z[k], r[kM]);
+    const float ez = z[k] == -fl_inf() ? 0.0f : fast_exp(d);
+    r[kS] += ez;
+    r[kT] += (grow && k == kmax) ? 0.0f : ez;  // the new maximum column contributes the implicit 1
+    r[kS2] += ez * ez;
+    r[kSz] += z[k];
+    if (kEntropy) r[kE] += xmul(ez, d);
+    if (kTeacher) {
+      const float dt = shifted(zt[k], r[kMt]);
+      const float ezt = zt[k] == -fl_inf() ? 0.0f : fast_exp(dt);
+      r[kSt] += ezt;
+      r[kA] += rev_kl_term(ez, d, z[k], zt[k], r[kZtm]);
+      r[kB] += kl_term(ezt, dt - d, zt[k], z[k]);
+    }
   }
 }
 
@@ -439,7 +487,7 @@ struct DzTerms {
 template <bool kTeacher>
 FL_HD float dz_element(float z, float zt, bool is_target, const RowCoeffs& k, const DzTerms& t, const JsdConsts& j) {
   const float logq = (z - k.lse) - k.lse_lo;
-  const float q = expf(logq);
+  const float q = fast_exp(logq);
   const float a = k.c[kCoefOnehot];
   // Off the target, a's share -a q_j joins c0; at the target c0 stays unrounded by a (an entropy or KL share
   // of a confident row would otherwise be rounded at ulp(a)).
@@ -453,7 +501,7 @@ FL_HD float dz_element(float z, float zt, bool is_target, const RowCoeffs& k, co
     if (t.jsd || t.kl_fwd) {
       const float logpt = (zt - k.lse_t) - k.lse_t_lo;
       if (t.jsd) inner += k.c[kCoefLogm] * logaddexp(logq + j.log_1m_beta, logpt + j.log_beta);
-      if (t.kl_fwd) teacher_prob = k.c[kCoefTeacherProb] * expf(logpt);
+      if (t.kl_fwd) teacher_prob = k.c[kCoefTeacherProb] * fast_exp(logpt);
     }
   }
   // 0 log 0 -> 0 where q = 0; at the target a (1 - q_y) = -a expm1(log q_y), exact to rounding for every q_y

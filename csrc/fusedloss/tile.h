@@ -141,8 +141,23 @@ FL_HD float bias_at(uint64_t bias, int dtype, int64_t v) {
   return bias != 0 ? load_as_float(reinterpret_cast<const void*>(bias), dtype, v) : 0.0f;
 }
 
+// The launch arguments with the transforms' reciprocals formed (in double, once per launch): every launcher,
+// device and host, passes its arguments through this before the kernels read them.
+inline TileArgs with_reciprocals(TileArgs a) {
+  a.tf.inv_temperature = float(1.0 / double(a.tf.temperature));
+  a.teacher_tf.inv_temperature = float(1.0 / double(a.teacher_tf.temperature));
+  return a;
+}
+
+// Whether the tile's logits are the raw products themselves (no bias, identity transforms, the teacher's
+// too): the kernels' kPlain instantiation. It forms the same values as the general path would (x + 0, times
+// 1, times 1 / 1 are exact), so a forward and a backward may take either.
+FL_HD bool plain_tile(const TileArgs& a) {
+  return a.bias == 0 && a.teacher_bias == 0 && is_identity(a.tf) && (a.xt == 0 || is_identity(a.teacher_tf));
+}
+
 // ---- fold: one lane's partial statistics of one row ------------------------------------------------
-template <typename T, bool kEntropy, bool kTeacher>
+template <typename T, bool kEntropy, bool kTeacher, bool kPlain>
 FL_HD RowState fold_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes) {
   const T* xr = reinterpret_cast<const T*>(a.x) + row * a.ld;
   const T* xtr = kTeacher ? reinterpret_cast<const T*>(a.xt) + row * a.ld : nullptr;
@@ -151,15 +166,20 @@ FL_HD RowState fold_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t n
   const int64_t ybefore =
       (a.want_extras && a.targets != 0) ? reinterpret_cast<const int64_t*>(a.targets)[row] - a.v0 : 0;
   for_lane_groups(xr, xtr, a.cols, lane, nlanes, [&](int64_t c, auto n, const float* v, const float* vt) {
+    constexpr int kN = decltype(n)::value;
+    float z[kN], zt[kN];
     FL_UNROLL
-    for (int k = 0; k < decltype(n)::value; ++k) {
+    for (int k = 0; k < kN; ++k) {
       const int64_t col = a.v0 + c + k;
-      const float z = transform_logit(v[k], bias_at(a.bias, a.bias_dtype, col), a.tf).z;
-      float zt = 0.0f;
-      if (kTeacher) zt = transform_logit(vt[k], bias_at(a.teacher_bias, a.teacher_bias_dtype, col), a.teacher_tf).z;
-      state_add<kEntropy, kTeacher>(st, z, zt, float(col));
-      if (c + k < ybefore) st[kMb] = fmaxf(st[kMb], z);
+      z[k] = transform_logit<kPlain>(v[k], kPlain ? 0.0f : bias_at(a.bias, a.bias_dtype, col), a.tf).z;
+      zt[k] = 0.0f;
+      if (kTeacher) {
+        zt[k] = transform_logit<kPlain>(
+                    vt[k], kPlain ? 0.0f : bias_at(a.teacher_bias, a.teacher_bias_dtype, col), a.teacher_tf).z;
+      }
+      if (c + k < ybefore) st[kMb] = fmaxf(st[kMb], z[k]);
     }
+    state_add_group<kEntropy, kTeacher, kN>(st, z, zt, float(a.v0 + c));
   });
   return st;
 }
@@ -277,30 +297,38 @@ FL_HD bool row_inactive(const TileArgs& a, int64_t row, const RowCoeffs& k) {
   return true;
 }
 
-template <typename T, typename TO, bool kTeacher>
+template <typename T, typename TO, bool kTeacher, bool kPlain>
 FL_HD void dx_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes) {
   const RowCoeffs k = row_coeffs(a, row);
   const DzTerms terms = dz_terms(a);
   const T* xr = reinterpret_cast<const T*>(a.x) + row * a.ld;
   const T* xtr = kTeacher ? reinterpret_cast<const T*>(a.xt) + row * a.ld : nullptr;
   TO* dr = reinterpret_cast<TO*>(a.dx) + row * a.dx_ld;
-  const bool inactive = row_inactive(a, row, k);
+  if (row_inactive(a, row, k)) {  // exact zeros, nothing evaluated (a loop of its own: no test per column)
+    for_lane_groups(xr, xtr, a.cols, lane, nlanes, [&](int64_t c, auto n, const float*, const float*) {
+      constexpr int kCount = decltype(n)::value;
+      float g[kCount];
+      FL_UNROLL
+      for (int j = 0; j < kCount; ++j) g[j] = 0.0f;
+      store_group<TO, kCount>(dr + c, g);
+    });
+    return;
+  }
   const int64_t y = a.targets != 0 ? reinterpret_cast<const int64_t*>(a.targets)[row] - a.v0 : -1;
   for_lane_groups(xr, xtr, a.cols, lane, nlanes, [&](int64_t c, auto n, const float* v, const float* vt) {
     constexpr int kCount = decltype(n)::value;
     float g[kCount];
     FL_UNROLL
     for (int j = 0; j < kCount; ++j) {
-      if (inactive) {
-        g[j] = 0.0f;
-        continue;
-      }
       const int64_t col = a.v0 + c + j;
-      const Logit z = transform_logit(v[j], bias_at(a.bias, a.bias_dtype, col), a.tf);
+      const Logit z = transform_logit<kPlain>(v[j], kPlain ? 0.0f : bias_at(a.bias, a.bias_dtype, col), a.tf);
       float zt = 0.0f;
-      if (kTeacher) zt = transform_logit(vt[j], bias_at(a.teacher_bias, a.teacher_bias_dtype, col), a.teacher_tf).z;
+      if (kTeacher) {
+        zt = transform_logit<kPlain>(vt[j], kPlain ? 0.0f : bias_at(a.teacher_bias, a.teacher_bias_dtype, col),
+                                     a.teacher_tf).z;
+      }
       const float dz = dz_element<kTeacher>(z.z, zt, c + j == y, k, terms, a.jsd);
-      g[j] = dz * chain_factor(z.c, a.tf);
+      g[j] = dz * chain_factor<kPlain>(z.c, a.tf);
     }
     store_group<TO, kCount>(dr + c, g);
   });

@@ -2,10 +2,12 @@
 
 Every GPU backend describes how it will execute a call as a ``Plan``: a list of ``Pass``es (a GEMM-sized
 product, an elementwise sweep over a workspace, a reduction ...) each with the flops it performs and the
-bytes it moves through HBM. ``evaluate`` turns a plan into a modelled time with a roofline per pass
-(``max(flops / peak, bytes / bandwidth)``, passes summed unless a pass says it overlaps the previous one)
-and compares it with the *product-count bound* of the workload: the time of the fewest GEMM-sized
-products any exact method needs for that op at the GPU's dense peak (``product_bound``).
+bytes it moves through HBM, and for elementwise kernels the instructions they issue (counted in their
+compiled SASS). ``evaluate`` turns a plan into a modelled time per pass (``max(flops / rate, bytes /
+bandwidth, instructions / issue rate)``, plus a product's exposed epilogue and its small launches; passes summed
+unless a pass says it overlaps the previous one; ``pass_breakdown`` says which limit bounds each) and
+compares it with the *product-count bound* of the workload: the time of the fewest GEMM-sized products any
+exact method needs for that op at the GPU's dense peak (``product_bound``).
 
 The backends' own plan functions are what the model evaluates (``fusedloss.cuda.backend.plan``,
 ``fusedloss.triton.backend.plan``), and the same functions drive their run-time choices (eager or
@@ -29,7 +31,8 @@ from typing import Optional
 class GPUSpec:
     """Dense (non-sparse) throughput and memory figures. ``tflops`` maps the product's operand dtype
     ("bfloat16", "float16", "tf32", "float32") to TFLOP/s; ``hbm_tbps`` is the *effective* bandwidth a
-    streaming kernel reaches (not the datasheet peak)."""
+    streaming kernel reaches (not the datasheet peak); ``sm_clock_ghz`` the SM clock under load (the issue
+    rate of the elementwise kernels: ``issue_rate``)."""
 
     name: str
     tflops: dict
@@ -37,29 +40,86 @@ class GPUSpec:
     l2_bytes: int
     sm_count: int
     memory_bytes: int
+    sm_clock_ghz: float = 1.98
 
 
+# Every rate below is a named figure with its source. The first device run's per-kernel times (the benchmark's
+# profile of one call) replace them: each is what one kind of kernel is assumed to reach until then.
 GPUS = {
-    # H200 SXM: bf16 dense ~790 TFLOP/s on random data and a 4.3 TB/s device copy, as measured on the lent
-    # device by an earlier task; 4.0 TB/s is what a streaming kernel should expect. fp64: 67 TFLOP/s
-    # (datasheet, tensor cores).
+    # H200 SXM: bf16 dense ~790 TFLOP/s on random data (the best cuBLAS rate, 8192^3, bf16 output) and a 4.3 TB/s
+    # device copy, as measured on an H200; 4.0 TB/s is what a streaming kernel should expect. fp64: 67 TFLOP/s
+    # (datasheet, tensor cores). SM clock: 1.98 GHz, the datasheet's boost clock.
     "h200": GPUSpec("H200", {"bfloat16": 790.0, "float16": 790.0, "tf32": 395.0, "float32": 60.0, "float64": 60.0},
-                    hbm_tbps=4.0, l2_bytes=50 * 2**20, sm_count=132, memory_bytes=141 * 10**9),
+                    hbm_tbps=4.0, l2_bytes=50 * 2**20, sm_count=132, memory_bytes=141 * 10**9, sm_clock_ghz=1.98),
     # H100 SXM 80 GB: the H200's SMs with 3.35 TB/s HBM3 (datasheet), ~3.0 effective.
     "h100": GPUSpec("H100", {"bfloat16": 760.0, "float16": 760.0, "tf32": 380.0, "float32": 60.0, "float64": 60.0},
-                    hbm_tbps=3.0, l2_bytes=50 * 2**20, sm_count=132, memory_bytes=80 * 10**9),
-    # A100 SXM 80 GB: 312 TFLOP/s bf16 dense (datasheet; ~280 reached), 2.0 TB/s datasheet, ~1.7 effective.
+                    hbm_tbps=3.0, l2_bytes=50 * 2**20, sm_count=132, memory_bytes=80 * 10**9, sm_clock_ghz=1.98),
+    # A100 SXM 80 GB: 312 TFLOP/s bf16 dense (datasheet; ~280 reached), 2.0 TB/s datasheet, ~1.7 effective;
+    # 1.41 GHz boost.
     "a100": GPUSpec("A100", {"bfloat16": 280.0, "float16": 280.0, "tf32": 140.0, "float32": 19.5, "float64": 19.5},
-                    hbm_tbps=1.7, l2_bytes=40 * 2**20, sm_count=108, memory_bytes=80 * 10**9),
-    # B200: ~2250 TFLOP/s bf16 dense (datasheet), 8 TB/s datasheet, ~7 effective.
+                    hbm_tbps=1.7, l2_bytes=40 * 2**20, sm_count=108, memory_bytes=80 * 10**9, sm_clock_ghz=1.41),
+    # B200: ~2250 TFLOP/s bf16 dense (datasheet), 8 TB/s datasheet, ~7 effective; ~1.9 GHz boost.
     "b200": GPUSpec("B200", {"bfloat16": 2000.0, "float16": 2000.0, "tf32": 1000.0, "float32": 75.0, "float64": 37.0},
-                    hbm_tbps=7.0, l2_bytes=126 * 2**20, sm_count=148, memory_bytes=180 * 10**9),
+                    hbm_tbps=7.0, l2_bytes=126 * 2**20, sm_count=148, memory_bytes=180 * 10**9, sm_clock_ghz=1.9),
 }
 
 # What one small kernel launch costs on the device when the host keeps ahead of it (the gap between
 # back-to-back kernels, plus the kernel's own minimum): many launches of tiny kernels (the per-token loss
-# math, the per-tile state merges) cost this, not their bytes.
+# math, the per-tile state merges) cost this, not their bytes. Assumed (a few microseconds is the usual
+# back-to-back gap on Hopper); the backends count the launches themselves (tests trace them).
 LAUNCH_US = 3.0
+
+# Elementwise kernels: one warp-instruction per clock per scheduler, 4 schedulers per SM (the Ampere, Hopper
+# and Blackwell SMs), of which a streaming loop sustains ISSUE_EFFICIENCY (assumed: dependency stalls at
+# 4-8 resident blocks per SM; not measured yet). The special-function pipe (MUFU: exponentials, reciprocals)
+# has 16 lanes per SM (4 per scheduler), a quarter of the issue rate in warp-instructions.
+SCHEDULERS_PER_SM = 4
+ISSUE_EFFICIENCY = 0.85
+MUFU_LANES_PER_SM = 16
+
+# cuBLAS's Hopper GEMMs (the cooperative and ping-pong sm90 kernels) write a tile's C, and for beta = 1 read
+# it first, after the tile's main loop: that traffic is not hidden behind the math. Assumed fully exposed
+# (1.0): an fp32-output logits product [8192 x 151936 x 4096] then runs at ~720 TFLOP/s and a beta = 1
+# accumulation with K = 2304 at ~590, where the bf16 8192^3 product that gives the 790 has 2% of C traffic.
+GEMM_EPILOGUE_EXPOSED = 1.0
+# The product behind GPUSpec.tflops (8192^3, bf16 operands and output) paid its own C write inside that rate: a
+# product whose C traffic is priced apart (Pass.epilogue_bytes) runs its main loop at the rate with that
+# share taken out (~2.4% on an H200: 810 TFLOP/s), so the C traffic is not counted twice.
+MEASURED_PRODUCT = (8192, 8192, 8192, 2)  # m, n, k, bytes per output element
+
+
+def mainloop_factor(gpu: "GPUSpec", math: str) -> float:
+    """GPUSpec.tflops[math] times this is the main-loop rate of a product whose epilogue is priced apart."""
+    m, n, k, c = MEASURED_PRODUCT
+    total = 2.0 * m * n * k / (gpu.tflops[math] * 1e12)
+    epilogue = m * n * c / (gpu.hbm_tbps * 1e12) * GEMM_EPILOGUE_EXPOSED
+    return total / (total - epilogue)
+
+# Triton's fused logits-and-statistics kernels (no TMA, no warp specialisation, one CTA per SM, the tile's
+# softmax epilogue not overlapped with the next tile's loads) reach a fraction of the bf16 rate that depends on
+# the wgmma shape the tile compiles to (m64n128k16 for 128 x 128, m64n64k16 for 64 x 128, m64n32k16 for
+# 64 x 64) through the shared-memory operand traffic per k16 step: first estimates, keyed by
+# (BLOCK_M, BLOCK_V); 64 x 64 is the teacher's tile (two products per tile).
+TRITON_TILE_EFFICIENCY = {(128, 128): 0.80, (64, 128): 0.70, (128, 64): 0.70, (64, 64): 0.58}
+
+
+def triton_tile_efficiency(block_m: int, block_v: int) -> float:
+    """The fraction of ``GPUSpec.tflops`` a Triton fused product with this tile reaches
+    (``TRITON_TILE_EFFICIENCY``; other tiles by their area: >= 128 x 128, >= 64 x 128, else 64 x 64's)."""
+    if (block_m, block_v) in TRITON_TILE_EFFICIENCY:
+        return TRITON_TILE_EFFICIENCY[(block_m, block_v)]
+    area = block_m * block_v
+    return TRITON_TILE_EFFICIENCY[(128, 128) if area >= 128 * 128 else (64, 128) if area >= 64 * 128 else (64, 64)]
+
+
+def issue_rate(gpu: "GPUSpec") -> float:
+    """Warp-instructions per second an elementwise kernel sustains on the whole GPU."""
+    return gpu.sm_count * SCHEDULERS_PER_SM * gpu.sm_clock_ghz * 1e9 * ISSUE_EFFICIENCY
+
+
+def mufu_rate(gpu: "GPUSpec") -> float:
+    """Warp-instructions per second of the special-function pipe (32 lanes per warp-instruction)."""
+    return gpu.sm_count * MUFU_LANES_PER_SM / 32 * gpu.sm_clock_ghz * 1e9
 
 
 def gemm_efficiency(m: int, n: int, k: int, gpu: GPUSpec) -> float:
@@ -100,7 +160,9 @@ OPS = {
 @dataclass(frozen=True)
 class Workload:
     """One call: ``n`` tokens, hidden size ``d`` (teacher hidden size ``teacher_d``), vocabulary ``v``,
-    operand dtype, and which gradients are wanted (a frozen head: ``weight_grad=False``)."""
+    operand dtype, and which gradients are wanted (a frozen head: ``weight_grad=False``). ``plain``: the
+    logits are the raw products (no bias, no logit scale, soft-cap or temperature), which the CUDA kernels
+    fold through an instantiation of their own."""
 
     op: str
     n: int
@@ -110,6 +172,7 @@ class Workload:
     teacher_d: Optional[int] = None
     hidden_grad: bool = True
     weight_grad: bool = True
+    plain: bool = True
 
     def __post_init__(self):
         if self.op not in OPS:
@@ -146,10 +209,15 @@ class Workload:
                   "distill_forward_kl" if p.want_kl_fwd and not p.want_kl_rev else "distill_reverse_kl")
         else:
             op = "cross_entropy" if row_local else "token_logprobs_entropy" if p.want_entropy else "token_logprobs"
+        def identity(t) -> bool:
+            return t is None or (t.logit_scale == 1.0 and t.softcap is None and t.temperature == 1.0)
+
+        plain = p.bias is None and identity(p.transform) and not (
+            p.has_teacher and (p.teacher_bias is not None or not identity(p.teacher_transform)))
         return cls(op=op, n=max(1, p.hidden.shape[0]), d=p.hidden.shape[1], v=p.weight.shape[0],
                    dtype=str(p.hidden.dtype).replace("torch.", ""),
                    teacher_d=p.teacher_hidden.shape[1] if p.has_teacher else None,
-                   hidden_grad=hidden_grad, weight_grad=weight_grad)
+                   hidden_grad=hidden_grad, weight_grad=weight_grad, plain=bool(plain))
 
 
 def product_bound(w: Workload) -> tuple[float, float]:
@@ -174,8 +242,12 @@ class Pass:
     "cuda_core" for elementwise work, counted at the fp32 rate), ``hbm_bytes`` read plus written.
     ``overlaps_previous``: runs concurrently with the previous pass (second stream), so the pair costs the
     longer of the two. ``efficiency``: the fraction of the peak the pass's arithmetic reaches (a skinny
-    product: ``gemm_efficiency``). ``fixed_us``: time that neither flops nor bytes explain (kernel
-    launches of small kernels: ``launches * LAUNCH_US``), per execution."""
+    product: ``gemm_efficiency``; a Triton tile: ``triton_tile_efficiency``). ``fixed_us``: time that neither
+    flops nor bytes explain (kernel launches of small kernels: ``launches * LAUNCH_US``), per execution.
+    ``instructions`` / ``mufu``: warp-instructions an elementwise kernel issues (of them on the
+    special-function pipe), from its compiled SASS (``issue_rate``, ``mufu_rate``). ``epilogue_bytes``: the
+    part of ``hbm_bytes`` a product moves after its main loop (C written, and read for beta = 1), which costs
+    ``GEMM_EPILOGUE_EXPOSED`` of its time at the bandwidth on top of the roofline."""
 
     name: str
     flops: float = 0.0
@@ -185,6 +257,9 @@ class Pass:
     overlaps_previous: bool = False
     efficiency: float = 1.0
     fixed_us: float = 0.0
+    instructions: float = 0.0
+    mufu: float = 0.0
+    epilogue_bytes: float = 0.0
 
 
 @dataclass
@@ -207,11 +282,57 @@ class Estimate:
     bound_ms: float
     ratio: float
     pass_ms: dict
+    pass_detail: dict = field(default_factory=dict)
+
+
+def _math_rate(p: Pass, gpu: GPUSpec) -> float:
+    """FLOP/s the pass's arithmetic is assumed to reach (a product with its epilogue priced apart: the
+    main-loop rate, ``mainloop_factor``)."""
+    math = "float32" if p.math == "cuda_core" else p.math
+    factor = mainloop_factor(gpu, math) if p.epilogue_bytes and p.flops else 1.0
+    return gpu.tflops[math] * 1e12 * p.efficiency * factor
+
+
+def pass_breakdown(p: Pass, gpu: GPUSpec) -> dict:
+    """One execution of a pass: the time of each limit (ms) and which one bounds it, with the rates assumed."""
+    bandwidth = gpu.hbm_tbps * 1e12
+    limits = {
+        "math": p.flops / _math_rate(p, gpu) * 1e3,
+        "memory": max(0.0, p.hbm_bytes - p.epilogue_bytes) / bandwidth * 1e3,
+        "issue": p.instructions / issue_rate(gpu) * 1e3,
+        "mufu": p.mufu / mufu_rate(gpu) * 1e3,
+    }
+    bound_by = max(limits, key=limits.get)
+    epilogue = p.epilogue_bytes / bandwidth * 1e3 * GEMM_EPILOGUE_EXPOSED
+    ms = limits[bound_by] + epilogue + p.fixed_us * 1e-3
+    if ms > 0 and p.fixed_us * 1e-3 > limits[bound_by] + epilogue:
+        bound_by = "launches"
+    return {"ms": ms, "bound_by": bound_by, "limits_ms": limits, "epilogue_ms": epilogue,
+            "launch_ms": p.fixed_us * 1e-3}
 
 
 def _pass_ms(p: Pass, gpu: GPUSpec) -> float:
-    rate = gpu.tflops["float32" if p.math == "cuda_core" else p.math] * 1e12 * p.efficiency
-    return p.count * (max(p.flops / rate, p.hbm_bytes / (gpu.hbm_tbps * 1e12)) * 1e3 + p.fixed_us * 1e-3)
+    return p.count * pass_breakdown(p, gpu)["ms"]
+
+
+def assumed_rates(p: Pass, gpu: GPUSpec) -> dict:
+    """The rates a pass is priced at (for the JSON beside its time)."""
+    rates = {"hbm_tbps": gpu.hbm_tbps}
+    if p.flops:
+        rates["math"] = p.math
+        rates["tflops"] = round(_math_rate(p, gpu) / 1e12, 2)
+        rates["efficiency"] = round(p.efficiency, 4)
+    if p.instructions:
+        rates["warp_instructions"] = p.instructions
+        rates["issue_per_s"] = issue_rate(gpu)
+        rates["mufu_instructions"] = p.mufu
+    if p.epilogue_bytes:
+        rates["epilogue_bytes"] = p.epilogue_bytes
+        rates["epilogue_exposed"] = GEMM_EPILOGUE_EXPOSED
+    if p.fixed_us:
+        rates["launch_us"] = LAUNCH_US
+        rates["launches"] = round(p.fixed_us / LAUNCH_US, 2)
+    return rates
 
 
 def bound_ms(w: Workload, gpu: GPUSpec) -> float:
@@ -224,10 +345,16 @@ def bound_ms(w: Workload, gpu: GPUSpec) -> float:
 def evaluate(plan: Plan, w: Workload, gpu: GPUSpec) -> Estimate:
     total = 0.0
     prev = 0.0
-    per_pass = {}
+    per_pass, detail = {}, {}
     for p in plan.passes:
         ms = _pass_ms(p, gpu)
         per_pass[p.name] = per_pass.get(p.name, 0.0) + ms
+        if p.name in detail:
+            detail[p.name]["ms"] += ms
+            detail[p.name]["count"] += p.count
+        else:
+            b = pass_breakdown(p, gpu)
+            detail[p.name] = {"ms": ms, "count": p.count, "bound_by": b["bound_by"], "rates": assumed_rates(p, gpu)}
         if p.overlaps_previous:
             total += max(0.0, ms - prev)
             prev = max(ms, prev)
@@ -237,4 +364,5 @@ def evaluate(plan: Plan, w: Workload, gpu: GPUSpec) -> Estimate:
     b = bound_ms(w, gpu)
     return Estimate(flops=sum(p.flops * p.count for p in plan.passes),
                     hbm_bytes=sum(p.hbm_bytes * p.count for p in plan.passes),
-                    model_ms=total, bound_ms=b, ratio=total / b if b else float("inf"), pass_ms=per_pass)
+                    model_ms=total, bound_ms=b, ratio=total / b if b else float("inf"), pass_ms=per_pass,
+                    pass_detail=detail)

@@ -68,10 +68,21 @@ class _EagerLoss(torch.autograd.Function):
             # create_graph=True: the stored gradients are constants here, so a gradient of them would be
             # silently wrong. (The composable op raises when its gradient is differentiated.)
             raise RuntimeError(SECOND_ORDER_MESSAGE)
-        # Gradients were kept in fp32 (float64): scale, then round once to the parameter's dtype.
-        dh, dw, db = (None if g is None else (g * grad_loss.to(g.dtype)).to(dtype)
+        dh, dw, db = (None if g is None else scaled_gradient(g, grad_loss, dtype)
                       for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
         return dh, dw, db, None, None, None, None
+
+
+def scaled_gradient(g: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``g * grad_loss`` rounded once to ``dtype``, for a gradient ``g`` the eager path stored (fp32, float64,
+    or already in a half dtype when one product wrote it): one kernel that reads ``g`` once and writes the
+    result once, no full-size intermediate. The scalar is expanded (a stride-0 view, not a 0-dim tensor), so
+    that type promotion forms the product in fp32 (float64 for a float64 ``g``) and the incoming gradient is
+    never rounded to ``g``'s half precision first (bf16(0.7) would scale every entry by 0.69921875). ``g``
+    itself is left as it is: a graph kept with retain_graph=True may run this again."""
+    wide = torch.float64 if g.dtype == torch.float64 else torch.float32
+    scale = grad_loss.to(device=g.device, dtype=wide).expand(g.shape)
+    return torch.mul(g, scale, out=torch.empty(g.shape, dtype=dtype, device=g.device))
 
 
 def supports_eager(backend_name: str) -> bool:

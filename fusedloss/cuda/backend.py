@@ -23,7 +23,7 @@ The plan
     calls the same function at run time, so what the model evaluates is what runs:
 
     * workspace: ``FUSEDLOSS_WORKSPACE_MB`` (fusedloss/config.py) if set, else an eighth of the memory free for
-      torch on the device when the backend first runs there, between 256 MiB and 8 GiB (then fixed for the process, so
+      torch on the device when the backend first runs there, between 256 MiB and 4 GiB (then fixed for the process, so
       that a backward recomputes exactly the tiles its forward used);
     * composable path (``forward_statistics`` then ``backward_gradients``, 4 products): one tile shape for
       both passes (all rows when that leaves >= 4096 columns, else square), the same row blocks and GEMM
@@ -35,7 +35,7 @@ The plan
       supports it on the device (probed once per device), else a product block and an add; a gradient that
       one product completes is written in its own dtype directly.
     * not done: running the fold and dx kernels on a second stream beside the products. They are ~7% of the
-      modelled time at issue 11's H200 shape (6 of 88 ms), which a double-buffered workspace and
+      modelled time at N = 16384, V = 151936 on an H200 (6 of 92 ms), which a double-buffered workspace and
       cross-stream lifetimes could save at most; the first device run's timings decide whether it pays.
 
 Numerics
@@ -69,6 +69,7 @@ from .. import config
 from ..core import backends, cost, torch_backend
 from ..core import problem as coef  # coef.COEF_*: the dz formula's coefficient rows (docs/design.md)
 from ..core.problem import NUM_COEFFS, GradientNeeds, Statistics, StatsProblem
+from . import sass_counts
 
 _NUM_OUTPUTS = len(Statistics._fields)
 # Rows of the fold's running-state buffer (csrc/fusedloss/args.h kStateFields: the RowState fields and the
@@ -218,14 +219,27 @@ def availability() -> str:
 # The plan (docs/design.md, "Plans and the cost model")
 # ------------------------------------------------------------------------------------------------
 WORKSPACE_MIN_BYTES = 256 * 2**20
-WORKSPACE_MAX_BYTES = 8 * 2**30
+# 4 GiB: beside a training step's own state, and one persistent buffer per device and stream. The model's price
+# of the cap against 8 GiB at N = 16384, V = 151936: ~+3% for cross-entropy (4 row chunks instead of 2: more
+# beta = 1 accumulations of d weight), +5-7% for reverse-KL distillation (docs/design.md, "Plans and the cost model").
+WORKSPACE_MAX_BYTES = 4 * 2**30
 WORKSPACE_FRACTION = 8  # of the memory free for torch when the backend first runs on a device
 ALIGN = 64  # elements: leading dimensions and vocabulary tile widths (256 B of fp32, 128 B of bf16)
 MIN_TILE_COLS = 4096  # below this many columns per row, square tiles instead of all rows
-# Per-element work of the elementwise kernels, for the model (cost.Pass.flops at the fp32 rate).
-_FOLD_FLOPS, _JSD_FLOPS, _DX_FLOPS = 16, 24, 16
-# Small kernels per row chunk of the per-token loss math (the loss module's autograd on [rows] vectors).
-_TOKEN_MATH_LAUNCHES = 60
+# Small kernels (aten ops that are neither views nor the GEMM-sized products) of the eager path: (per row
+# chunk, per call). Per chunk: the loss module's autograd on [rows] vectors, the dz coefficients, the masks;
+# per call: validation, the targets, the loss's reductions and the backward's scaling. As a trace of the aten
+# ops of one forward and backward counts them with the losses' defaults (tests/test_cost_model_launches.py);
+# other ops take the largest.
+_SMALL_LAUNCHES = {"cross_entropy": (50, 20), "grpo": (70, 31), "distill_reverse_kl": (45, 12),
+                   "distill_forward_kl": (45, 12), "distill_jsd": (45, 12)}
+_SMALL_LAUNCHES_DEFAULT = (70, 31)
+
+
+def small_launches(op: str) -> tuple[int, int]:
+    """(per row chunk, per call): the small kernels the model charges ``cost.LAUNCH_US`` each for."""
+    return _SMALL_LAUNCHES.get(op, _SMALL_LAUNCHES_DEFAULT)
+
 
 _OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("fusedloss_cuda_plan_overrides", default=())
 _OVERRIDE_KEYS = ("tile_rows", "tile_cols", "eager_rows", "workspace_mb")
@@ -272,7 +286,7 @@ def _call_options(entry):
 
 def workspace_bytes(free_bytes: Optional[int] = None) -> int:
     """The logits workspace of one call: ``override_plan(workspace_mb=)`` or ``FUSEDLOSS_WORKSPACE_MB``
-    (fusedloss/config.py) if set; else ``free_bytes / 8`` between 256 MiB and 8 GiB; 256 MiB when nothing
+    (fusedloss/config.py) if set; else ``free_bytes / 8`` between 256 MiB and 4 GiB; 256 MiB when nothing
     is known."""
     override = dict(_OVERRIDES.get()).get("workspace_mb")
     if override is None:
@@ -342,11 +356,13 @@ def _eager_shape(w: cost.Workload, budget: int, caps: dict) -> _Shape:
     return _Shape(rows, chunks, w.v, 1, ld)
 
 
-def _gemm(name, m, n, k, count, w, gpu, hbm_bytes, launches) -> cost.Pass:
-    """A product of ``count`` GEMMs with [m, n] outputs over k (the totals: 2 m n k count flops)."""
+def _gemm(name, m, n, k, count, w, gpu, hbm_bytes, launches, epilogue_bytes) -> cost.Pass:
+    """A product of ``count`` GEMMs with [m, n] outputs over k (the totals: 2 m n k count flops), of whose
+    ``hbm_bytes`` ``epilogue_bytes`` are C (written in fp32 or the operands' dtype, read too for beta = 1)."""
     math_ = "float32" if w.dtype == "float32" else w.dtype
     return cost.Pass(name, flops=2.0 * m * n * k * count, hbm_bytes=hbm_bytes, math=math_,
-                     efficiency=cost.gemm_efficiency(m, n, k, gpu), fixed_us=launches * cost.LAUNCH_US)
+                     efficiency=cost.gemm_efficiency(m, n, k, gpu), fixed_us=launches * cost.LAUNCH_US,
+                     epilogue_bytes=epilogue_bytes)
 
 
 def _sweep(name, elements, bytes_per_element, flops_per_element, launches) -> cost.Pass:
@@ -354,12 +370,38 @@ def _sweep(name, elements, bytes_per_element, flops_per_element, launches) -> co
                      math="cuda_core", fixed_us=launches * cost.LAUNCH_US)
 
 
+def _flag(b: bool) -> str:
+    return "true" if b else "false"
+
+
+def kernel_name(kind: str, w: cost.Workload, dx_out: Optional[str] = None) -> str:
+    """The fp32-tile kernel instantiation a pass of ``w`` launches (kernels.cu), as sass_counts.py names it."""
+    teacher, plain = _flag(w.has_teacher), _flag(w.plain)
+    if kind == "fold":
+        return f"fold_kernel<float, {_flag(w.op == 'token_logprobs_entropy')}, {teacher}, {plain}>"
+    if kind == "dx":
+        out = dx_out or {"bfloat16": "bf16", "float16": "fp16", "float32": "float"}[w.dtype]
+        return f"dx_kernel<float, {out}, {teacher}, {plain}>"
+    return "jsd_kernel<float>"
+
+
+def _kernel(name: str, kind: str, w: cost.Workload, elements: float, bytes_per_element: float, launches: int,
+            extra_bytes: float = 0.0, dx_out: Optional[str] = None) -> cost.Pass:
+    """An elementwise kernel over ``elements`` logits: its bytes, and the warp-instructions of its vector loop
+    per logit as compiled (fusedloss/cuda/sass_counts.py, from tools/sass_counts.py)."""
+    counts = sass_counts.KERNELS[kernel_name(kind, w, dx_out)]
+    return cost.Pass(name, hbm_bytes=float(elements) * bytes_per_element + extra_bytes, math="cuda_core",
+                     fixed_us=launches * cost.LAUNCH_US, instructions=float(elements) * counts["per_column"] / 32,
+                     mufu=float(elements) * counts["mufu_per_column"] / 32)
+
+
 def _token_math(w: cost.Workload, chunks: int) -> cost.Pass:
-    """The loss's per-token math (GRPO clipping, DPO sigmoid, KL penalty, normalisation, dz coefficients):
-    tens of elementwise kernels on [tokens] vectors, ~1 KB per token in all. At N = 16384 that is 16 MB:
-    microseconds beside the GEMM-sized products; launches, not bytes, are its cost."""
+    """The loss's per-token math (GRPO clipping, DPO sigmoid, KL penalty, normalisation, dz coefficients) and
+    the call's own small ops: tens of elementwise kernels on [tokens] vectors, ~1 KB per token in all. At
+    N = 16384 that is 16 MB: microseconds beside the GEMM-sized products; launches, not bytes, are its cost."""
+    per_chunk, per_call = small_launches(w.op)
     return cost.Pass("token math", flops=200.0 * w.n, hbm_bytes=1024.0 * w.n, math="cuda_core",
-                     fixed_us=_TOKEN_MATH_LAUNCHES * chunks * cost.LAUNCH_US)
+                     fixed_us=(per_chunk * chunks + per_call) * cost.LAUNCH_US)
 
 
 def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
@@ -373,19 +415,18 @@ def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulat
 
     def logits(name, dim):
         return _gemm(name, s.rows, s.cols, dim, tiles, w, gpu,
-                     n * dim * b * s.vocab_tiles + v * dim * b * s.row_chunks + nv * 4, tiles)
+                     n * dim * b * s.vocab_tiles + v * dim * b * s.row_chunks + nv * 4, tiles, nv * 4)
 
     passes = [logits("logits", d)]
     if teacher:
         passes.append(logits("teacher logits", dt))
     # the state merges of a fold over several vocabulary tiles: [kStateFields, rows] read and written per tile
     state = 2 * _STATE_FIELDS * 4 * n * (s.vocab_tiles - 1)
-    passes.append(cost.Pass("fold", flops=nv * _FOLD_FLOPS, hbm_bytes=nv * (8 if teacher else 4) + state,
-                            math="cuda_core", fixed_us=tiles * cost.LAUNCH_US))
+    passes.append(_kernel("fold", "fold", w, nv, 8 if teacher else 4, tiles, extra_bytes=state))
     if jsd:
         if tiles > 1:  # the JSD's second sweep recomputes the tiles (one tile stays in the workspace)
             passes += [logits("jsd recompute", d), logits("jsd teacher recompute", dt)]
-        passes.append(_sweep("jsd", nv, 8, _JSD_FLOPS, tiles))
+        passes.append(_kernel("jsd", "jsd", w, nv, 8, tiles))
     passes.append(_token_math(w, 1))
     if not grads:
         return passes
@@ -393,19 +434,19 @@ def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulat
     passes.append(logits("recompute", d))
     if teacher:
         passes.append(logits("teacher recompute", dt))
-    passes.append(_sweep("dx", nv, (8 if teacher else 4) + dx_bytes, _DX_FLOPS, tiles))
+    passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + dx_bytes, tiles))
     if w.hidden_grad:
         # d hidden [rows, D] over the vocabulary tiles: one product when one tile covers V, else fp32
         # accumulation (beta = 1: the accumulator read and written by each later tile's product)
         acc = n * d * 4 * (1 + 2 * (s.vocab_tiles - 1)) if s.vocab_tiles > 1 else n * d * b
         moved = nv * dx_bytes + v * d * b * s.row_chunks + acc
-        passes.append(_gemm("d hidden", s.rows, d, s.cols, tiles, w, gpu, moved, tiles))
+        passes.append(_gemm("d hidden", s.rows, d, s.cols, tiles, w, gpu, moved, tiles, acc))
         if s.vocab_tiles > 1 and not accumulate:  # a product block, then a separate add kernel
             passes.append(_sweep("d hidden add", n * d * (s.vocab_tiles - 1), 12, 1, tiles))
     if w.weight_grad:
         acc = v * d * 4 * (1 + 2 * (s.row_chunks - 1)) if s.row_chunks > 1 else v * d * b
         moved = nv * dx_bytes + n * d * b * s.vocab_tiles + acc
-        passes.append(_gemm("d weight", s.cols, d, s.rows, tiles, w, gpu, moved, tiles))
+        passes.append(_gemm("d weight", s.cols, d, s.rows, tiles, w, gpu, moved, tiles, acc))
         if s.row_chunks > 1 and not accumulate:
             passes.append(_sweep("d weight add", v * d * (s.row_chunks - 1), 12, 1, tiles))
         # rows outside the loss must not bring NaN padding into d weight: a masked copy of hidden
@@ -427,39 +468,41 @@ def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bo
     dx_bytes = 4 if w.dtype == "float32" else b
 
     def logits(name, dim):
-        return _gemm(name, s.rows, v, dim, c, w, gpu, n * dim * b + v * dim * b * c + nv * 4, c)
+        return _gemm(name, s.rows, v, dim, c, w, gpu, n * dim * b + v * dim * b * c + nv * 4, c, nv * 4)
 
     passes = [logits("logits", d)]
     if teacher:
         passes.append(logits("teacher logits", dt))
-    passes.append(_sweep("fold", nv, 8 if teacher else 4, _FOLD_FLOPS, c))
+    passes.append(_kernel("fold", "fold", w, nv, 8 if teacher else 4, c))
     if w.op == "distill_jsd":
-        passes.append(_sweep("jsd", nv, 8, _JSD_FLOPS, c))
+        passes.append(_kernel("jsd", "jsd", w, nv, 8, c))
     passes.append(_token_math(w, c))
     if fp16:
         # dx in fp32 in place, its max, then x 2^k rounded to fp16 (GradScaler's scale is not known yet)
-        passes.append(_sweep("dx", nv, (8 if teacher else 4) + 4, _DX_FLOPS, c))
+        passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + 4, c, dx_out="float"))
         passes.append(_sweep("dx pre-scale", nv, 4 + 4 + 2, 2, 3 * c))
     else:
-        passes.append(_sweep("dx", nv, (8 if teacher else 4) + dx_bytes, _DX_FLOPS, c))
+        passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + dx_bytes, c))
     if w.hidden_grad:
-        passes.append(_gemm("d hidden", s.rows, d, v, c, w, gpu, nv * dx_bytes + v * d * b * c + n * d * 4, c))
+        passes.append(_gemm("d hidden", s.rows, d, v, c, w, gpu, nv * dx_bytes + v * d * b * c + n * d * 4, c,
+                            n * d * 4))
     if w.weight_grad:
         acc = v * d * 4 * (1 + 2 * (c - 1)) if c > 1 or fp16 else v * d * b
-        passes.append(_gemm("d weight", v, d, s.rows, c, w, gpu, nv * dx_bytes + n * d * b + acc, c))
+        passes.append(_gemm("d weight", v, d, s.rows, c, w, gpu, nv * dx_bytes + n * d * b + acc, c, acc))
         if c > 1 and not accumulate:  # a product block, then a separate add kernel
             passes.append(_sweep("d weight add", v * d * (c - 1), 12, 1, c - 1))
         passes.append(_sweep("hidden mask", n * d, 2 * b, 1, c))
         if fp16 and c > 1:  # the accumulator follows each chunk's power-of-two scale
             passes.append(_sweep("d weight rescale", v * d * (c - 1), 8, 1, c - 1))
-    # core/eager.py's backward: scale the stored gradients by the incoming gradient, round to the dtype
+    # core/eager.py's backward (scaled_gradient): one kernel per gradient reads it once and writes the scaled
+    # result once in the parameter's dtype
     scale_bytes = 0
     if w.weight_grad:
-        scale_bytes += v * d * (4 + 4 + 4 + b) if (c > 1 or fp16 or w.dtype == "float32") else v * d * 2 * b
+        scale_bytes += v * d * (2 * b if not (c > 1 or fp16 or w.dtype == "float32") else 4 + b)
     if w.hidden_grad:
-        scale_bytes += n * d * (4 + 4 + 4 + b)
+        scale_bytes += n * d * (4 + b)
     if scale_bytes:
-        passes.append(_sweep("scale and round gradients", scale_bytes, 1, 0.1, 4))
+        passes.append(_sweep("scale and round gradients", scale_bytes, 1, 0.1, 2))
     return passes
 
 
@@ -855,15 +898,41 @@ def _zero_rows_outside(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
     return torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
 
 
+# One workspace buffer per (device, stream), kept for the process and grown when a call needs more: every call
+# on a stream runs its kernels in stream order, so consecutive calls can share it, and the caching allocator is
+# not asked for gigabytes on every call (a fragmented pool would then free and allocate, synchronising).
+# Not kept: buffers of a CUDA graph capture (they belong to the graph's pool) and host-mode (CPU) buffers.
+_BUFFERS: dict = {}
+
+
+def _workspace_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
+    """A uint8 buffer of at least ``nbytes`` on ``device``, the stream's persistent one where it can be."""
+    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return torch.empty(nbytes, device=device, dtype=torch.uint8)
+    key = (device.index if device.index is not None else torch.cuda.current_device(),
+           torch.cuda.current_stream(device).cuda_stream)
+    buf = _BUFFERS.get(key)
+    if buf is None or buf.numel() < nbytes:
+        _BUFFERS.pop(key, None)
+        buf = _BUFFERS[key] = torch.empty(nbytes, device=device, dtype=torch.uint8)
+    return buf
+
+
 class _Workspace:
-    """The tiles of one call (student logits, teacher logits, dx copy), allocated once with padded rows."""
+    """The tiles of one call (student logits, teacher logits, dx copy) with padded rows, carved out of the
+    stream's persistent buffer (``_workspace_buffer``)."""
 
     def __init__(self, rows: int, ld: int, p: StatsProblem, dx_copy: bool):
         dev = p.hidden.device
         self.ld = ld
-        self.x = torch.empty(rows * ld, device=dev, dtype=torch.float32)
-        self.xt = torch.empty(rows * ld, device=dev, dtype=torch.float32) if p.has_teacher else None
-        self.dx = torch.empty(rows * ld, device=dev, dtype=p.hidden.dtype) if dx_copy else None
+        tile = rows * ld
+        dx_bytes = tile * p.hidden.element_size() if dx_copy else 0
+        nbytes = tile * 4 * (2 if p.has_teacher else 1) + dx_bytes
+        buf = _workspace_buffer(dev, nbytes)
+        self.x = buf[: tile * 4].view(torch.float32)
+        self.xt = buf[tile * 4: tile * 8].view(torch.float32) if p.has_teacher else None
+        start = tile * 4 * (2 if p.has_teacher else 1)
+        self.dx = buf[start: start + dx_bytes].view(p.hidden.dtype) if dx_copy else None
 
     def view(self, buf: Optional[torch.Tensor], rows: int, cols: int) -> Optional[torch.Tensor]:
         return None if buf is None else buf[: rows * self.ld].view(rows, self.ld)[:, :cols]

@@ -410,12 +410,14 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
     traffic = groups * w.v * d_all * e + n * d_all * e + partials_bytes + store_bytes
     busy = row_blocks * _cdiv(w.v, cfg.block_v)
     capacity = _cdiv(row_blocks * splits, slots) * slots * per
-    passes = [_pass(f"{prefix}: logits and statistics", flops, traffic, math_key, launches=1),
-              _pass(f"{prefix}: idle in the last wave", flops * (capacity / busy - 1.0), 0.0, math_key),
+    tile = cost.triton_tile_efficiency(cfg.block_m, cfg.block_v)  # the rate this tile's products reach
+    passes = [_pass(f"{prefix}: logits and statistics", flops, traffic, math_key, efficiency=tile, launches=1),
+              _pass(f"{prefix}: idle in the last wave", flops * (capacity / busy - 1.0), 0.0, math_key,
+                    efficiency=tile),
               _pass(f"{prefix}: split merge", 0.0, 4 * partials_bytes, "cuda_core", launches=MERGE_LAUNCHES)]
     if w.op == "distill_jsd":  # the mixture's second sweep
         passes.append(_pass(f"{prefix}: JSD pass", 0.0 if store_bytes else flops,
-                            2 * n * w.v * acc if store_bytes else traffic, math_key, launches=2))
+                            2 * n * w.v * acc if store_bytes else traffic, math_key, efficiency=tile, launches=2))
     return passes
 
 
@@ -515,7 +517,8 @@ def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, preci
         dx_bytes = w.n * w.v * e_dx
         passes.append(_pass("backward: logits again and dx", flops,
                             groups * cols * (w.d + teacher_d) * e + chunks_v * w.n * (w.d + teacher_d) * e
-                            + dx_bytes, math_key, launches=chunks_r * chunks_v * BACKWARD_BLOCK_LAUNCHES))
+                            + dx_bytes, math_key, efficiency=cost.triton_tile_efficiency(cfg.block_m, cfg.block_v),
+                            launches=chunks_r * chunks_v * BACKWARD_BLOCK_LAUNCHES))
         passes += _gradient_products(w, gpu, rows, cols, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
     return cost.Plan(backend="triton", path="composable", products=1.0 + (1.0 + grads if grads else 0.0),
                      passes=passes, params=params)
