@@ -133,11 +133,19 @@ def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str,
 def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
                    ignore_index=-100, return_entropy=False):
     """log p(targets) per token (0 at ignored positions); with ``return_entropy`` also the entropy
-    ``-sum_v p log p`` of the full distribution (0 at ignored positions)."""
+    ``-sum_v p log p`` of the full distribution (0 at ignored positions). Targets ``[..., K]`` (one more
+    dimension than the leading shape of hidden) give ``[..., K]`` log-probs, each entry ignored on its own;
+    the entropy is then 0 where all K are ignored."""
     z = logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     logq = torch.log_softmax(z, dim=-1)
     valid = targets != ignore_index
-    logp = _gather(logq, targets, valid)
+    several = targets.dim() == hidden.dim()
+    if several:
+        safe = torch.where(valid, targets, torch.zeros_like(targets))
+        logp = torch.where(valid, logq.gather(-1, safe), torch.zeros_like(safe, dtype=logq.dtype))
+        valid = valid.any(-1)
+    else:
+        logp = _gather(logq, targets, valid)
     if not return_entropy:
         return logp
     ent = _entropy(logq)

@@ -7,7 +7,9 @@ from typing import Literal, Optional, overload
 
 import torch
 
-from .implicit_logits import implicit_logits
+from .. import _validation as v
+from ..core.gathered import gathered_logits
+from .implicit_logits import ImplicitLogits, alignment_hint, implicit_logits
 from .options import HEAD, RUN, SHARDING, shared_arguments, shared_options
 
 
@@ -36,13 +38,16 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
         hidden: ``[..., D]`` hidden states (float32, bfloat16, float16 or float64); position i is scored
             against ``targets[i]`` (for next-token log-probs pass ``hidden[:, :-1]`` with ``ids[:, 1:]``).
         weight: ``[V, D]`` lm_head weight, same dtype as ``hidden``.
-        targets: integer ``[...]`` (the leading shape of ``hidden``) token ids in ``[0, V)`` or ignore_index.
+        targets: integer ``[...]`` (the leading shape of ``hidden``) token ids in ``[0, V)`` or ignore_index;
+            or ``[..., K]``, K ids per position (a teacher's top-k ids and the sampled token): ``logp`` is
+            then ``[..., K]``, each entry ignored on its own (the entropy is 0 where all K are ignored).
         return_entropy: also return the entropy ``-sum_v p_v log p_v`` of each position.
         {shared}
 
     Returns:
-        ``logp`` ``[...]`` fp32 (float64 for float64 inputs), 0 at ignored positions; with ``return_entropy``,
-        ``(logp, entropy)``. Both are differentiable in hidden, weight and bias.
+        ``logp`` ``[...]`` fp32 (float64 for float64 inputs), 0 at ignored positions (``[..., K]`` for K
+        targets per position); with ``return_entropy``, ``(logp, entropy)``, the entropy ``[...]``. Both are
+        differentiable in hidden, weight and bias.
 
     Example::
 
@@ -51,9 +56,54 @@ def token_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Te
     """
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
                              backend=backend, **head)
+    if isinstance(targets, torch.Tensor) and targets.dim() == len(logits.lead_shape) + 1:
+        logp, entropy = _several_targets(logits, targets, ignore_index, bool(return_entropy))
+        return (logp, entropy) if return_entropy else logp
     tgt = logits.targets("targets", targets, ignore_index)
     stats = logits.statistics(targets=tgt, want_entropy=bool(return_entropy))
     logp = logits.unflatten(stats.logp)
     if return_entropy:
         return logp, logits.unflatten(stats.entropy)
     return logp
+
+
+def _several_targets(logits: ImplicitLogits, targets: torch.Tensor, ignore_index: int, want_entropy: bool):
+    """``token_logprobs`` with K ids per position: validated, then ``several_logprobs``."""
+    v.require_tensor("targets", targets, floating=False)
+    if tuple(targets.shape[:-1]) != logits.lead_shape:
+        raise ValueError(f"targets must have shape {logits.lead_shape} or {logits.lead_shape + ('K',)} (the leading "
+                         f"dimensions of hidden, then K ids per position), got {tuple(targets.shape)}"
+                         f"{alignment_hint('targets', tuple(targets.shape[:-1]), logits.lead_shape)}")
+    v.require_same_device(hidden=logits.hidden, targets=targets)
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"ignore_index must be an int, got {ignore_index!r}")
+    k = targets.shape[-1]
+    ids = v.map_targets("targets", targets, logits.vocab_size, ignore_index).reshape(logits.num_rows, k)
+    logp, entropy = several_logprobs(logits, ids, want_entropy=want_entropy)
+    return logp.reshape(*logits.lead_shape, k), logits.unflatten(entropy) if want_entropy else None
+
+
+def several_logprobs(logits: ImplicitLogits, ids: torch.Tensor, *, want_entropy: bool = False):
+    """``([N, K] log q at ids, [N] entropy or None)`` for validated ids ``[N, K]`` (-1: none, 0 there) on a
+    head held whole on this device.
+
+    One statistics pass for the log-sum-exp (and the entropy), the logits at
+    the K columns read on their own (``core/gathered.py``), and ``log q_k = (z_k - row_max) - log s``.
+
+    ``log s = (lse - row_max) + lse_lo`` carries the core's log-sum-exp to twice the working precision
+    (docs/design.md, "Numerical doctrine"); its gradient is the core's ``d lse / dz = q`` times
+    ``-sum_k g_k``, and the gathered logits carry the one-hot share, so ``d log q_k / dz_j = [j = y_k] - q_j``
+    exactly. A row with at least one id is a valid row of the core (its largest id is the core's target,
+    whose own log-prob is left unused); a row with none is ignored there and gives 0."""
+    if logits.distributed is not None:
+        raise ValueError("targets with K ids per position ([..., K]) need the whole head on this device: a "
+                         "vocabulary-parallel, FSDP2 or ZeRO-3 head is not supported there; pass one id per "
+                         "position, or call once per column of targets")
+    k = ids.shape[-1]
+    row_target = ids.amax(-1) if k > 0 else ids.new_full((logits.num_rows,), -1)
+    stats = logits.statistics(targets=row_target, want_entropy=want_entropy)
+    z = gathered_logits(logits.hidden, logits.weight, logits.bias, ids, logits.transform)
+    row_max = stats.row_max.detach().unsqueeze(-1)
+    log_s = (stats.lse.unsqueeze(-1) - row_max) + stats.lse_lo.detach().unsqueeze(-1)
+    logp = torch.where(ids >= 0, (z - row_max) - log_s, torch.zeros_like(z))
+    return logp, stats.entropy if want_entropy else None
