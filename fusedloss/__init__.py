@@ -20,6 +20,7 @@ from .losses import (
     grpo_loss,
     kto_loss,
     orpo_loss,
+    sparse_distillation_loss,
     token_logprobs,
 )
 from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails
@@ -65,5 +66,6 @@ __all__ = [
     "grpo_loss",
     "kto_loss",
     "orpo_loss",
+    "sparse_distillation_loss",
     "token_logprobs",
 ]

@@ -34,6 +34,7 @@ __all__ = [
     "token_logprobs",
     "cross_entropy",
     "distillation_loss",
+    "sparse_distillation_loss",
     "grpo_loss",
     "dpo_loss",
     "kto_loss",
@@ -210,6 +211,60 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
             per_token = per_token + hard_weight * ce
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     return _reduce(per_token, valid, reduction, num_items_in_batch, "batchmean")
+
+
+# --------------------------------------------------------------------------------------------------
+# sparse_distillation_loss
+
+
+def sparse_distillation_loss(hidden, weight, teacher_ids, teacher_logprobs, targets=None, *,
+                             teacher_target_logprobs=None, beta=1.0, loss_top_k=None, loss_add_tail=True,
+                             reverse_kl_top_1_mode="sampled", bias=None, temperature=1.0, logit_scale=1.0,
+                             softcap=None, ignore_index=-100, reduction="batchmean", num_items_in_batch=None):
+    """TRL's server distillation loss on a teacher's top-k log-probs. Per scored position (target not
+    ignore_index; every position when targets is None), on the support S: the teacher's first loss_top_k
+    ids with a finite log-prob (beta == 0), the sampled token (beta == 1), or the teacher's top-1 and the
+    sampled token, once when they coincide (otherwise). Both sides get the tail log(1 - min(sum_S e^lp,
+    e^-1e-7)) (loss_add_tail) or are renormalised over S, then KL(p || q), KL(q || p) or the generalized
+    JSD with m = (1 - beta) q + beta p, summed over the entries."""
+    assert reverse_kl_top_1_mode == "sampled"
+    logq = torch.log_softmax(logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
+                                    softcap=softcap), dim=-1)
+    lead = logq.shape[:-1]
+    scored = torch.ones(lead, dtype=torch.bool, device=logq.device) if targets is None else targets != ignore_index
+    rows = logq[scored]  # [M, V]: only the scored positions are computed
+    if beta < 1:
+        k = teacher_ids.shape[-1] if loss_top_k is None else loss_top_k
+        top_ids, top_lp = teacher_ids[scored][:, :k], teacher_logprobs[scored][:, :k].to(logq.dtype)
+    if beta > 0:
+        sampled, sampled_lp = targets[scored], teacher_target_logprobs[scored].to(logq.dtype)
+    if beta == 0:
+        ids, teacher, on = top_ids, top_lp, top_lp > -math.inf
+    elif beta == 1:
+        ids, teacher, on = sampled[:, None], sampled_lp[:, None], torch.ones_like(sampled[:, None], dtype=torch.bool)
+    else:
+        ids = torch.stack((top_ids[:, 0], sampled), dim=-1)
+        teacher = torch.stack((top_lp[:, 0], sampled_lp), dim=-1)
+        on = torch.stack((torch.ones_like(sampled, dtype=torch.bool), sampled != top_ids[:, 0]), dim=-1)
+    student = torch.where(on, rows.gather(-1, torch.where(on, ids, torch.zeros_like(ids))), -math.inf)
+    teacher = torch.where(on, teacher, -math.inf)
+
+    def spread(lp):
+        if loss_add_tail:
+            mass = torch.logsumexp(lp, dim=-1, keepdim=True).clamp(max=-1e-7)
+            return torch.cat((lp, torch.log(-torch.expm1(mass))), dim=-1)
+        return torch.log_softmax(lp, dim=-1)
+
+    student, teacher = spread(student), spread(teacher)
+    if beta == 0:
+        soft = _kl(teacher, student)
+    elif beta == 1:
+        soft = _kl(student, teacher)
+    else:
+        logm = _log_mixture(student, teacher, beta)
+        soft = beta * _kl(teacher, logm) + (1.0 - beta) * _kl(student, logm)
+    per_token = torch.zeros(lead, dtype=logq.dtype, device=logq.device).masked_scatter(scored, soft)
+    return _reduce(per_token, scored, reduction, num_items_in_batch, "batchmean")
 
 
 # --------------------------------------------------------------------------------------------------
