@@ -219,14 +219,16 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
 
 def sparse_distillation_loss(hidden, weight, teacher_ids, teacher_logprobs, targets=None, *,
                              teacher_target_logprobs=None, beta=1.0, loss_top_k=None, loss_add_tail=True,
-                             reverse_kl_top_1_mode="sampled", bias=None, temperature=1.0, logit_scale=1.0,
-                             softcap=None, ignore_index=-100, reduction="batchmean", num_items_in_batch=None):
+                             reverse_kl_top_1_mode="sampled", renormalize=True, log_prob_min_clamp=None,
+                             loss_max_clamp=None, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
+                             ignore_index=-100, reduction="batchmean", num_items_in_batch=None):
     """TRL's server distillation loss on a teacher's top-k log-probs. Per scored position (target not
     ignore_index; every position when targets is None), on the support S: the teacher's first loss_top_k
     ids with a finite log-prob (beta == 0), the sampled token (beta == 1), or the teacher's top-1 and the
     sampled token, once when they coincide (otherwise). Both sides get the tail log(1 - min(sum_S e^lp,
-    e^-1e-7)) (loss_add_tail) or are renormalised over S, then KL(p || q), KL(q || p) or the generalized
-    JSD with m = (1 - beta) q + beta p, summed over the entries."""
+    e^-1e-7)) (loss_add_tail) or are renormalised over S (renormalize; else taken as they are, clamped below
+    at log_prob_min_clamp, the KL then clamped below at 0), then KL(p || q), KL(q || p) or the generalized
+    JSD with m = (1 - beta) q + beta p, summed over the entries, clamped to +-loss_max_clamp."""
     assert reverse_kl_top_1_mode == "sampled"
     logq = torch.log_softmax(logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
                                     softcap=softcap), dim=-1)
@@ -253,6 +255,8 @@ def sparse_distillation_loss(hidden, weight, teacher_ids, teacher_logprobs, targ
         if loss_add_tail:
             mass = torch.logsumexp(lp, dim=-1, keepdim=True).clamp(max=-1e-7)
             return torch.cat((lp, torch.log(-torch.expm1(mass))), dim=-1)
+        if not renormalize:
+            return lp if log_prob_min_clamp is None else torch.where(on, lp.clamp(min=log_prob_min_clamp), lp)
         return torch.log_softmax(lp, dim=-1)
 
     student, teacher = spread(student), spread(teacher)
@@ -263,6 +267,10 @@ def sparse_distillation_loss(hidden, weight, teacher_ids, teacher_logprobs, targ
     else:
         logm = _log_mixture(student, teacher, beta)
         soft = beta * _kl(teacher, logm) + (1.0 - beta) * _kl(student, logm)
+    if not renormalize:
+        soft = soft.clamp(min=0.0)
+    if loss_max_clamp is not None:
+        soft = soft.clamp(min=-loss_max_clamp, max=loss_max_clamp)
     per_token = torch.zeros(lead, dtype=logq.dtype, device=logq.device).masked_scatter(scored, soft)
     return _reduce(per_token, scored, reduction, num_items_in_batch, "batchmean")
 

@@ -82,7 +82,7 @@ CASES = [  # (beta, loss_top_k served, loss_add_tail, transforms)
     (0.0, 5, False, TRANSFORMS),
     (0.0, 1, True, TRANSFORMS),
     (1.0, 1, True, {}),
-    (1.0, 1, False, TRANSFORMS),
+    (1.0, 1, True, TRANSFORMS),
     (0.5, 1, True, TRANSFORMS),
     (0.3, 1, False, {}),
 ]
@@ -128,6 +128,24 @@ def test_reductions_and_items_against_reference(backend, device, reduction):
     assert rel_err(items, total / 7) <= 1e-14
 
 
+@pytest.mark.parametrize("log_prob_min_clamp,loss_max_clamp", [(-10.0, 6.0), (-6.0, 3.0)])
+def test_raw_top_k_convention_against_reference(backend, device, log_prob_min_clamp, loss_max_clamp):
+    """verl's forward_kl_topk (tests/frameworks has verl's own code as the oracle): raw top-k log-probs,
+    clamped below, the KL clamped to [0, loss_max_clamp]; both clamps bite on these data."""
+    top_ids, top_lp, labels, _ = served_teacher(6, seed=9)
+    h, w, b = head()
+    opts = dict(beta=0.0, loss_add_tail=False, renormalize=False, log_prob_min_clamp=log_prob_min_clamp,
+                loss_max_clamp=loss_max_clamp, **TRANSFORMS)
+    want = reference.sparse_distillation_loss(h, w, top_ids, top_lp, labels, bias=b, **opts)
+    hd, wd, bd = (t.detach().to(device).requires_grad_() for t in (h, w, b))
+    got = fusedloss.sparse_distillation_loss(hd, wd, top_ids.to(device), top_lp.to(device), labels.to(device),
+                                             bias=bd, backend=backend, **opts)
+    tol = fp64_tol(backend)
+    assert want.item() > 0 and rel_err(got, want) <= tol
+    for name, g, r in zip("hwb", grads(got, (hd, wd, bd)), grads(want, (h, w, b))):
+        assert r.norm() > 0 and rel_err(g, r) <= tol, (name, rel_err(g, r))
+
+
 def test_fp32_within_tolerance_of_float64():
     top_ids, top_lp, labels, sampled_lp = served_teacher(1, seed=7)
     h64, w64, b64 = head()
@@ -163,6 +181,12 @@ def test_bad_input_names_the_argument():
         call(h, w, None, None, labels, teacher_target_logprobs=sampled_lp, reverse_kl_top_1_mode="argmax")
     with pytest.raises(ValueError, match="beta"):
         call(h, w, top_ids, top_lp, labels, beta=1.5)
+    with pytest.raises(ValueError, match="renormalize=False"):
+        call(h, w, top_ids, top_lp, labels, beta=0.0, renormalize=False)
+    with pytest.raises(ValueError, match="log_prob_min_clamp"):
+        call(h, w, top_ids, top_lp, labels, beta=0.0, log_prob_min_clamp=-10.0)
+    with pytest.raises(ValueError, match="loss_max_clamp"):
+        call(h, w, top_ids, top_lp, labels, beta=0.0, loss_max_clamp=-1.0)
     bad_ids = top_ids.clone()
     bad_ids[1, 0, 0] = V
     with pytest.raises(ValueError, match="teacher_ids contains"):

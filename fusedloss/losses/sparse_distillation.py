@@ -9,15 +9,17 @@ teacher's log-probs as served::
     0 < beta < 1  S = {the teacher's top-1, the sampled token} (one entry when they coincide)
 
     loss_add_tail: both sides get a (|S|+1)-th bucket log(1 - sum_S exp(log-prob)), the sum capped at 1 - 1e-7
-                   (the mass outside S), and are used as they are; else both are renormalised over S.
+                   (the mass outside S), and are used as they are; else both are renormalised over S
+                   (``renormalize``), or, verl's ``forward_kl_topk``, taken as they are, each clamped below at
+                   ``log_prob_min_clamp``, and the KL clamped below at 0.
     divergence:    beta == 0 KL(p || q), beta == 1 KL(q || p), else beta KL(p || m) + (1 - beta) KL(q || m),
-                   m = (1 - beta) q + beta p, summed over the support (and the tail).
+                   m = (1 - beta) q + beta p, summed over the support (and the tail); at most ``loss_max_clamp``.
 
-then ``sum / max(1, scored positions)`` ("batchmean"). The student side is K + 1 log-probabilities per
-position: ``token_logprobs`` with K ids (one statistics pass for the log-sum-exp, the logits at the K
-columns read on their own), never the logits. The per-position math is a few operations on ``[N, |S|+1]``
-tensors, written in the order of TRL's own code so that float64 results and gradients agree with it to
-rounding.
+then ``sum / max(1, scored positions)`` ("batchmean"; verl's "token-mean"). The student side is K + 1
+log-probabilities per position: ``token_logprobs`` with K ids (one statistics pass for the log-sum-exp, the
+logits at the K columns read on their own), never the logits. The per-position math is a few operations on
+``[N, |S|+1]`` tensors, written in the order of TRL's own code so that float64 results and gradients agree
+with it to rounding.
 """
 
 from __future__ import annotations
@@ -43,19 +45,23 @@ def sparse_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
                              teacher_logprobs: Optional[torch.Tensor], targets: Optional[torch.Tensor] = None, *,
                              teacher_target_logprobs: Optional[torch.Tensor] = None, beta: float = 1.0,
                              loss_top_k: Optional[int] = None, loss_add_tail: bool = True,
-                             reverse_kl_top_1_mode: Literal["sampled"] = "sampled",
+                             reverse_kl_top_1_mode: Literal["sampled"] = "sampled", renormalize: bool = True,
+                             log_prob_min_clamp: Optional[float] = None, loss_max_clamp: Optional[float] = None,
                              bias: Optional[torch.Tensor] = None, temperature: float = 1.0, logit_scale: float = 1.0,
                              softcap: Optional[float] = None, ignore_index: int = -100,
                              reduction: Literal["batchmean", "sum", "none"] = "batchmean", num_items_in_batch=None,
                              backend: str = "auto", **head) -> torch.Tensor:
-    """Distillation on a teacher's top-k log-probs (TRL 1.16 ``ServerDistillationTrainer``), from the student's
-    hidden states, without its logits.
+    """Distillation on a teacher's top-k log-probs (TRL 1.16 ``ServerDistillationTrainer``, verl 0.9's
+    ``forward_kl_topk``), from the student's hidden states, without its logits.
 
-    Option names and defaults are ``ServerDistillationConfig``'s. On the support S of each position (the
+    Option names and defaults are TRL's ``ServerDistillationConfig``'s. On the support S of each position (the
     teacher's top-k ids when ``beta == 0``; the sampled token when ``beta == 1``; the teacher's top-1 and the
     sampled token otherwise), with a tail bucket for the mass outside S (``loss_add_tail``) or renormalised::
 
         beta == 0: KL(p || q)    beta == 1: KL(q || p)    else: beta KL(p || m) + (1 - beta) KL(q || m)
+
+    verl's ``forward_kl_topk`` (loss_mode, with its ``log_prob_min_clamp`` and ``loss_max_clamp``, token-mean):
+    ``beta=0.0, loss_add_tail=False, renormalize=False, log_prob_min_clamp=-10.0, loss_max_clamp=10.0``.
 
     Args:
         hidden: ``[..., D]`` student hidden states; position i is scored against ``targets[i]``.
@@ -75,6 +81,13 @@ def sparse_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
             renormalise both over S (False).
         reverse_kl_top_1_mode: ``"sampled"``, the reverse-KL token is the sampled one (a served teacher cannot
             score the student's own argmax, so TRL accepts only this).
+        renormalize: without the tail, renormalise both sides over S (True, TRL); False (verl, ``beta == 0``
+            only) takes the top-k log-probs as they are, and clamps the per-position KL, which can then be
+            negative, below at 0.
+        log_prob_min_clamp: with ``renormalize=False``, both sides' log-probs are clamped below at this value
+            (verl's option); None: not clamped.
+        loss_max_clamp: the per-position divergence is clamped to ``[-loss_max_clamp, loss_max_clamp]`` (verl's
+            option); None: not clamped.
         temperature: divides the student's logits (the teacher's log-probs are served at that temperature).
         reduction: ``"batchmean"`` (sum / number of scored positions, 0 when none), ``"sum"`` or ``"none"``
             (per-position ``[...]``, 0 where not scored).
@@ -93,6 +106,15 @@ def sparse_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta!r}")
     v.require_bool("loss_add_tail", loss_add_tail)
+    v.require_bool("renormalize", renormalize)
+    v.require_real("log_prob_min_clamp", log_prob_min_clamp, allow_none=True)
+    v.require_real("loss_max_clamp", loss_max_clamp, allow_none=True, nonnegative=True)
+    if not renormalize and (beta != 0 or loss_add_tail):
+        raise ValueError(f"renormalize=False (verl's forward_kl_topk) needs beta=0.0 and loss_add_tail=False, got "
+                         f"beta={beta!r}, loss_add_tail={loss_add_tail!r}")
+    if log_prob_min_clamp is not None and renormalize:
+        raise ValueError("log_prob_min_clamp applies to the top-k log-probs taken as they are: it needs "
+                         "renormalize=False (verl's forward_kl_topk)")
     v.require_choice("reduction", reduction, REDUCTIONS)
     if reverse_kl_top_1_mode != "sampled":
         raise ValueError(f"reverse_kl_top_1_mode must be 'sampled' (a served teacher cannot score the student's own "
@@ -140,7 +162,10 @@ def sparse_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
         support = ids >= 0
 
     student_lp, _ = several_logprobs(logits, ids)
-    per_position = sparse_divergence(student_lp, teacher_lp, support, float(beta), loss_add_tail)
+    per_position = sparse_divergence(student_lp, teacher_lp, support, float(beta), loss_add_tail,
+                                     renormalize=renormalize, log_prob_min_clamp=log_prob_min_clamp)
+    if loss_max_clamp is not None:
+        per_position = per_position.clamp(min=-loss_max_clamp, max=loss_max_clamp)
     per_position = torch.where(scored, per_position, torch.zeros_like(per_position))
     return reduce_per_token(per_position, scored, reduction, num_items_in_batch, mean_name="batchmean",
                             unflatten=logits.unflatten)
@@ -198,10 +223,20 @@ def with_tail(log_probs: torch.Tensor, support: torch.Tensor):
 
 
 def sparse_divergence(student: torch.Tensor, teacher: torch.Tensor, support: torch.Tensor, beta: float,
-                      add_tail: bool) -> torch.Tensor:
+                      add_tail: bool, *, renormalize: bool = True,
+                      log_prob_min_clamp: Optional[float] = None) -> torch.Tensor:
     """Per-position divergence ``[N]`` of student and teacher log-probs ``[N, S]`` on the entries of
     ``support``, in the operations and order of TRL's server path (``_jsd_divergence`` with a support
-    mask): entries off the support are -inf before the tail or the renormalisation, and 0 after."""
+    mask): entries off the support are -inf before the tail or the renormalisation, and 0 after. Without
+    ``renormalize``, verl's ``forward_kl_topk``: ``sum p (log p - log q)`` on the raw (clamped) log-probs,
+    at least 0."""
+    if not renormalize:
+        zero = torch.zeros_like(student)
+        student, teacher = torch.where(support, student, zero), torch.where(support, teacher, zero)
+        if log_prob_min_clamp is not None:
+            student, teacher = student.clamp_min(log_prob_min_clamp), teacher.clamp_min(log_prob_min_clamp)
+        terms = torch.where(support, teacher.exp() * (teacher - student), zero)
+        return terms.sum(-1).clamp_min(0.0)
     neg_inf = torch.full((), -math.inf, dtype=student.dtype, device=student.device)
     student = torch.where(support, student, neg_inf)
     teacher = torch.where(support, teacher, neg_inf)
