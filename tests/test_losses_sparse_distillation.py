@@ -251,3 +251,32 @@ def test_token_logprobs_several_targets_bad_input():
     bad[0, 0, 0] = 131
     with pytest.raises(ValueError, match="targets contains 131"):
         fusedloss.token_logprobs(h, w, bad)
+
+
+def test_several_targets_and_sparse_distillation_on_the_cuda_host_path(monkeypatch):
+    """The CUDA backend's statistics (its kernels' host twins, on the CPU) under K targets per position and
+    the sparse distillation loss: float64 values and gradients as the reference's."""
+    from fusedloss.core import backends
+    from fusedloss.cuda import backend as cuda
+
+    if not cuda.extension_built():
+        pytest.skip(f"CUDA extension not built: {cuda.availability()}")
+    original = backends.resolve
+    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    (h, w, b), ids = several_targets_case(torch.float64)
+    leaves = [x.detach().requires_grad_() for x in (h, w, b)]
+    masters = [x.detach().requires_grad_() for x in (h, w, b)]
+    got = fusedloss.token_logprobs(*leaves[:2], ids, bias=leaves[2], backend="cuda", **TRANSFORMS)
+    want = reference.token_logprobs(*masters[:2], ids, bias=masters[2], **TRANSFORMS)
+    cotangent = torch.randn(want.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    assert rel_err(got, want) <= 1e-9
+    for g, r in zip(grads((got * cotangent).sum(), leaves), grads((want * cotangent).sum(), masters)):
+        assert rel_err(g, r) <= 1e-9
+    top_ids, top_lp, labels, sampled_lp = served_teacher(1)
+    hd, wd, bd = head()
+    opts = dict(teacher_target_logprobs=sampled_lp, beta=0.5, **TRANSFORMS)
+    got = fusedloss.sparse_distillation_loss(hd, wd, top_ids, top_lp, labels, bias=bd, backend="cuda", **opts)
+    want = reference.sparse_distillation_loss(hd, wd, top_ids, top_lp, labels, bias=bd, **opts)
+    assert rel_err(got, want) <= 1e-9
+    for g, r in zip(grads(got, (hd, wd, bd)), grads(want, (hd, wd, bd))):
+        assert rel_err(g, r) <= 1e-9
