@@ -279,19 +279,63 @@ def sparse_distillation_loss(hidden, weight, teacher_ids, teacher_logprobs, targ
 # grpo_loss
 
 
+def _verl_kl(logp, ref, kind):
+    """verl's ``kl_penalty``: k1 = logp - ref, abs = |k1|, k2 = k1^2 / 2, k3 = e^(ref - logp) - (ref - logp) - 1
+    (the exponent clamped to [-20, 20], the value to [-10, 10]); "+": the value, k2's gradient."""
+    base = kind.rstrip("+")
+    if base in ("kl", "k1"):
+        value = logp - ref
+    elif base == "abs":
+        value = (logp - ref).abs()
+    elif base in ("mse", "k2"):
+        value = 0.5 * (logp - ref) ** 2
+    elif base in ("low_var_kl", "k3"):
+        gap = (ref - logp).clamp(-20.0, 20.0)
+        value = (gap.exp() - gap - 1).clamp(-10.0, 10.0)
+    else:
+        raise ValueError(f"unknown kl_loss_type {kind!r}")
+    if kind.endswith("+") and base not in ("mse", "k2"):
+        k2 = 0.5 * (logp - ref) ** 2
+        value = k2 - k2.detach() + value.detach()
+    return value
+
+
+def _verl_aggregate(x, m, mode, batch_num_tokens, dp_size, global_batch_size, loss_scale_factor):
+    """verl's ``agg_loss`` of a per-token ``[B, C]`` x over the mask m (0, not NaN, for an empty batch)."""
+    if mode == "token-mean":
+        tokens = m.sum() if batch_num_tokens is None else _as_float(batch_num_tokens)
+        return (x * m).sum() / max(1.0, float(tokens)) * dp_size
+    if mode == "token-sum":
+        return (x * m).sum() * dp_size
+    counts = m.sum(-1)
+    present = (counts > 0).to(x.dtype)
+    sequences = max(1.0, float(present.sum() if global_batch_size is None else global_batch_size))
+    if mode == "seq-mean-token-mean":
+        seq_losses = (x * m).sum(-1) / (counts + 1e-8)
+    else:
+        seq_losses = (x * m).sum(-1)
+    loss = (seq_losses * present).sum() / sequences * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        loss = loss / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    elif mode not in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+    return loss
+
+
 def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, old_logprobs=None,
               ref_logprobs=None, bias=None, temperature=1.0, logit_scale=1.0, softcap=None, loss_type="dapo",
               epsilon_low=0.2, epsilon_high=None, delta=None, beta=0.0, use_bias_correction_kl=True,
               importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
               vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
               off_policy_mask_threshold=None, sampling_logprobs=None, top_entropy_quantile=1.0, entropy_coef=0.0,
-              max_completion_length=None, num_items_in_batch=None, num_processes=1, importance_weights=None,
-              return_details=False):
+              kl_loss_type=None, loss_agg_mode=None, global_batch_size=None, max_completion_length=None,
+              num_items_in_batch=None, num_processes=1, importance_weights=None, return_details=False):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` (gradient accumulation 1, one process), written in TRL's order.
 
     Per-token inputs outside the mask are replaced by neutral values (advantage 0, log-probs 0, weight 1)
     before any arithmetic, so that whatever was there produces nothing, gradient included. TRL's shapes
-    are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio."""
+    are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio. ``kl_loss_type`` and
+    ``loss_agg_mode`` are verl 0.9's (``kl_penalty``, ``agg_loss``), written as verl writes them."""
     if epsilon_high is None:
         epsilon_high = epsilon_low
     mask = completion_mask != 0
@@ -325,7 +369,10 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     per_token_kl = None
     if beta != 0.0:
         ref = inside(ref_logprobs)
-        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if kl_loss_type is None:
+            per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        else:
+            per_token_kl = _verl_kl(logp, ref, kl_loss_type)
         if use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
@@ -382,7 +429,12 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     if per_token_kl is not None:
         per_token_loss = per_token_loss + beta * per_token_kl
 
-    if loss_type in ("grpo", "sapo"):
+    if loss_agg_mode is not None:
+        def aggregate(x):
+            return _verl_aggregate(x, m, loss_agg_mode, num_items_in_batch, num_processes, global_batch_size,
+                                   max_completion_length)
+        loss = aggregate(per_token_loss)
+    elif loss_type in ("grpo", "sapo"):
         loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     elif loss_type == "bnpo":
         loss = (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
@@ -396,7 +448,9 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     if B == 0:
         loss = loss.nan_to_num(nan=0.0)
     policy_loss = loss.detach()
-    if entropy_coef != 0.0:
+    if entropy_coef != 0.0 and loss_agg_mode is not None:
+        loss = loss - entropy_coef * aggregate(entropy)
+    elif entropy_coef != 0.0:
         effective = m if entropy_mask is None else m * entropy_mask
         loss = loss - entropy_coef * (entropy * effective).sum() / effective.sum().clamp(min=1.0)
     if not return_details:

@@ -41,6 +41,7 @@ from .. import _validation as v
 from ..types import GRPODetails
 from .implicit_logits import ImplicitLogits, count_or_one, implicit_logits, items_divisor
 from .options import RUN, SHARDING, shared_arguments, shared_options
+from .verl_terms import KL_LOSS_TYPES, LOSS_AGG_MODES, aggregation_weights, kl_estimate
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -63,7 +64,8 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
               sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
               vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
               off_policy_mask_threshold: Optional[float] = None, sampling_logprobs: Optional[torch.Tensor] = None,
-              top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
+              top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0, kl_loss_type: Optional[str] = None,
+              loss_agg_mode: Optional[str] = None, global_batch_size: Optional[int] = None,
               max_completion_length: Optional[int] = None, num_items_in_batch=None, num_processes: int = 1,
               importance_weights: Optional[torch.Tensor] = None, return_details: bool = False,
               backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, GRPODetails]]:
@@ -95,6 +97,17 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         top_entropy_quantile: keep in the policy term only tokens whose entropy reaches this top quantile of
             the batch's masked entropies (1.0: all tokens).
         entropy_coef: subtract ``entropy_coef`` times the masked mean entropy (over the kept tokens).
+        kl_loss_type: verl's KL estimator for the penalty (``"kl"``/``"k1"``, ``"abs"``, ``"mse"``/``"k2"``,
+            ``"low_var_kl"``/``"k3"`` with verl's clamps, each with a ``"+"`` straight-through variant: its
+            value, k2's gradient), times the ratio with ``use_bias_correction_kl`` (verl: False); None: TRL's
+            k3 above, unclamped.
+        loss_agg_mode: verl's aggregation, independent of ``loss_type``: ``"token-mean"`` (by
+            ``num_items_in_batch`` tokens, None: the mask's sum), ``"token-sum"``, ``"seq-mean-token-sum"``,
+            ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"`` (by ``max_completion_length``, None: C);
+            sequence means over ``global_batch_size`` completions (None: those with a token), times
+            ``num_processes`` (verl's dp_size); the entropy bonus is aggregated the same way, over the mask.
+            None: the aggregation of ``loss_type`` below.
+        global_batch_size: the completions a sequence-mean ``loss_agg_mode`` divides by (all ranks).
         max_completion_length: dr_grpo's constant (None: C).
         num_items_in_batch: dapo/cispo/vespo normaliser (int or tensor; None: the mask's sum).
         num_processes: the dapo/cispo/vespo normaliser is ``max(1, num_items_in_batch) / num_processes``.
@@ -121,7 +134,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
                        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
                        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                        vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
-                       top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
+                       top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
+                       kl_loss_type=kl_loss_type, loss_agg_mode=loss_agg_mode)
+    v.require_positive_int("global_batch_size", global_batch_size, allow_none=True)
     v.require_positive_int("num_processes", num_processes)
     v.require_positive_int("max_completion_length", max_completion_length, allow_none=True)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
@@ -129,11 +144,17 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     batch = _Completions.of(logits, opts, completion_ids, advantages, completion_mask, old_logprobs=old_logprobs,
                             ref_logprobs=ref_logprobs, sampling_logprobs=sampling_logprobs,
                             importance_weights=importance_weights)
-    token_weight = _aggregation_weights(batch.m, opts.loss_type, max_completion_length, num_items_in_batch,
-                                        num_processes)  # loss = sum_t token_weight_t * l_t
+    if opts.loss_agg_mode is None:
+        token_weight = _aggregation_weights(batch.m, opts.loss_type, max_completion_length, num_items_in_batch,
+                                            num_processes)  # loss = sum_t token_weight_t * l_t
+    else:
+        token_weight = aggregation_weights(batch.m, opts.loss_agg_mode, batch_num_tokens=num_items_in_batch,
+                                           dp_size=num_processes, global_batch_size=global_batch_size,
+                                           loss_scale_factor=max_completion_length)
     want_entropy = return_details or opts.needs_entropy
     if opts.row_local and not return_details:
-        return logits.row_local_loss(_row_loss(batch, token_weight, opts), targets=batch.ids,
+        return logits.row_local_loss(_row_loss(batch, token_weight, _entropy_weights(batch, token_weight, None, opts),
+                                               opts), targets=batch.ids,
                                      want_entropy=want_entropy)
 
     stats = logits.statistics(targets=batch.ids, want_entropy=want_entropy)
@@ -148,16 +169,15 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     policy_loss = (token_weight * per_token).sum()
     loss = policy_loss
     if opts.entropy_coef != 0:  # the entropy bonus
-        loss = loss - opts.entropy_coef * (_entropy_weights(batch.m, keep.entropy) * entropy).sum()
+        loss = loss - opts.entropy_coef * (_entropy_weights(batch, token_weight, keep.entropy, opts) * entropy).sum()
     if not return_details:
         return loss
     return loss, _details(logp, entropy, kl, ratio, phi, policy_loss, batch, opts)
 
 
-def _row_loss(batch: "_Completions", token_weight: torch.Tensor, opts: "_Options"):
+def _row_loss(batch: "_Completions", token_weight: torch.Tensor, entropy_weight: torch.Tensor, opts: "_Options"):
     """The same loss as a sum of row terms, for the eager path (``ImplicitLogits.row_local_loss``): the
     token-level ratio, no sequence-level mask."""
-    entropy_weight = _entropy_weights(batch.m, None)
 
     def row_loss(stats, rows):
         tokens = batch.rows(rows)
@@ -170,9 +190,13 @@ def _row_loss(batch: "_Completions", token_weight: torch.Tensor, opts: "_Options
     return row_loss
 
 
-def _entropy_weights(m: torch.Tensor, high_entropy: Optional[torch.Tensor]) -> torch.Tensor:
+def _entropy_weights(batch: "_Completions", token_weight: torch.Tensor, high_entropy: Optional[torch.Tensor],
+                     opts: "_Options") -> torch.Tensor:
     """The entropy bonus is a mean over the tokens the policy term keeps (TRL's effective mask), whatever
-    the loss type's normalisation."""
+    the loss type's normalisation; with a ``loss_agg_mode`` it is aggregated as the policy term (verl)."""
+    if opts.loss_agg_mode is not None:
+        return token_weight
+    m = batch.m
     kept = m if high_entropy is None else m * high_entropy
     return kept / count_or_one(kept.sum())
 
@@ -197,6 +221,8 @@ class _Options:
     off_policy_mask_threshold: Optional[float]
     top_entropy_quantile: float
     entropy_coef: float
+    kl_loss_type: Optional[str] = None
+    loss_agg_mode: Optional[str] = None
 
     @classmethod
     def of(cls, *, epsilon_high, **options) -> "_Options":
@@ -213,6 +239,10 @@ class _Options:
             v.require_real(name, options[name], positive=True)  # SAPO divides by its temperature
         v.require_real("off_policy_mask_threshold", options["off_policy_mask_threshold"], allow_none=True)
         v.require_real("top_entropy_quantile", options["top_entropy_quantile"], nonnegative=True)
+        if options["kl_loss_type"] is not None:
+            v.require_choice("kl_loss_type", options["kl_loss_type"], KL_LOSS_TYPES)
+        if options["loss_agg_mode"] is not None:
+            v.require_choice("loss_agg_mode", options["loss_agg_mode"], LOSS_AGG_MODES)
         if options["top_entropy_quantile"] > 1:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {options['top_entropy_quantile']!r}")
         eps_high = options["epsilon_low"] if epsilon_high is None else epsilon_high
@@ -331,8 +361,11 @@ def _token_loss(logp, log_ratio, t: _Completions, opts: _Options, *, keep: Optio
     ratio = torch.exp(log_ratio)  # TRL's coef_1
     kl = None
     if opts.beta != 0:
-        ref_gap = t.ref - logp
-        kl = torch.exp(ref_gap) - ref_gap - 1
+        if opts.kl_loss_type is None:
+            ref_gap = t.ref - logp
+            kl = torch.exp(ref_gap) - ref_gap - 1
+        else:
+            kl = kl_estimate(logp, t.ref, opts.kl_loss_type)
         if opts.use_bias_correction_kl:
             kl = kl * ratio
     if opts.loss_type == "cispo":

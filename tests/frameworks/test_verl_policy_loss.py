@@ -1,0 +1,123 @@
+"""``grpo_loss`` with verl's ``loss_agg_mode`` and ``kl_loss_type`` against verl 0.9's own actor loss.
+
+The oracle is ``verl.workers.utils.losses.ppo_loss`` in float64: the ``vanilla`` policy loss (PPO clip with
+the dual clip ``clip_ratio_c``), the entropy bonus and the KL loss, each aggregated by ``agg_loss``, fed with
+log-probs and entropies of materialised float64 logits in verl's packed layout; a stand-in actor config.
+fusedloss's counterpart: ``loss_type="bnpo"`` (the clipped surrogate), ``delta=clip_ratio_c``, ``beta=kl_loss_coef``,
+``use_bias_correction_kl=False``, ``num_items_in_batch=batch_num_tokens``, ``num_processes=dp_size``,
+``max_completion_length=loss_scale_factor``. Gradients of hidden, weight and bias through both.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _trl_oracle import float64_default, head_logits
+from conftest import make_head, rel_err
+
+import fusedloss
+
+verl_worker_losses = pytest.importorskip("verl.workers.utils.losses")
+omegaconf = pytest.importorskip("omegaconf")
+from verl.utils import tensordict_utils as tu  # noqa: E402
+
+B, C, D, V = 4, 6, 19, 37
+PROMPT = 2
+RATIOS = torch.tensor([0.5, 0.7, 0.9, 1.0, 1.1, 1.37, 1.7, 4.2], dtype=torch.float64)
+CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.28, 3.0
+
+
+def batch(seed=0, far_reference=False):
+    """Peaked heads, completions of lengths 6, 3, 0 (fully masked) and 1, old log-probs that put the ratios on
+    RATIOS (4.2: past the dual clip), reference log-probs near the policy (``far_reference``: some 12 and 25
+    nats away, where verl's k3 clamps its exponent and its value), per-token advantages."""
+    h, w, b, _ = make_head(0, D, V, leading=(B, C), bias=True, seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.randint(0, V, (B, C), generator=g)
+    mask = torch.arange(C)[None, :] < torch.tensor([6, 3, 0, 1])[:, None]
+    z = head_logits(h, w, b)
+    logp = torch.log_softmax(z, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    pick = RATIOS[torch.randint(0, len(RATIOS), (B, C), generator=g)]
+    old = logp - pick.log()
+    ref = logp + 0.4 * torch.randn(B, C, generator=g, dtype=torch.float64)
+    adv = torch.randn(B, C, generator=g, dtype=torch.float64)
+    if far_reference:
+        ref[0, :4] = logp[0, :4] + torch.tensor([12.0, -12.0, 25.0, -25.0], dtype=torch.float64)
+    return (h, w, b), ids, mask, old, ref, adv
+
+
+def packed(per_response: torch.Tensor) -> torch.Tensor:
+    """``[B, C]`` response values in verl's packed layout ``[B * (PROMPT + C)]`` (output t predicts t + 1)."""
+    out = torch.zeros(B, PROMPT + C, dtype=per_response.dtype)
+    out[:, PROMPT - 1:PROMPT + C - 1] = per_response
+    return out.reshape(-1)
+
+
+def verl_loss(head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl_coef, entropy_coeff,
+              batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None):
+    logq = torch.log_softmax(head_logits(*head), -1)
+    logp = logq.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    entropy = -(logq.exp() * logq).sum(-1)
+    data = tu.get_tensordict({
+        "prompts": torch.ones(B, PROMPT, dtype=torch.long), "responses": ids,
+        "attention_mask": torch.ones(B, PROMPT + C, dtype=torch.long), "response_mask": mask.long(),
+        "old_log_probs": old, "advantages": adv, "ref_log_prob": ref,
+    }, non_tensor_dict=dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size))
+    config = omegaconf.OmegaConf.create(dict(
+        global_batch_info={}, loss_scale_factor=loss_scale_factor, loss_agg_mode=loss_agg_mode,
+        policy_loss={"loss_mode": "vanilla"}, clip_ratio=CLIP_LOW, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH,
+        clip_ratio_c=CLIP_C, entropy_coeff=entropy_coeff, use_kl_loss=kl_coef != 0, kl_loss_type=kl_loss_type,
+        kl_loss_coef=kl_coef))
+    with float64_default():
+        loss, _ = verl_worker_losses.ppo_loss(config, {"log_probs": packed(logp), "entropy": packed(entropy)}, data)
+    return loss
+
+
+def fused_loss(fn, head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl_coef, entropy_coeff,
+               batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None, **run):
+    h, w, b = head
+    return fn(h, w, ids, adv, mask, old_logprobs=old, ref_logprobs=ref, bias=b, loss_type="bnpo",
+              epsilon_low=CLIP_LOW, epsilon_high=CLIP_HIGH, delta=CLIP_C, beta=kl_coef, use_bias_correction_kl=False,
+              kl_loss_type=kl_loss_type, loss_agg_mode=loss_agg_mode, entropy_coef=entropy_coeff,
+              num_items_in_batch=batch_num_tokens, num_processes=dp_size, global_batch_size=global_batch_size,
+              max_completion_length=loss_scale_factor, **run)
+
+
+AGG_CASES = [
+    ("token-mean", {}), ("token-mean", dict(batch_num_tokens=23, dp_size=2)),
+    ("token-sum", {}), ("token-sum", dict(dp_size=3)),
+    ("seq-mean-token-sum", {}), ("seq-mean-token-sum", dict(global_batch_size=8, dp_size=2)),
+    ("seq-mean-token-mean", {}), ("seq-mean-token-mean", dict(global_batch_size=5)),
+    ("seq-mean-token-sum-norm", {}), ("seq-mean-token-sum-norm", dict(loss_scale_factor=9, global_batch_size=6)),
+]
+KL_TYPES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "k2+", "k3+", "low_var_kl+"]
+
+
+def check(options, far_reference=False):
+    head, ids, mask, old, ref, adv = batch(far_reference=far_reference)
+    leaves = [t.detach().clone().requires_grad_() for t in head]
+    want = verl_loss(leaves, ids, mask, old, ref, adv, **options)
+    want_grads = torch.autograd.grad(want, leaves)
+    for fn in (fusedloss.grpo_loss, fusedloss.reference.grpo_loss):
+        mine = [t.detach().clone().requires_grad_() for t in head]
+        run = dict(backend="torch") if fn is fusedloss.grpo_loss else {}
+        got = fused_loss(fn, mine, ids, mask, old, ref, adv, **options, **run)
+        assert rel_err(got, want) <= 1e-12, (fn.__module__, got.item(), want.item())
+        for name, g, r in zip("hwb", torch.autograd.grad(got, mine), want_grads):
+            assert r.norm() > 0 and rel_err(g, r) <= 1e-12, (fn.__module__, name, rel_err(g, r))
+
+
+@pytest.mark.parametrize("mode,batch_info", AGG_CASES)
+def test_loss_agg_mode_matches_verl(mode, batch_info):
+    check(dict(loss_agg_mode=mode, kl_loss_type="low_var_kl", kl_coef=0.05, entropy_coeff=0.01, **batch_info))
+
+
+@pytest.mark.parametrize("kind", KL_TYPES)
+def test_kl_loss_type_matches_verl(kind):
+    check(dict(loss_agg_mode="token-mean", kl_loss_type=kind, kl_coef=0.3, entropy_coeff=0.0))
+
+
+@pytest.mark.parametrize("kind", ["low_var_kl", "k3+", "k1", "abs+"])
+def test_kl_clamps_match_verl(kind):
+    check(dict(loss_agg_mode="seq-mean-token-mean", kl_loss_type=kind, kl_coef=0.3, entropy_coeff=0.0),
+          far_reference=True)
