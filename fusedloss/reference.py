@@ -132,11 +132,12 @@ def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str,
 
 
 def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
-                   ignore_index=-100, return_entropy=False):
+                   ignore_index=-100, return_entropy=False, return_sum_sq_probs=False):
     """log p(targets) per token (0 at ignored positions); with ``return_entropy`` also the entropy
     ``-sum_v p log p`` of the full distribution (0 at ignored positions). Targets ``[..., K]`` (one more
     dimension than the leading shape of hidden) give ``[..., K]`` log-probs, each entry ignored on its own;
-    the entropy is then 0 where all K are ignored."""
+    the entropy is then 0 where all K are ignored. ``return_sum_sq_probs`` appends ``sum_v p_v^2``
+    (detached, 0 at ignored positions)."""
     z = logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     logq = torch.log_softmax(z, dim=-1)
     valid = targets != ignore_index
@@ -147,10 +148,14 @@ def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit
         valid = valid.any(-1)
     else:
         logp = _gather(logq, targets, valid)
-    if not return_entropy:
-        return logp
-    ent = _entropy(logq)
-    return logp, torch.where(valid, ent, torch.zeros_like(ent))
+    outputs = (logp,)
+    if return_entropy:
+        ent = _entropy(logq)
+        outputs += (torch.where(valid, ent, torch.zeros_like(ent)),)
+    if return_sum_sq_probs:
+        sum_sq = (2 * logq.detach()).exp().sum(-1)
+        outputs += (torch.where(valid, sum_sq, torch.zeros_like(sum_sq)),)
+    return outputs[0] if len(outputs) == 1 else outputs
 
 
 # --------------------------------------------------------------------------------------------------

@@ -280,3 +280,29 @@ def test_several_targets_and_sparse_distillation_on_the_cuda_host_path(monkeypat
     assert rel_err(got, want) <= 1e-9
     for g, r in zip(grads(got, (hd, wd, bd)), grads(want, (hd, wd, bd))):
         assert rel_err(g, r) <= 1e-9
+
+
+# --------------------------------------------------------------------------------------------------
+# token_logprobs' sum of squared probabilities (verl's sum_pi_squared)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+@pytest.mark.parametrize("several", [False, True], ids=["one_target", "k_targets"])
+def test_sum_sq_probs(backend, device, dtype, several):
+    (h, w, b), ids = several_targets_case(dtype)
+    targets = ids if several else ids[..., 0]
+    got = fusedloss.token_logprobs(h.to(device), w.to(device), targets.to(device), bias=b.to(device),
+                                   return_entropy=True, return_sum_sq_probs=True, backend=backend, **TRANSFORMS)
+    want = reference.token_logprobs(h.double(), w.double(), targets, bias=b.double(), return_entropy=True,
+                                    return_sum_sq_probs=True, **TRANSFORMS)
+    assert len(got) == 3 and not got[2].requires_grad
+    ignored = (targets == -100).all(-1) if several else targets == -100
+    assert bool(ignored.any()) and bool((got[2][ignored.to(device)] == 0).all())
+    peaked = want[2][~ignored]
+    assert float(peaked.max()) > 0.9 and float(peaked.min()) < 0.1  # confident and spread rows both present
+    tol = fp64_tol(backend) if dtype == torch.float64 else FP32_TOL
+    for a, e in zip(got, want):
+        assert rel_err(a, e) <= tol
+    alone = fusedloss.token_logprobs(h.to(device), w.to(device), targets.to(device), bias=b.to(device),
+                                     return_sum_sq_probs=True, backend=backend, **TRANSFORMS)
+    assert len(alone) == 2 and rel_err(alone[1], want[2]) <= tol

@@ -161,7 +161,7 @@ def sparse_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
         teacher_lp = torch.stack((top_lp[:, 0], sampled_lp), dim=-1)
         support = ids >= 0
 
-    student_lp, _ = several_logprobs(logits, ids)
+    student_lp, _, _ = several_logprobs(logits, ids)
     per_position = sparse_divergence(student_lp, teacher_lp, support, float(beta), loss_add_tail,
                                      renormalize=renormalize, log_prob_min_clamp=log_prob_min_clamp)
     if loss_max_clamp is not None:

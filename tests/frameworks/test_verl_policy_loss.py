@@ -121,3 +121,15 @@ def test_kl_loss_type_matches_verl(kind):
 def test_kl_clamps_match_verl(kind):
     check(dict(loss_agg_mode="seq-mean-token-mean", kl_loss_type=kind, kl_coef=0.3, entropy_coeff=0.0),
           far_reference=True)
+
+
+def test_sum_sq_probs_matches_verl_sum_pi_squared():
+    """``token_logprobs(..., return_sum_sq_probs=True)`` is verl's ``calculate_sum_pi_squared_from_logits`` of
+    the logits after the temperature (its optimal token baseline's input), which verl's fused kernels refuse."""
+    from verl.utils.torch_functional import calculate_sum_pi_squared_from_logits
+
+    (h, w, b), ids, mask, *_ = batch()
+    transforms = dict(temperature=0.7, logit_scale=1.3, softcap=20.0)
+    want = calculate_sum_pi_squared_from_logits(head_logits(h, w, b, **transforms))
+    _, got = fusedloss.token_logprobs(h, w, ids, bias=b, return_sum_sq_probs=True, backend="torch", **transforms)
+    assert rel_err(got, want) <= 1e-13
