@@ -333,14 +333,18 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
               importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
               vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
               off_policy_mask_threshold=None, sampling_logprobs=None, top_entropy_quantile=1.0, entropy_coef=0.0,
-              kl_loss_type=None, loss_agg_mode=None, global_batch_size=None, max_completion_length=None,
+              kl_loss_type=None, loss_agg_mode=None, global_batch_size=None, cispo_two_sided=False, dro_beta=None,
+              max_completion_length=None,
               num_items_in_batch=None, num_processes=1, importance_weights=None, return_details=False):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` (gradient accumulation 1, one process), written in TRL's order.
 
     Per-token inputs outside the mask are replaced by neutral values (advantage 0, log-probs 0, weight 1)
     before any arithmetic, so that whatever was there produces nothing, gradient included. TRL's shapes
     are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio. ``kl_loss_type`` and
-    ``loss_agg_mode`` are verl 0.9's (``kl_penalty``, ``agg_loss``), written as verl writes them."""
+    ``loss_agg_mode`` are verl 0.9's (``kl_penalty``, ``agg_loss``), written as verl writes them, and so are
+    its losses dppo_tv, dppo_kl, dro and two-sided cispo (token-mean unless ``loss_agg_mode`` says)."""
+    if loss_type in ("dppo_tv", "dppo_kl", "dro") and loss_agg_mode is None:
+        loss_agg_mode = "token-mean"
     if epsilon_high is None:
         epsilon_high = epsilon_low
     mask = completion_mask != 0
@@ -399,8 +403,23 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
 
     weights = None if importance_weights is None else inside(importance_weights, 1.0)
     phi_seq = None
-    if loss_type == "cispo":
+    if loss_type == "cispo" and cispo_two_sided:  # verl's: clamped on both sides, log-ratio within +-20
+        r = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+        per_token_loss = -torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high).detach() * A * logp
+    elif loss_type == "cispo":
         per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * A * logp
+    elif loss_type == "dro":
+        per_token_loss = -(logp * A - 0.5 * dro_beta * (logp - old) ** 2)
+    elif loss_type in ("dppo_tv", "dppo_kl"):  # binary trust-region masks, truncated importance sampling
+        r = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+        truncated = torch.clamp(r, max=3.0 if delta is None else delta).detach()
+        p, p_old = logp.detach().exp(), old.exp()
+        if loss_type == "dppo_tv":
+            keep = torch.where(A > 0, p - p_old <= epsilon_high, p - p_old >= -epsilon_low)
+        else:
+            kl = p_old * (old - logp.detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+            keep = torch.where(A > 0, (kl <= epsilon_high) | (p <= p_old), (kl <= epsilon_low) | (p >= p_old))
+        per_token_loss = -A * truncated * logp * keep.to(acc)
     elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
         if delta is not None:  # after the clamp is formed: the first argument only (TRL reassigns coef_1)
@@ -479,10 +498,12 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         r = coef_1.detach()  # after the delta cap, as TRL measures it
         sign = A_trl if r.shape[1] == 1 else A
         low = high = region = low_min = high_max = None
-        if loss_type == "cispo":
+        if loss_type in ("sapo", "vespo", "dppo_tv", "dppo_kl", "dro") or cispo_two_sided:
+            pass  # no TRL clip metrics
+        elif loss_type == "cispo":
             high = global_masked_mean((r > epsilon_high) & (sign > 0))
             low, region = torch.zeros_like(high), high
-        elif loss_type not in ("sapo", "vespo"):
+        else:
             is_low = (r < 1 - epsilon_low) & (sign < 0)
             is_high = (r > 1 + epsilon_high) & (sign > 0)
             low, high = global_masked_mean(is_low), global_masked_mean(is_high)

@@ -35,6 +35,12 @@ CASES = {
                              epsilon_high=1.3),
     "seq-mean-gspo": dict(loss_agg_mode="seq-mean-token-mean", importance_sampling_level="sequence", beta=0.05,
                           kl_loss_type="kl"),
+    "cispo-two-sided": dict(loss_type="cispo", cispo_two_sided=True, epsilon_high=0.28, loss_agg_mode="token-mean",
+                            entropy_coef=0.01),
+    "dppo_tv": dict(loss_type="dppo_tv", epsilon_high=0.28, beta=0.05, kl_loss_type="k3"),
+    "dppo_kl": dict(loss_type="dppo_kl", epsilon_low=0.05, epsilon_high=0.1, delta=1.5,
+                    loss_agg_mode="seq-mean-token-mean"),
+    "dro": dict(loss_type="dro", dro_beta=0.3, entropy_coef=0.02, loss_agg_mode="seq-mean-token-sum"),
 }
 
 
@@ -92,6 +98,10 @@ def test_the_options_change_the_loss():
     (dict(loss_agg_mode="mean"), "loss_agg_mode must be one of"),
     (dict(kl_loss_type="k4"), "kl_loss_type must be one of"),
     (dict(loss_agg_mode="seq-mean-token-sum", global_batch_size=0), "global_batch_size"),
+    (dict(loss_type="dro"), "dro_beta"),
+    (dict(loss_type="dro", dro_beta=-1.0), "dro_beta"),
+    (dict(loss_type="dppo_tv", importance_sampling_level="sequence"), "importance_sampling_level"),
+    (dict(loss_type="cispo", cispo_two_sided=True, importance_sampling_level="sequence"), "importance_sampling_level"),
 ])
 def test_bad_verl_options(options, match):
     inputs, _ = case("seq-mean-k2")
@@ -101,7 +111,7 @@ def test_bad_verl_options(options, match):
 
 
 @pytest.mark.parametrize("which", [b for b in ALL_BACKENDS if b != "triton"])
-@pytest.mark.parametrize("name", ["token-mean-k3", "seq-sum-abs", "seq-mean-k2"])
+@pytest.mark.parametrize("name", ["token-mean-k3", "seq-sum-abs", "seq-mean-k2", "cispo-two-sided", "dppo_kl", "dro"])
 def test_eager_path(which, name, monkeypatch):
     """Token-level verl options are row-local: the eager 3-product path takes them (forced), entropy bonus
     aggregated by the same weights, and equals the reference."""

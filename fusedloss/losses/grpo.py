@@ -41,7 +41,15 @@ from .. import _validation as v
 from ..types import GRPODetails
 from .implicit_logits import ImplicitLogits, count_or_one, implicit_logits, items_divisor
 from .options import RUN, SHARDING, shared_arguments, shared_options
-from .verl_terms import KL_LOSS_TYPES, LOSS_AGG_MODES, aggregation_weights, kl_estimate
+from .verl_terms import (
+    KL_LOSS_TYPES,
+    LOSS_AGG_MODES,
+    VERL_LOSS_TYPES,
+    aggregation_weights,
+    kl_estimate,
+    policy_term,
+    two_sided_cispo,
+)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -49,7 +57,9 @@ CLIPPED = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")  # the loss types of the 
 _NO_IGNORE_INDEX = -(2**63)  # completion ids have no ignore value: the mask says which tokens count
 _VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's clamp range of VESPO's log sequence weight
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "dppo_tv", "dppo_kl",
+                   "dro"]
+_VERL_CLIP_RATIO_C = 3.0  # verl's ActorConfig.clip_ratio_c: DPPO's ratio truncation when delta is None
 
 
 @shared_options(*RUN, "eager", *SHARDING)
@@ -66,6 +76,7 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
               off_policy_mask_threshold: Optional[float] = None, sampling_logprobs: Optional[torch.Tensor] = None,
               top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0, kl_loss_type: Optional[str] = None,
               loss_agg_mode: Optional[str] = None, global_batch_size: Optional[int] = None,
+              cispo_two_sided: bool = False, dro_beta: Optional[float] = None,
               max_completion_length: Optional[int] = None, num_items_in_batch=None, num_processes: int = 1,
               importance_weights: Optional[torch.Tensor] = None, return_details: bool = False,
               backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, GRPODetails]]:
@@ -82,9 +93,12 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         old_logprobs: ``[B, C]`` log-probs of the policy that sampled (None: on-policy, ``sg(logp)``).
         ref_logprobs: ``[B, C]`` reference-model log-probs; required when ``beta != 0``.
         temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.
-        loss_type: one of ``LOSS_TYPES`` (module docstring). epsilon_low, epsilon_high: clip range
-            (``epsilon_high`` None: ``epsilon_low``; cispo's cap is ``epsilon_high``). delta: two-sided
-            clipping cap of the grpo-family ratio (INTELLECT-2), None for none; other loss types ignore it.
+        loss_type: one of ``LOSS_TYPES`` (module docstring), or verl's ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``
+            (``losses/verl_terms.py``; aggregated by ``loss_agg_mode``, None: ``"token-mean"``).
+            epsilon_low, epsilon_high: clip range (``epsilon_high`` None: ``epsilon_low``; cispo's cap is
+            ``epsilon_high``; DPPO's divergence thresholds). delta: two-sided clipping cap of the grpo-family
+            ratio (INTELLECT-2), None for none; DPPO's ratio truncation (None: verl's 3.0); other loss
+            types ignore it.
         beta: KL coefficient. use_bias_correction_kl: multiply the k3 KL term by the differentiable ratio
             (DeepSeek-V3.2; TRL 1.16's default True).
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
@@ -108,6 +122,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
             ``num_processes`` (verl's dp_size); the entropy bonus is aggregated the same way, over the mask.
             None: the aggregation of ``loss_type`` below.
         global_batch_size: the completions a sequence-mean ``loss_agg_mode`` divides by (all ranks).
+        cispo_two_sided: verl's cispo: the ratio clamped to ``[1 - epsilon_low, 1 + epsilon_high]``, its
+            log clamped to +-20, instead of TRL's cap at ``epsilon_high``.
+        dro_beta: the quadratic log-ratio penalty of ``loss_type="dro"`` (required there, > 0).
         max_completion_length: dr_grpo's constant (None: C).
         num_items_in_batch: dapo/cispo/vespo normaliser (int or tensor; None: the mask's sum).
         num_processes: the dapo/cispo/vespo normaliser is ``max(1, num_items_in_batch) / num_processes``.
@@ -135,7 +152,8 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
                        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                        vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
                        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
-                       kl_loss_type=kl_loss_type, loss_agg_mode=loss_agg_mode)
+                       kl_loss_type=kl_loss_type, loss_agg_mode=loss_agg_mode, cispo_two_sided=cispo_two_sided,
+                       dro_beta=dro_beta)
     v.require_positive_int("global_batch_size", global_batch_size, allow_none=True)
     v.require_positive_int("num_processes", num_processes)
     v.require_positive_int("max_completion_length", max_completion_length, allow_none=True)
@@ -223,10 +241,25 @@ class _Options:
     entropy_coef: float
     kl_loss_type: Optional[str] = None
     loss_agg_mode: Optional[str] = None
+    cispo_two_sided: bool = False
+    dro_beta: Optional[float] = None
 
     @classmethod
     def of(cls, *, epsilon_high, **options) -> "_Options":
-        v.require_choice("loss_type", options["loss_type"], LOSS_TYPES)
+        v.require_choice("loss_type", options["loss_type"], LOSS_TYPES + VERL_LOSS_TYPES)
+        v.require_bool("cispo_two_sided", options["cispo_two_sided"])
+        v.require_real("dro_beta", options["dro_beta"], positive=True, allow_none=True)
+        if options["loss_type"] == "dro" and options["dro_beta"] is None:
+            raise ValueError("dro_beta (> 0) is required with loss_type='dro': the weight of its quadratic "
+                             "log-ratio penalty")
+        verl_token_loss = options["loss_type"] in VERL_LOSS_TYPES or (
+            options["loss_type"] == "cispo" and options["cispo_two_sided"])
+        if verl_token_loss and options["importance_sampling_level"] != "token":
+            raise ValueError(f"importance_sampling_level must be 'token' with verl's per-token loss "
+                             f"{options['loss_type']!r}{' (cispo_two_sided)' if options['cispo_two_sided'] else ''}, "
+                             f"got {options['importance_sampling_level']!r}")
+        if options["loss_type"] in VERL_LOSS_TYPES and options["loss_agg_mode"] is None:
+            options["loss_agg_mode"] = "token-mean"  # verl's default aggregation
         v.require_choice("importance_sampling_level", options["importance_sampling_level"],
                          IMPORTANCE_SAMPLING_LEVELS)
         v.require_real("epsilon_low", options["epsilon_low"], nonnegative=True)
@@ -368,8 +401,14 @@ def _token_loss(logp, log_ratio, t: _Completions, opts: _Options, *, keep: Optio
             kl = kl_estimate(logp, t.ref, opts.kl_loss_type)
         if opts.use_bias_correction_kl:
             kl = kl * ratio
-    if opts.loss_type == "cispo":
+    if opts.loss_type == "cispo" and opts.cispo_two_sided:
+        loss = two_sided_cispo(logp, t.old_or(logp), t.adv, opts.epsilon_low, opts.epsilon_high)
+    elif opts.loss_type == "cispo":
         loss = -torch.clamp(ratio, max=opts.epsilon_high).detach() * t.adv * logp
+    elif opts.loss_type in VERL_LOSS_TYPES:
+        loss = policy_term(opts.loss_type, logp, t.old_or(logp), t.adv, epsilon_low=opts.epsilon_low,
+                           epsilon_high=opts.epsilon_high, dro_beta=opts.dro_beta,
+                           clip_ratio_c=_VERL_CLIP_RATIO_C if opts.delta is None else opts.delta)
     elif opts.loss_type == "sapo":
         tau = _by_sign(t.adv > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg, t.adv.dtype)
         loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * t.adv
@@ -484,8 +523,9 @@ def _details(logp, entropy, kl, ratio, phi, policy_loss, t: _Completions, opts: 
 
 def _clip_metrics(ratio, t: _Completions, opts: _Options):
     """TRL's clip_ratio/{low_mean, high_mean, region_mean, low_min, high_max} for the grpo family; cispo's
-    cispo_clip_ratio as the high (and region) ratio; nothing for sapo and vespo, which do not clip."""
-    if opts.loss_type in ("sapo", "vespo"):
+    cispo_clip_ratio as the high (and region) ratio; nothing for sapo and vespo, which do not clip, nor for
+    verl's losses (dppo, dro, two-sided cispo), whose metrics are verl's own."""
+    if opts.loss_type in ("sapo", "vespo") + VERL_LOSS_TYPES or opts.cispo_two_sided:
         return None, None, None, None, None
     adv = _advantages_as_trl(t) if ratio.shape[1] == 1 else t.adv
     if opts.loss_type == "cispo":

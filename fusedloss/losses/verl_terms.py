@@ -79,3 +79,51 @@ def aggregation_weights(m: torch.Tensor, mode: str, *, batch_num_tokens=None, dp
     if mode == "seq-mean-token-sum-norm":
         weights = weights / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
     return weights
+
+
+# ------------------------------------------------------------------------------------------------
+# verl's policy losses (``@register_policy_loss``) that TRL lacks, per token, before the aggregation. r is
+# the ratio exp(clamp(logp - old, -20, 20)), A the advantage, sg stop-gradient, p = e^logp, p_old = e^old:
+#
+#   dppo_tv   -A sg(min(r, c)) logp [A > 0 ? p - p_old <= eps_high : p - p_old >= -eps_low]
+#   dppo_kl   -A sg(min(r, c)) logp [A > 0 ? D <= eps_high or p <= p_old : D <= eps_low or p >= p_old],
+#             D = p_old (old - logp) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)) (binary KL)
+#   dro       -(A logp - dro_beta / 2 (logp - old)^2)        (no clamp)
+#   cispo, two-sided:  -sg(clamp(r, 1 - eps_low, 1 + eps_high)) A logp
+#
+# (DPPO's eps are divergence thresholds, c its truncation of the ratio: verl's clip_ratio_low/high, _c.)
+# ------------------------------------------------------------------------------------------------
+
+VERL_LOSS_TYPES = ("dppo_tv", "dppo_kl", "dro")
+_LOG_RATIO_CLAMP = 20.0
+_DPPO_EPS = 1e-8  # verl's guard in the binary KL
+
+
+def _clamped_ratio(logp: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+    return torch.exp(torch.clamp(logp - old, min=-_LOG_RATIO_CLAMP, max=_LOG_RATIO_CLAMP))
+
+
+def two_sided_cispo(logp, old, adv, epsilon_low: float, epsilon_high: float) -> torch.Tensor:
+    """verl's cispo: the ratio clamped to [1 - epsilon_low, 1 + epsilon_high], stop-gradient, times A logp."""
+    clipped = torch.clamp(_clamped_ratio(logp, old), 1 - epsilon_low, 1 + epsilon_high)
+    return -clipped.detach() * adv * logp
+
+
+def policy_term(kind: str, logp, old, adv, *, epsilon_low: float, epsilon_high: float, clip_ratio_c: float,
+                dro_beta: Optional[float]) -> torch.Tensor:
+    """Per-token loss of verl's ``kind`` (``VERL_LOSS_TYPES``)."""
+    if kind == "dro":
+        return -(logp * adv - 0.5 * dro_beta * (logp - old).square())
+    truncated = torch.clamp(_clamped_ratio(logp, old), max=clip_ratio_c).detach()
+    with torch.no_grad():
+        prob, old_prob = torch.exp(logp), torch.exp(old)
+        if kind == "dppo_tv":
+            up = (prob - old_prob) <= epsilon_high
+            down = (prob - old_prob) >= -epsilon_low
+        else:
+            binary_kl = old_prob * (old - logp) + (1 - old_prob) * torch.log(
+                (1.0 - old_prob + _DPPO_EPS) / (1.0 - prob + _DPPO_EPS))
+            up = (binary_kl <= epsilon_high) | (prob <= old_prob)
+            down = (binary_kl <= epsilon_low) | (prob >= old_prob)
+        inside = torch.where(adv > 0, up, down).to(logp.dtype)
+    return -adv * truncated * logp * inside

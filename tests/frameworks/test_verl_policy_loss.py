@@ -1,11 +1,15 @@
-"""``grpo_loss`` with verl's ``loss_agg_mode`` and ``kl_loss_type`` against verl 0.9's own actor loss.
+"""``grpo_loss`` with verl's options against verl 0.9's own actor loss: ``loss_agg_mode``, ``kl_loss_type``,
+the policy losses ``dppo_tv``, ``dppo_kl``, ``dro`` and verl's two-sided ``cispo``, and ``token_logprobs``'
+sum of squared probabilities.
 
-The oracle is ``verl.workers.utils.losses.ppo_loss`` in float64: the ``vanilla`` policy loss (PPO clip with
-the dual clip ``clip_ratio_c``), the entropy bonus and the KL loss, each aggregated by ``agg_loss``, fed with
-log-probs and entropies of materialised float64 logits in verl's packed layout; a stand-in actor config.
-fusedloss's counterpart: ``loss_type="bnpo"`` (the clipped surrogate), ``delta=clip_ratio_c``, ``beta=kl_loss_coef``,
-``use_bias_correction_kl=False``, ``num_items_in_batch=batch_num_tokens``, ``num_processes=dp_size``,
-``max_completion_length=loss_scale_factor``. Gradients of hidden, weight and bias through both.
+The oracle is ``verl.workers.utils.losses.ppo_loss`` in float64 with verl's own ``ActorConfig``: the policy
+loss of ``policy_loss.loss_mode`` (``vanilla``: PPO clip with the dual clip ``clip_ratio_c``), the entropy
+bonus and the KL loss, each aggregated by ``agg_loss``, fed with log-probs and entropies of materialised
+float64 logits in verl's packed layout. fusedloss's counterpart: ``loss_type="bnpo"`` and
+``delta=clip_ratio_c`` for vanilla (the clipped surrogate), verl's name otherwise (``cispo_two_sided=True``),
+``epsilon_low/high=clip_ratio_low/high``, ``beta=kl_loss_coef``, ``use_bias_correction_kl=False``,
+``num_items_in_batch=batch_num_tokens``, ``num_processes=dp_size``, ``max_completion_length=loss_scale_factor``.
+Gradients of hidden, weight and bias through both.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from conftest import make_head, rel_err
 import fusedloss
 
 verl_worker_losses = pytest.importorskip("verl.workers.utils.losses")
-omegaconf = pytest.importorskip("omegaconf")
 from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 B, C, D, V = 4, 6, 19, 37
 PROMPT = 2
@@ -27,18 +31,26 @@ RATIOS = torch.tensor([0.5, 0.7, 0.9, 1.0, 1.1, 1.37, 1.7, 4.2], dtype=torch.flo
 CLIP_LOW, CLIP_HIGH, CLIP_C = 0.2, 0.28, 3.0
 
 
-def batch(seed=0, far_reference=False):
+def batch(seed=0, far_reference=False, trust_region=False):
     """Peaked heads, completions of lengths 6, 3, 0 (fully masked) and 1, old log-probs that put the ratios on
     RATIOS (4.2: past the dual clip), reference log-probs near the policy (``far_reference``: some 12 and 25
-    nats away, where verl's k3 clamps its exponent and its value), per-token advantages."""
+    nats away, where verl's k3 clamps its exponent and its value), per-token advantages. ``trust_region``:
+    the tokens are each row's most likely one and the old probabilities differ from the new by -0.5 .. 0.4,
+    so that DPPO's trust-region masks drop some tokens on either sign of the advantage."""
     h, w, b, _ = make_head(0, D, V, leading=(B, C), bias=True, seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     ids = torch.randint(0, V, (B, C), generator=g)
     mask = torch.arange(C)[None, :] < torch.tensor([6, 3, 0, 1])[:, None]
     z = head_logits(h, w, b)
+    if trust_region:
+        ids = z.argmax(-1)
     logp = torch.log_softmax(z, -1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     pick = RATIOS[torch.randint(0, len(RATIOS), (B, C), generator=g)]
     old = logp - pick.log()
+    if trust_region:
+        shift = torch.tensor([-0.5, -0.3, -0.1, 0.05, 0.2, 0.4], dtype=torch.float64)
+        shift = shift[torch.randint(0, len(shift), (B, C), generator=g)]
+        old = torch.clamp(logp.exp() - shift, 1e-3, 0.999).log()
     ref = logp + 0.4 * torch.randn(B, C, generator=g, dtype=torch.float64)
     adv = torch.randn(B, C, generator=g, dtype=torch.float64)
     if far_reference:
@@ -54,7 +66,8 @@ def packed(per_response: torch.Tensor) -> torch.Tensor:
 
 
 def verl_loss(head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl_coef, entropy_coeff,
-              batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None):
+              batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None, loss_mode="vanilla",
+              clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dro_beta=None):
     logq = torch.log_softmax(head_logits(*head), -1)
     logp = logq.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logq.exp() * logq).sum(-1)
@@ -63,21 +76,25 @@ def verl_loss(head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl
         "attention_mask": torch.ones(B, PROMPT + C, dtype=torch.long), "response_mask": mask.long(),
         "old_log_probs": old, "advantages": adv, "ref_log_prob": ref,
     }, non_tensor_dict=dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size))
-    config = omegaconf.OmegaConf.create(dict(
-        global_batch_info={}, loss_scale_factor=loss_scale_factor, loss_agg_mode=loss_agg_mode,
-        policy_loss={"loss_mode": "vanilla"}, clip_ratio=CLIP_LOW, clip_ratio_low=CLIP_LOW, clip_ratio_high=CLIP_HIGH,
-        clip_ratio_c=CLIP_C, entropy_coeff=entropy_coeff, use_kl_loss=kl_coef != 0, kl_loss_type=kl_loss_type,
-        kl_loss_coef=kl_coef))
+    config = ActorConfig(
+        strategy="fsdp", rollout_n=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=1024,
+        loss_scale_factor=loss_scale_factor, loss_agg_mode=loss_agg_mode,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=dro_beta), clip_ratio=clip_low,
+        clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=CLIP_C, entropy_coeff=entropy_coeff,
+        use_kl_loss=kl_coef != 0, kl_loss_type=kl_loss_type, kl_loss_coef=kl_coef)
     with float64_default():
         loss, _ = verl_worker_losses.ppo_loss(config, {"log_probs": packed(logp), "entropy": packed(entropy)}, data)
     return loss
 
 
 def fused_loss(fn, head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl_coef, entropy_coeff,
-               batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None, **run):
+               batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None, loss_mode="vanilla",
+               clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dro_beta=None, **run):
     h, w, b = head
-    return fn(h, w, ids, adv, mask, old_logprobs=old, ref_logprobs=ref, bias=b, loss_type="bnpo",
-              epsilon_low=CLIP_LOW, epsilon_high=CLIP_HIGH, delta=CLIP_C, beta=kl_coef, use_bias_correction_kl=False,
+    loss_type = {"vanilla": "bnpo"}.get(loss_mode, loss_mode)
+    return fn(h, w, ids, adv, mask, old_logprobs=old, ref_logprobs=ref, bias=b, loss_type=loss_type,
+              cispo_two_sided=loss_mode == "cispo", dro_beta=dro_beta,
+              epsilon_low=clip_low, epsilon_high=clip_high, delta=CLIP_C, beta=kl_coef, use_bias_correction_kl=False,
               kl_loss_type=kl_loss_type, loss_agg_mode=loss_agg_mode, entropy_coef=entropy_coeff,
               num_items_in_batch=batch_num_tokens, num_processes=dp_size, global_batch_size=global_batch_size,
               max_completion_length=loss_scale_factor, **run)
@@ -93,8 +110,8 @@ AGG_CASES = [
 KL_TYPES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "k2+", "k3+", "low_var_kl+"]
 
 
-def check(options, far_reference=False):
-    head, ids, mask, old, ref, adv = batch(far_reference=far_reference)
+def check(options, **data):
+    head, ids, mask, old, ref, adv = batch(**data)
     leaves = [t.detach().clone().requires_grad_() for t in head]
     want = verl_loss(leaves, ids, mask, old, ref, adv, **options)
     want_grads = torch.autograd.grad(want, leaves)
@@ -117,10 +134,24 @@ def test_kl_loss_type_matches_verl(kind):
     check(dict(loss_agg_mode="token-mean", kl_loss_type=kind, kl_coef=0.3, entropy_coeff=0.0))
 
 
+POLICY_CASES = [
+    ("cispo", dict(clip_low=0.2, clip_high=0.28)),
+    ("dppo_tv", dict(clip_low=0.2, clip_high=0.28)),
+    ("dppo_kl", dict(clip_low=0.05, clip_high=0.1)),
+    ("dro", dict(dro_beta=0.3)),
+]
+
+
 @pytest.mark.parametrize("kind", ["low_var_kl", "k3+", "k1", "abs+"])
 def test_kl_clamps_match_verl(kind):
     check(dict(loss_agg_mode="seq-mean-token-mean", kl_loss_type=kind, kl_coef=0.3, entropy_coeff=0.0),
           far_reference=True)
+
+
+@pytest.mark.parametrize("loss_mode,options", POLICY_CASES[:3], ids=[c[0] for c in POLICY_CASES[:3]])
+def test_trust_regions_match_verl(loss_mode, options):
+    check(dict(loss_agg_mode="token-mean", loss_mode=loss_mode, kl_loss_type="k1", kl_coef=0.05, entropy_coeff=0.0,
+               **options), trust_region=True)
 
 
 def test_sum_sq_probs_matches_verl_sum_pi_squared():
@@ -133,3 +164,10 @@ def test_sum_sq_probs_matches_verl_sum_pi_squared():
     want = calculate_sum_pi_squared_from_logits(head_logits(h, w, b, **transforms))
     _, got = fusedloss.token_logprobs(h, w, ids, bias=b, return_sum_sq_probs=True, backend="torch", **transforms)
     assert rel_err(got, want) <= 1e-13
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("loss_mode,options", POLICY_CASES, ids=[c[0] for c in POLICY_CASES])
+def test_policy_loss_matches_verl(loss_mode, options, mode):
+    check(dict(loss_agg_mode=mode, loss_mode=loss_mode, kl_loss_type="k3", kl_coef=0.05, entropy_coeff=0.01,
+               **options))
