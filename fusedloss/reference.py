@@ -334,6 +334,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
               vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
               off_policy_mask_threshold=None, sampling_logprobs=None, top_entropy_quantile=1.0, entropy_coef=0.0,
               kl_loss_type=None, loss_agg_mode=None, global_batch_size=None, cispo_two_sided=False, dro_beta=None,
+              clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002, ppo_kl_coef=1.0,
               max_completion_length=None,
               num_items_in_batch=None, num_processes=1, importance_weights=None, return_details=False):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` (gradient accumulation 1, one process), written in TRL's order.
@@ -342,8 +343,9 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     before any arithmetic, so that whatever was there produces nothing, gradient included. TRL's shapes
     are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio. ``kl_loss_type`` and
     ``loss_agg_mode`` are verl 0.9's (``kl_penalty``, ``agg_loss``), written as verl writes them, and so are
-    its losses dppo_tv, dppo_kl, dro and two-sided cispo (token-mean unless ``loss_agg_mode`` says)."""
-    if loss_type in ("dppo_tv", "dppo_kl", "dro") and loss_agg_mode is None:
+    its losses dppo_tv, dppo_kl, dro, clip_cov, kl_cov and two-sided cispo (token-mean unless
+    ``loss_agg_mode`` says)."""
+    if loss_type in ("dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov") and loss_agg_mode is None:
         loss_agg_mode = "token-mean"
     if epsilon_high is None:
         epsilon_high = epsilon_low
@@ -420,6 +422,30 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
             kl = p_old * (old - logp.detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
             keep = torch.where(A > 0, (kl <= epsilon_high) | (p <= p_old), (kl <= epsilon_low) | (p >= p_old))
         per_token_loss = -A * truncated * logp * keep.to(acc)
+    elif loss_type == "kl_cov":  # |log-ratio| penalty on the tokens of largest covariance of A and logp
+        r = torch.exp(logp - old)
+        per_token_loss = -A * r
+        a, lp = A[mask], logp.detach()[mask]
+        if a.numel():
+            cov = (a - a.mean()) * (lp - lp.mean())
+            top = torch.topk(cov, max(1, int(cov.numel() * kl_cov_ratio))).indices
+            rows, cols = torch.nonzero(mask, as_tuple=True)
+            penalised = torch.zeros_like(mask)
+            penalised[rows[top], cols[top]] = True
+            per_token_loss = torch.where(penalised, per_token_loss + ppo_kl_coef * (logp - old).abs(), per_token_loss)
+    elif loss_type == "clip_cov":  # PPO clip, and a random few unclipped tokens of moderate covariance dropped
+        r = torch.exp(logp - old)
+        unclipped_loss, clipped_loss = -A * r, -A * torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high)
+        n = mask.sum()
+        lp = logp.detach()
+        cov = (A - (A * mask).sum() / (n + 1e-8)) * (lp - (lp * mask).sum() / (n + 1e-8))
+        eligible = mask & (clipped_loss <= unclipped_loss) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        where = torch.nonzero(eligible)
+        kept = torch.ones_like(A)
+        if len(where):
+            drawn = where[torch.randperm(len(where))[:max(int(clip_cov_ratio * int(n)), 1)]]
+            kept[drawn[:, 0], drawn[:, 1]] = 0.0
+        per_token_loss = torch.maximum(unclipped_loss, clipped_loss) * kept
     elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
         if delta is not None:  # after the clamp is formed: the first argument only (TRL reassigns coef_1)
@@ -498,7 +524,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         r = coef_1.detach()  # after the delta cap, as TRL measures it
         sign = A_trl if r.shape[1] == 1 else A
         low = high = region = low_min = high_max = None
-        if loss_type in ("sapo", "vespo", "dppo_tv", "dppo_kl", "dro") or cispo_two_sided:
+        if loss_type in ("sapo", "vespo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov") or cispo_two_sided:
             pass  # no TRL clip metrics
         elif loss_type == "cispo":
             high = global_masked_mean((r > epsilon_high) & (sign > 0))

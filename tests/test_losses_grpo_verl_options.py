@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _harness import compare
-from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol
+from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, rel_err
 
 import fusedloss
 from fusedloss import reference
@@ -102,6 +102,8 @@ def test_the_options_change_the_loss():
     (dict(loss_type="dro", dro_beta=-1.0), "dro_beta"),
     (dict(loss_type="dppo_tv", importance_sampling_level="sequence"), "importance_sampling_level"),
     (dict(loss_type="cispo", cispo_two_sided=True, importance_sampling_level="sequence"), "importance_sampling_level"),
+    (dict(loss_type="clip_cov", clip_cov_ratio=0.0), "clip_cov_ratio"),
+    (dict(loss_type="kl_cov", kl_cov_ratio=-0.1), "kl_cov_ratio"),
 ])
 def test_bad_verl_options(options, match):
     inputs, _ = case("seq-mean-k2")
@@ -125,3 +127,34 @@ def test_eager_path(which, name, monkeypatch):
     inputs, options = case(name)
     compare("grpo_loss", inputs, options, backend, F64, device, fp64_tol(backend))
     assert taken, "the eager path was not taken"
+
+
+COVARIANCE_CASES = {
+    "clip_cov": dict(loss_type="clip_cov", clip_cov_ratio=0.2, clip_cov_lb=-10.0, clip_cov_ub=10.0, beta=0.05,
+                     kl_loss_type="k3", entropy_coef=0.01),
+    "kl_cov": dict(loss_type="kl_cov", kl_cov_ratio=0.3, ppo_kl_coef=0.7, loss_agg_mode="seq-mean-token-mean"),
+}
+
+
+@pytest.mark.parametrize("which", ALL_BACKENDS)
+@pytest.mark.parametrize("name", list(COVARIANCE_CASES))
+def test_covariance_losses_against_reference(which, name, monkeypatch):
+    """clip_cov (tokens drawn from torch's global generator: seeded alike) and kl_cov (the tokens of largest
+    covariance) need the whole batch: the composable path, float64, loss and gradients."""
+    backend, device = _backend(which, monkeypatch)
+    inputs, _ = case("seq-mean-k2")
+    options = COVARIANCE_CASES[name]
+    positional = ("hidden", "weight", "completion_ids", "advantages", "completion_mask")
+    results = []
+    for fn, where, run in ((fusedloss.grpo_loss, device, dict(backend=backend)), (reference.grpo_loss, "cpu", {})):
+        leaves = {k: inputs[k].detach().to(where).requires_grad_() for k in ("hidden", "weight")}
+        args = [leaves.get(k, inputs[k].to(where)) for k in positional]
+        torch.manual_seed(7)
+        loss = fn(*args, old_logprobs=inputs["old_logprobs"].to(where), ref_logprobs=inputs["ref_logprobs"].to(where),
+                  **options, **run)
+        results.append((loss, torch.autograd.grad(loss, list(leaves.values()))))
+    (got, got_grads), (want, want_grads) = results
+    tol = fp64_tol(backend)
+    assert rel_err(got, want) <= tol
+    for g, r in zip(got_grads, want_grads):
+        assert r.norm() > 0 and rel_err(g, r) <= tol

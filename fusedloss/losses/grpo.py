@@ -42,10 +42,12 @@ from ..types import GRPODetails
 from .implicit_logits import ImplicitLogits, count_or_one, implicit_logits, items_divisor
 from .options import RUN, SHARDING, shared_arguments, shared_options
 from .verl_terms import (
+    COVARIANCE_LOSS_TYPES,
     KL_LOSS_TYPES,
     LOSS_AGG_MODES,
     VERL_LOSS_TYPES,
     aggregation_weights,
+    covariance_term,
     kl_estimate,
     policy_term,
     two_sided_cispo,
@@ -58,7 +60,7 @@ _NO_IGNORE_INDEX = -(2**63)  # completion ids have no ignore value: the mask say
 _VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's clamp range of VESPO's log sequence weight
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "dppo_tv", "dppo_kl",
-                   "dro"]
+                   "dro", "clip_cov", "kl_cov"]
 _VERL_CLIP_RATIO_C = 3.0  # verl's ActorConfig.clip_ratio_c: DPPO's ratio truncation when delta is None
 
 
@@ -76,8 +78,10 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
               off_policy_mask_threshold: Optional[float] = None, sampling_logprobs: Optional[torch.Tensor] = None,
               top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0, kl_loss_type: Optional[str] = None,
               loss_agg_mode: Optional[str] = None, global_batch_size: Optional[int] = None,
-              cispo_two_sided: bool = False, dro_beta: Optional[float] = None,
-              max_completion_length: Optional[int] = None, num_items_in_batch=None, num_processes: int = 1,
+              cispo_two_sided: bool = False, dro_beta: Optional[float] = None, clip_cov_ratio: float = 0.0002,
+              clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, kl_cov_ratio: float = 0.0002,
+              ppo_kl_coef: float = 1.0, max_completion_length: Optional[int] = None, num_items_in_batch=None,
+              num_processes: int = 1,
               importance_weights: Optional[torch.Tensor] = None, return_details: bool = False,
               backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, GRPODetails]]:
     """TRL 1.16 GRPOTrainer's loss (``_compute_loss``, gradient accumulation 1) from the hidden states.
@@ -93,8 +97,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         old_logprobs: ``[B, C]`` log-probs of the policy that sampled (None: on-policy, ``sg(logp)``).
         ref_logprobs: ``[B, C]`` reference-model log-probs; required when ``beta != 0``.
         temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.
-        loss_type: one of ``LOSS_TYPES`` (module docstring), or verl's ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``
-            (``losses/verl_terms.py``; aggregated by ``loss_agg_mode``, None: ``"token-mean"``).
+        loss_type: one of ``LOSS_TYPES`` (module docstring), or verl's ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``,
+            ``"clip_cov"``, ``"kl_cov"`` (``losses/verl_terms.py``; aggregated by ``loss_agg_mode``, None:
+            ``"token-mean"``).
             epsilon_low, epsilon_high: clip range (``epsilon_high`` None: ``epsilon_low``; cispo's cap is
             ``epsilon_high``; DPPO's divergence thresholds). delta: two-sided clipping cap of the grpo-family
             ratio (INTELLECT-2), None for none; DPPO's ratio truncation (None: verl's 3.0); other loss
@@ -125,6 +130,10 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         cispo_two_sided: verl's cispo: the ratio clamped to ``[1 - epsilon_low, 1 + epsilon_high]``, its
             log clamped to +-20, instead of TRL's cap at ``epsilon_high``.
         dro_beta: the quadratic log-ratio penalty of ``loss_type="dro"`` (required there, > 0).
+        clip_cov_ratio, clip_cov_lb, clip_cov_ub: ``clip_cov``'s share of tokens drawn (torch's global
+            generator, as verl) among those whose covariance lies in ``(clip_cov_lb, clip_cov_ub)``.
+        kl_cov_ratio, ppo_kl_coef: ``kl_cov``'s share of tokens of largest covariance, and their
+            ``|logp - old|`` penalty's weight.
         max_completion_length: dr_grpo's constant (None: C).
         num_items_in_batch: dapo/cispo/vespo normaliser (int or tensor; None: the mask's sum).
         num_processes: the dapo/cispo/vespo normaliser is ``max(1, num_items_in_batch) / num_processes``.
@@ -153,7 +162,8 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
                        vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
                        top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
                        kl_loss_type=kl_loss_type, loss_agg_mode=loss_agg_mode, cispo_two_sided=cispo_two_sided,
-                       dro_beta=dro_beta)
+                       dro_beta=dro_beta, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
+                       clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef)
     v.require_positive_int("global_batch_size", global_batch_size, allow_none=True)
     v.require_positive_int("num_processes", num_processes)
     v.require_positive_int("max_completion_length", max_completion_length, allow_none=True)
@@ -243,12 +253,21 @@ class _Options:
     loss_agg_mode: Optional[str] = None
     cispo_two_sided: bool = False
     dro_beta: Optional[float] = None
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
 
     @classmethod
     def of(cls, *, epsilon_high, **options) -> "_Options":
         v.require_choice("loss_type", options["loss_type"], LOSS_TYPES + VERL_LOSS_TYPES)
         v.require_bool("cispo_two_sided", options["cispo_two_sided"])
         v.require_real("dro_beta", options["dro_beta"], positive=True, allow_none=True)
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            v.require_real(name, options[name], positive=True)
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
+            v.require_real(name, options[name])
         if options["loss_type"] == "dro" and options["dro_beta"] is None:
             raise ValueError("dro_beta (> 0) is required with loss_type='dro': the weight of its quadratic "
                              "log-ratio penalty")
@@ -288,7 +307,8 @@ class _Options:
     @property
     def row_local(self) -> bool:
         """Every per-token term depends on its own token's statistics only (eager path eligible)."""
-        return (self.importance_sampling_level == "token" and self.loss_type != "vespo"
+        return (self.importance_sampling_level == "token"
+                and self.loss_type not in ("vespo",) + COVARIANCE_LOSS_TYPES
                 and self.off_policy_mask_threshold is None and self.top_entropy_quantile == 1)
 
 
@@ -405,6 +425,11 @@ def _token_loss(logp, log_ratio, t: _Completions, opts: _Options, *, keep: Optio
         loss = two_sided_cispo(logp, t.old_or(logp), t.adv, opts.epsilon_low, opts.epsilon_high)
     elif opts.loss_type == "cispo":
         loss = -torch.clamp(ratio, max=opts.epsilon_high).detach() * t.adv * logp
+    elif opts.loss_type in COVARIANCE_LOSS_TYPES:
+        loss = covariance_term(opts.loss_type, logp, t.old_or(logp), t.adv, t.valid, epsilon_low=opts.epsilon_low,
+                               epsilon_high=opts.epsilon_high, clip_cov_ratio=opts.clip_cov_ratio,
+                               clip_cov_lb=opts.clip_cov_lb, clip_cov_ub=opts.clip_cov_ub,
+                               kl_cov_ratio=opts.kl_cov_ratio, ppo_kl_coef=opts.ppo_kl_coef)
     elif opts.loss_type in VERL_LOSS_TYPES:
         loss = policy_term(opts.loss_type, logp, t.old_or(logp), t.adv, epsilon_low=opts.epsilon_low,
                            epsilon_high=opts.epsilon_high, dro_beta=opts.dro_beta,

@@ -90,13 +90,21 @@ def aggregation_weights(m: torch.Tensor, mode: str, *, batch_num_tokens=None, dp
 #             D = p_old (old - logp) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)) (binary KL)
 #   dro       -(A logp - dro_beta / 2 (logp - old)^2)        (no clamp)
 #   cispo, two-sided:  -sg(clamp(r, 1 - eps_low, 1 + eps_high)) A logp
+#   clip_cov  max(-A r', -A clamp(r', 1 - eps_low, 1 + eps_high)) * (0 on a few tokens, else 1), r' = e^(logp - old):
+#             among the tokens the clip leaves alone whose covariance (A - mean A)(logp - mean logp) lies in
+#             (clip_cov_lb, clip_cov_ub), max(1, int(clip_cov_ratio * tokens)) drawn by torch.randperm (the
+#             global generator, as verl: torch.manual_seed reproduces a draw)
+#   kl_cov    -A r', plus ppo_kl_coef |logp - old| on the max(1, int(kl_cov_ratio * tokens)) tokens of largest
+#             covariance
 #
 # (DPPO's eps are divergence thresholds, c its truncation of the ratio: verl's clip_ratio_low/high, _c.)
 # ------------------------------------------------------------------------------------------------
 
-VERL_LOSS_TYPES = ("dppo_tv", "dppo_kl", "dro")
+COVARIANCE_LOSS_TYPES = ("clip_cov", "kl_cov")  # their token selection needs the whole batch
+VERL_LOSS_TYPES = ("dppo_tv", "dppo_kl", "dro") + COVARIANCE_LOSS_TYPES
 _LOG_RATIO_CLAMP = 20.0
 _DPPO_EPS = 1e-8  # verl's guard in the binary KL
+_MASKED_MEAN_EPS = 1e-8  # verl's masked_mean: sum / (count + 1e-8)
 
 
 def _clamped_ratio(logp: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
@@ -127,3 +135,45 @@ def policy_term(kind: str, logp, old, adv, *, epsilon_low: float, epsilon_high: 
             down = (binary_kl <= epsilon_low) | (prob >= old_prob)
         inside = torch.where(adv > 0, up, down).to(logp.dtype)
     return -adv * truncated * logp * inside
+
+
+def covariance_term(kind: str, logp, old, adv, valid: torch.Tensor, *, epsilon_low: float, epsilon_high: float,
+                    clip_cov_ratio: float, clip_cov_lb: float, clip_cov_ub: float, kl_cov_ratio: float,
+                    ppo_kl_coef: float) -> torch.Tensor:
+    """Per-token loss of verl's ``clip_cov`` or ``kl_cov`` over the whole ``[B, C]`` batch (``valid``: the
+    mask); the token selection is detached and reads the batch's tokens in row-major order, as verl's."""
+    log_ratio = logp - old
+    ratio = torch.exp(log_ratio)
+    surrogate = -adv * ratio
+    clipped = -adv * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high) if kind == "clip_cov" else None
+    with torch.no_grad():
+        lp = logp.detach()
+        if kind == "kl_cov":
+            flat_valid = valid.reshape(-1)
+            adv_v, lp_v = adv.reshape(-1)[flat_valid], lp.reshape(-1)[flat_valid]
+            chosen = torch.zeros_like(flat_valid)
+            if adv_v.numel() > 0:
+                covariance = (adv_v - adv_v.mean()) * (lp_v - lp_v.mean())
+                count = max(1, int(covariance.numel() * kl_cov_ratio))
+                top = torch.topk(covariance, count, largest=True).indices
+                chosen[torch.nonzero(flat_valid, as_tuple=True)[0][top]] = True
+            chosen = chosen.reshape(valid.shape)
+        else:
+            m = valid.to(lp.dtype)
+            tokens = m.sum()
+
+            def masked_mean(x):
+                return (x * m).sum() / (tokens + _MASKED_MEAN_EPS)
+
+            covariance = (adv - masked_mean(adv)) * (lp - masked_mean(lp))
+            candidate = (valid & ~(clipped.detach() > surrogate.detach()) & (covariance < clip_cov_ub)
+                         & (covariance > clip_cov_lb))
+            where = torch.nonzero(candidate)
+            draw = max(int(clip_cov_ratio * int(tokens.item())), 1)
+            chosen = torch.zeros_like(valid)
+            if len(where) > 0:
+                pick = where[torch.randperm(len(where))[:min(draw, len(where))].to(where.device)]
+                chosen[pick[:, 0], pick[:, 1]] = True
+    if kind == "kl_cov":
+        return torch.where(chosen, surrogate + ppo_kl_coef * log_ratio.abs(), surrogate)
+    return torch.maximum(surrogate, clipped) * (~chosen).to(surrogate.dtype)

@@ -67,7 +67,7 @@ def packed(per_response: torch.Tensor) -> torch.Tensor:
 
 def verl_loss(head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl_coef, entropy_coeff,
               batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None, loss_mode="vanilla",
-              clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dro_beta=None):
+              clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dro_beta=None, **covariance):
     logq = torch.log_softmax(head_logits(*head), -1)
     logp = logq.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logq.exp() * logq).sum(-1)
@@ -79,7 +79,7 @@ def verl_loss(head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl
     config = ActorConfig(
         strategy="fsdp", rollout_n=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=1024,
         loss_scale_factor=loss_scale_factor, loss_agg_mode=loss_agg_mode,
-        policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=dro_beta), clip_ratio=clip_low,
+        policy_loss=PolicyLossConfig(loss_mode=loss_mode, dro_beta=dro_beta, **covariance), clip_ratio=clip_low,
         clip_ratio_low=clip_low, clip_ratio_high=clip_high, clip_ratio_c=CLIP_C, entropy_coeff=entropy_coeff,
         use_kl_loss=kl_coef != 0, kl_loss_type=kl_loss_type, kl_loss_coef=kl_coef)
     with float64_default():
@@ -90,6 +90,7 @@ def verl_loss(head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl
 def fused_loss(fn, head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl_coef, entropy_coeff,
                batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None, loss_mode="vanilla",
                clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dro_beta=None, **run):
+    """``run``: the backend, and clip_cov's / kl_cov's options (verl's names)."""
     h, w, b = head
     loss_type = {"vanilla": "bnpo"}.get(loss_mode, loss_mode)
     return fn(h, w, ids, adv, mask, old_logprobs=old, ref_logprobs=ref, bias=b, loss_type=loss_type,
@@ -111,13 +112,17 @@ KL_TYPES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "
 
 
 def check(options, **data):
+    """verl's loss and gradients against fusedloss's and the reference's; the global generator is seeded
+    alike before each (clip_cov draws its tokens from it)."""
     head, ids, mask, old, ref, adv = batch(**data)
     leaves = [t.detach().clone().requires_grad_() for t in head]
+    torch.manual_seed(1234)
     want = verl_loss(leaves, ids, mask, old, ref, adv, **options)
     want_grads = torch.autograd.grad(want, leaves)
     for fn in (fusedloss.grpo_loss, fusedloss.reference.grpo_loss):
         mine = [t.detach().clone().requires_grad_() for t in head]
         run = dict(backend="torch") if fn is fusedloss.grpo_loss else {}
+        torch.manual_seed(1234)
         got = fused_loss(fn, mine, ids, mask, old, ref, adv, **options, **run)
         assert rel_err(got, want) <= 1e-12, (fn.__module__, got.item(), want.item())
         for name, g, r in zip("hwb", torch.autograd.grad(got, mine), want_grads):
@@ -139,6 +144,8 @@ POLICY_CASES = [
     ("dppo_tv", dict(clip_low=0.2, clip_high=0.28)),
     ("dppo_kl", dict(clip_low=0.05, clip_high=0.1)),
     ("dro", dict(dro_beta=0.3)),
+    ("clip_cov", dict(clip_cov_ratio=0.2, clip_cov_lb=-10.0, clip_cov_ub=10.0)),
+    ("kl_cov", dict(kl_cov_ratio=0.3, ppo_kl_coef=0.7)),
 ]
 
 
@@ -171,3 +178,20 @@ def test_sum_sq_probs_matches_verl_sum_pi_squared():
 def test_policy_loss_matches_verl(loss_mode, options, mode):
     check(dict(loss_agg_mode=mode, loss_mode=loss_mode, kl_loss_type="k3", kl_coef=0.05, entropy_coeff=0.01,
                **options))
+
+
+def test_clip_cov_draw_follows_the_seed():
+    """The data leave clip_cov more candidates than it draws: the seed decides which, for verl and for
+    fusedloss alike (so the equality above is not an accident of a forced choice)."""
+    head, ids, mask, old, ref, adv = batch()
+    options = dict(loss_agg_mode="token-mean", loss_mode="clip_cov", kl_loss_type="k3", kl_coef=0.0,
+                   entropy_coeff=0.0, **dict(POLICY_CASES)["clip_cov"])
+    losses = set()
+    for seed in range(6):
+        torch.manual_seed(seed)
+        want = verl_loss(head, ids, mask, old, ref, adv, **options)
+        torch.manual_seed(seed)
+        got = fused_loss(fusedloss.grpo_loss, head, ids, mask, old, ref, adv, backend="torch", **options)
+        assert rel_err(got, want) <= 1e-12
+        losses.add(round(want.item(), 12))
+    assert len(losses) > 1
