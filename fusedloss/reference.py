@@ -343,9 +343,9 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     before any arithmetic, so that whatever was there produces nothing, gradient included. TRL's shapes
     are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio. ``kl_loss_type`` and
     ``loss_agg_mode`` are verl 0.9's (``kl_penalty``, ``agg_loss``), written as verl writes them, and so are
-    its losses dppo_tv, dppo_kl, dro, clip_cov, kl_cov and two-sided cispo (token-mean unless
+    its losses dppo_tv, dppo_kl, dro, clip_cov, kl_cov, geo_mean and two-sided cispo (token-mean unless
     ``loss_agg_mode`` says)."""
-    if loss_type in ("dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov") and loss_agg_mode is None:
+    if loss_type in ("dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean") and loss_agg_mode is None:
         loss_agg_mode = "token-mean"
     if epsilon_high is None:
         epsilon_high = epsilon_low
@@ -422,6 +422,8 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
             kl = p_old * (old - logp.detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
             keep = torch.where(A > 0, (kl <= epsilon_high) | (p <= p_old), (kl <= epsilon_low) | (p >= p_old))
         per_token_loss = -A * truncated * logp * keep.to(acc)
+    elif loss_type == "geo_mean":  # GMPO: a per-completion objective, added after the aggregation below
+        per_token_loss = torch.zeros_like(logp)
     elif loss_type == "kl_cov":  # |log-ratio| penalty on the tokens of largest covariance of A and logp
         r = torch.exp(logp - old)
         per_token_loss = -A * r
@@ -495,6 +497,15 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     else:  # dapo, cispo, vespo
         items = m.sum() if num_items_in_batch is None else _as_float(num_items_in_batch)
         loss = (per_token_loss * m).sum() / (max(1.0, _as_float(items)) / num_processes)
+    if loss_type == "geo_mean":
+        d = logp - old
+        s = torch.sign(A)
+        d_min = s * torch.min(s * d, s * d.clamp(-epsilon_low, epsilon_high))
+        n = m.sum(-1) + 1e-8
+        seq = -(A * m).sum(-1) / n * torch.exp((d_min * m).sum(-1) / n)
+        if weights is not None:
+            seq = seq * torch.exp((torch.log(weights + 1e-10) * m).sum(-1) / n)
+        loss = loss + seq.mean()
     if B == 0:
         loss = loss.nan_to_num(nan=0.0)
     policy_loss = loss.detach()
@@ -524,7 +535,8 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         r = coef_1.detach()  # after the delta cap, as TRL measures it
         sign = A_trl if r.shape[1] == 1 else A
         low = high = region = low_min = high_max = None
-        if loss_type in ("sapo", "vespo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov") or cispo_two_sided:
+        unclipped = ("sapo", "vespo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean")
+        if loss_type in unclipped or cispo_two_sided:
             pass  # no TRL clip metrics
         elif loss_type == "cispo":
             high = global_masked_mean((r > epsilon_high) & (sign > 0))

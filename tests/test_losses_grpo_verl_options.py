@@ -41,6 +41,8 @@ CASES = {
     "dppo_kl": dict(loss_type="dppo_kl", epsilon_low=0.05, epsilon_high=0.1, delta=1.5,
                     loss_agg_mode="seq-mean-token-mean"),
     "dro": dict(loss_type="dro", dro_beta=0.3, entropy_coef=0.02, loss_agg_mode="seq-mean-token-sum"),
+    "geo_mean": dict(loss_type="geo_mean", epsilon_low=0.3, epsilon_high=0.4, beta=0.05, kl_loss_type="k3",
+                     entropy_coef=0.01),
 }
 
 

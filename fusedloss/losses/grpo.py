@@ -48,6 +48,7 @@ from .verl_terms import (
     VERL_LOSS_TYPES,
     aggregation_weights,
     covariance_term,
+    geo_mean_policy,
     kl_estimate,
     policy_term,
     two_sided_cispo,
@@ -60,7 +61,7 @@ _NO_IGNORE_INDEX = -(2**63)  # completion ids have no ignore value: the mask say
 _VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's clamp range of VESPO's log sequence weight
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "dppo_tv", "dppo_kl",
-                   "dro", "clip_cov", "kl_cov"]
+                   "dro", "clip_cov", "kl_cov", "geo_mean"]
 _VERL_CLIP_RATIO_C = 3.0  # verl's ActorConfig.clip_ratio_c: DPPO's ratio truncation when delta is None
 
 
@@ -98,8 +99,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         ref_logprobs: ``[B, C]`` reference-model log-probs; required when ``beta != 0``.
         temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.
         loss_type: one of ``LOSS_TYPES`` (module docstring), or verl's ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``,
-            ``"clip_cov"``, ``"kl_cov"`` (``losses/verl_terms.py``; aggregated by ``loss_agg_mode``, None:
-            ``"token-mean"``).
+            ``"clip_cov"``, ``"kl_cov"``, ``"geo_mean"`` (``losses/verl_terms.py``; aggregated by
+            ``loss_agg_mode``, None: ``"token-mean"``; geo_mean's policy term is a mean over completions,
+            its KL and entropy terms follow ``loss_agg_mode``).
             epsilon_low, epsilon_high: clip range (``epsilon_high`` None: ``epsilon_low``; cispo's cap is
             ``epsilon_high``; DPPO's divergence thresholds). delta: two-sided clipping cap of the grpo-family
             ratio (INTELLECT-2), None for none; DPPO's ratio truncation (None: verl's 3.0); other loss
@@ -195,6 +197,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     keep = _kept_tokens(logp, entropy, batch, opts)
     per_token, kl, ratio = _token_loss(logp, log_ratio, batch, opts, keep=keep, phi=phi)
     policy_loss = (token_weight * per_token).sum()
+    if opts.loss_type == "geo_mean":  # a per-completion objective: its own aggregation (the KL term is per token)
+        policy_loss = policy_loss + geo_mean_policy(logp, batch.old_or(logp), batch.adv, batch.m, batch.weights,
+                                                    epsilon_low=opts.epsilon_low, epsilon_high=opts.epsilon_high)
     loss = policy_loss
     if opts.entropy_coef != 0:  # the entropy bonus
         loss = loss - opts.entropy_coef * (_entropy_weights(batch, token_weight, keep.entropy, opts) * entropy).sum()
@@ -308,7 +313,7 @@ class _Options:
     def row_local(self) -> bool:
         """Every per-token term depends on its own token's statistics only (eager path eligible)."""
         return (self.importance_sampling_level == "token"
-                and self.loss_type not in ("vespo",) + COVARIANCE_LOSS_TYPES
+                and self.loss_type not in ("vespo", "geo_mean") + COVARIANCE_LOSS_TYPES
                 and self.off_policy_mask_threshold is None and self.top_entropy_quantile == 1)
 
 
@@ -425,6 +430,8 @@ def _token_loss(logp, log_ratio, t: _Completions, opts: _Options, *, keep: Optio
         loss = two_sided_cispo(logp, t.old_or(logp), t.adv, opts.epsilon_low, opts.epsilon_high)
     elif opts.loss_type == "cispo":
         loss = -torch.clamp(ratio, max=opts.epsilon_high).detach() * t.adv * logp
+    elif opts.loss_type == "geo_mean":
+        loss = torch.zeros_like(logp)  # its per-completion policy term is added by grpo_loss
     elif opts.loss_type in COVARIANCE_LOSS_TYPES:
         loss = covariance_term(opts.loss_type, logp, t.old_or(logp), t.adv, t.valid, epsilon_low=opts.epsilon_low,
                                epsilon_high=opts.epsilon_high, clip_cov_ratio=opts.clip_cov_ratio,

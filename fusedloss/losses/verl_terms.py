@@ -96,12 +96,15 @@ def aggregation_weights(m: torch.Tensor, mode: str, *, batch_num_tokens=None, dp
 #             global generator, as verl: torch.manual_seed reproduces a draw)
 #   kl_cov    -A r', plus ppo_kl_coef |logp - old| on the max(1, int(kl_cov_ratio * tokens)) tokens of largest
 #             covariance
+#   geo_mean  (GMPO) per completion, whatever loss_agg_mode: -mean_t(A) exp(mean_t(s min(s d, s clamp(d, -eps_low,
+#             eps_high)))), d = logp - old, s = sign(A), token means over the mask with +1e-8; times the geometric
+#             mean of the importance weights; then the plain mean over the B completions
 #
 # (DPPO's eps are divergence thresholds, c its truncation of the ratio: verl's clip_ratio_low/high, _c.)
 # ------------------------------------------------------------------------------------------------
 
 COVARIANCE_LOSS_TYPES = ("clip_cov", "kl_cov")  # their token selection needs the whole batch
-VERL_LOSS_TYPES = ("dppo_tv", "dppo_kl", "dro") + COVARIANCE_LOSS_TYPES
+VERL_LOSS_TYPES = ("dppo_tv", "dppo_kl", "dro", "geo_mean") + COVARIANCE_LOSS_TYPES
 _LOG_RATIO_CLAMP = 20.0
 _DPPO_EPS = 1e-8  # verl's guard in the binary KL
 _MASKED_MEAN_EPS = 1e-8  # verl's masked_mean: sum / (count + 1e-8)
@@ -177,3 +180,19 @@ def covariance_term(kind: str, logp, old, adv, valid: torch.Tensor, *, epsilon_l
     if kind == "kl_cov":
         return torch.where(chosen, surrogate + ppo_kl_coef * log_ratio.abs(), surrogate)
     return torch.maximum(surrogate, clipped) * (~chosen).to(surrogate.dtype)
+
+
+def geo_mean_policy(logp, old, adv, m, weights: Optional[torch.Tensor], *, epsilon_low: float,
+                    epsilon_high: float) -> torch.Tensor:
+    """verl's ``geo_mean`` (GMPO) policy loss, a scalar: the per-completion objective above, averaged over the
+    completions (``m``: the mask; ``weights``: per-token importance weights or None)."""
+    log_ratio = logp - old
+    sign = torch.sign(adv)
+    clamped = torch.clamp(log_ratio, -epsilon_low, epsilon_high)
+    pessimistic = sign * torch.min(sign * log_ratio, sign * clamped)
+    tokens = m.sum(-1) + _MASKED_MEAN_EPS
+    ratio = torch.exp((pessimistic * m).sum(-1) / tokens)
+    losses = -(adv * m).sum(-1) / tokens * ratio
+    if weights is not None:
+        losses = losses * torch.exp((torch.log(weights + 1e-10) * m).sum(-1) / tokens)
+    return losses.sum() / max(losses.shape[0], 1)  # no completion: 0

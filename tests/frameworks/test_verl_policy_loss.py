@@ -67,7 +67,7 @@ def packed(per_response: torch.Tensor) -> torch.Tensor:
 
 def verl_loss(head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl_coef, entropy_coeff,
               batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None, loss_mode="vanilla",
-              clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dro_beta=None, **covariance):
+              clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dro_beta=None, importance_weights=None, **covariance):
     logq = torch.log_softmax(head_logits(*head), -1)
     logp = logq.gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     entropy = -(logq.exp() * logq).sum(-1)
@@ -75,6 +75,7 @@ def verl_loss(head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl
         "prompts": torch.ones(B, PROMPT, dtype=torch.long), "responses": ids,
         "attention_mask": torch.ones(B, PROMPT + C, dtype=torch.long), "response_mask": mask.long(),
         "old_log_probs": old, "advantages": adv, "ref_log_prob": ref,
+        **({} if importance_weights is None else {"rollout_is_weights": importance_weights}),
     }, non_tensor_dict=dict(dp_size=dp_size, batch_num_tokens=batch_num_tokens, global_batch_size=global_batch_size))
     config = ActorConfig(
         strategy="fsdp", rollout_n=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=1024,
@@ -111,10 +112,13 @@ AGG_CASES = [
 KL_TYPES = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "abs+", "k2+", "k3+", "low_var_kl+"]
 
 
-def check(options, **data):
+def check(options, with_weights=False, **data):
     """verl's loss and gradients against fusedloss's and the reference's; the global generator is seeded
     alike before each (clip_cov draws its tokens from it)."""
     head, ids, mask, old, ref, adv = batch(**data)
+    if with_weights:  # verl's rollout importance-sampling weights, per token
+        options = dict(options, importance_weights=0.5 + torch.rand(B, C, generator=torch.Generator().manual_seed(5),
+                                                                     dtype=torch.float64))
     leaves = [t.detach().clone().requires_grad_() for t in head]
     torch.manual_seed(1234)
     want = verl_loss(leaves, ids, mask, old, ref, adv, **options)
@@ -146,6 +150,7 @@ POLICY_CASES = [
     ("dro", dict(dro_beta=0.3)),
     ("clip_cov", dict(clip_cov_ratio=0.2, clip_cov_lb=-10.0, clip_cov_ub=10.0)),
     ("kl_cov", dict(kl_cov_ratio=0.3, ppo_kl_coef=0.7)),
+    ("geo_mean", dict(clip_low=0.3, clip_high=0.4)),
 ]
 
 
@@ -195,3 +200,10 @@ def test_clip_cov_draw_follows_the_seed():
         assert rel_err(got, want) <= 1e-12
         losses.add(round(want.item(), 12))
     assert len(losses) > 1
+
+
+@pytest.mark.parametrize("loss_mode,options", [POLICY_CASES[0], POLICY_CASES[3], POLICY_CASES[-1]],
+                         ids=["cispo", "dro", "geo_mean"])
+def test_rollout_importance_weights_match_verl(loss_mode, options):
+    check(dict(loss_agg_mode="token-mean", loss_mode=loss_mode, kl_loss_type="k3", kl_coef=0.05, entropy_coeff=0.0,
+               **options), with_weights=True)
