@@ -13,8 +13,8 @@ import types
 
 import pytest
 import torch
+from _main_suite import make_head, rel_err
 from _trl_oracle import float64_default, head_logits
-from conftest import make_head, rel_err
 
 import fusedloss
 
