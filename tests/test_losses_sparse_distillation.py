@@ -306,3 +306,20 @@ def test_sum_sq_probs(backend, device, dtype, several):
     alone = fusedloss.token_logprobs(h.to(device), w.to(device), targets.to(device), bias=b.to(device),
                                      return_sum_sq_probs=True, backend=backend, **TRANSFORMS)
     assert len(alone) == 2 and rel_err(alone[1], want[2]) <= tol
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_several_targets_half_no_worse_than_naive(dtype):
+    """bf16/fp16 heads: the K log-probs, the entropy and the gradients are no worse than the naive same-dtype
+    path's (fusedloss.reference on the half-precision tensors), both against float64."""
+    (h, w, b), ids = several_targets_case(torch.float64)
+    half = [x.to(dtype) for x in (h, w, b)]
+    runs = {}
+    for name, fn, tensors, run in (("fused", fusedloss.token_logprobs, half, dict(backend="torch")),
+                                   ("naive", reference.token_logprobs, half, {}),
+                                   ("exact", reference.token_logprobs, [x.double() for x in half], {})):
+        leaves = [x.detach().clone().requires_grad_() for x in tensors]
+        logp, entropy = fn(*leaves[:2], ids, bias=leaves[2], return_entropy=True, **run)
+        runs[name] = (logp, entropy, *grads(logp.sum() + entropy.sum(), leaves))
+    for got, naive, exact in zip(runs["fused"], runs["naive"], runs["exact"]):
+        assert rel_err(got, exact) <= max(rel_err(naive, exact), FP32_TOL)
