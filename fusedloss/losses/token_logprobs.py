@@ -116,9 +116,10 @@ def several_logprobs(logits: ImplicitLogits, ids: torch.Tensor, **wants):
     exactly. A row with at least one id is a valid row of the core (its largest id is the core's target,
     whose own log-prob is left unused); a row with none is ignored there and gives 0."""
     if logits.distributed is not None:
-        raise ValueError("targets with K ids per position ([..., K]) need the whole head on this device: a "
-                         "vocabulary-parallel, FSDP2 or ZeRO-3 head is not supported there; pass one id per "
-                         "position, or call once per column of targets")
+        raise ValueError("K log-probs per position (token_logprobs with [..., K] targets, "
+                         "sparse_distillation_loss) need the whole head on this device: a vocabulary-parallel, "
+                         "FSDP2 or ZeRO-3 head (process_group, a sharded weight) is not supported there; with "
+                         "token_logprobs, call once per column of targets")
     k = ids.shape[-1]
     row_target = ids.amax(-1) if k > 0 else ids.new_full((logits.num_rows,), -1)
     stats = logits.statistics(targets=row_target, **wants)
