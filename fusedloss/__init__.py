@@ -19,6 +19,7 @@ from .losses import (
     grpo_loss,
     kto_loss,
     orpo_loss,
+    sparse_distillation_loss,
     token_logprobs,
 )
 from .sizing import estimate
@@ -67,5 +68,6 @@ __all__ = [
     "grpo_loss",
     "kto_loss",
     "orpo_loss",
+    "sparse_distillation_loss",
     "token_logprobs",
 ]

@@ -8,18 +8,19 @@ batch to batch (``num_items_in_batch``, the reference and sampling log-probs, GR
 KTO's KL pairs, ORPO's ``nll_labels``) are ``forward`` arguments. The modules hold no parameters: pass the
 head's ``weight`` (and ``bias``) to ``forward``, e.g. ``loss_fn(hidden, model.lm_head.weight, labels)``.
 
-=====================  ==================================
-module                 function
-=====================  ==================================
-``TokenLogProbs``      ``fusedloss.token_logprobs``
-``LinearCrossEntropy`` ``fusedloss.cross_entropy``
-``DistillationLoss``   ``fusedloss.distillation_loss``
-``GRPOLoss``           ``fusedloss.grpo_loss``
-``DPOLoss``            ``fusedloss.dpo_loss``
-``KTOLoss``            ``fusedloss.kto_loss``
-``ORPOLoss``           ``fusedloss.orpo_loss``
-``CPOLoss``            ``fusedloss.cpo_loss``
-=====================  ==================================
+========================== ======================================
+module                     function
+========================== ======================================
+``TokenLogProbs``          ``fusedloss.token_logprobs``
+``LinearCrossEntropy``     ``fusedloss.cross_entropy``
+``DistillationLoss``       ``fusedloss.distillation_loss``
+``SparseDistillationLoss`` ``fusedloss.sparse_distillation_loss``
+``GRPOLoss``               ``fusedloss.grpo_loss``
+``DPOLoss``                ``fusedloss.dpo_loss``
+``KTOLoss``                ``fusedloss.kto_loss``
+``ORPOLoss``               ``fusedloss.orpo_loss``
+``CPOLoss``                ``fusedloss.cpo_loss``
+========================== ======================================
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import torch
 from . import losses
 
 __all__ = ["CPOLoss", "DPOLoss", "DistillationLoss", "GRPOLoss", "KTOLoss", "LinearCrossEntropy", "ORPOLoss",
-           "TokenLogProbs"]
+           "SparseDistillationLoss", "TokenLogProbs"]
 
 
 class _FunctionalModule(torch.nn.Module):
@@ -103,6 +104,20 @@ class DistillationLoss(_FunctionalModule):
                 num_items_in_batch=None):
         return self.call(hidden, weight, teacher_hidden, teacher_weight, targets, bias=bias,
                          teacher_bias=teacher_bias, num_items_in_batch=num_items_in_batch)
+
+
+class SparseDistillationLoss(_FunctionalModule):
+    """``forward(hidden, weight, teacher_ids, teacher_logprobs, targets=None, teacher_target_logprobs=None,
+    bias=None, num_items_in_batch=None)`` -> ``fusedloss.sparse_distillation_loss(...)``: TRL 1.16
+    ServerDistillationTrainer's loss on a teacher's top-k log-probs."""
+
+    function = staticmethod(losses.sparse_distillation_loss)
+
+    def forward(self, hidden, weight, teacher_ids, teacher_logprobs, targets=None, teacher_target_logprobs=None,
+                bias=None, num_items_in_batch=None):
+        return self.call(hidden, weight, teacher_ids, teacher_logprobs, targets,
+                         teacher_target_logprobs=teacher_target_logprobs, bias=bias,
+                         num_items_in_batch=num_items_in_batch)
 
 
 class GRPOLoss(_FunctionalModule):

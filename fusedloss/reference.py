@@ -34,6 +34,7 @@ __all__ = [
     "token_logprobs",
     "cross_entropy",
     "distillation_loss",
+    "sparse_distillation_loss",
     "grpo_loss",
     "dpo_loss",
     "kto_loss",
@@ -131,17 +132,30 @@ def _reduce(per_token: torch.Tensor, valid: torch.Tensor, reduction: str,
 
 
 def token_logprobs(hidden, weight, targets, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
-                   ignore_index=-100, return_entropy=False):
+                   ignore_index=-100, return_entropy=False, return_sum_sq_probs=False):
     """log p(targets) per token (0 at ignored positions); with ``return_entropy`` also the entropy
-    ``-sum_v p log p`` of the full distribution (0 at ignored positions)."""
+    ``-sum_v p log p`` of the full distribution (0 at ignored positions). Targets ``[..., K]`` (one more
+    dimension than the leading shape of hidden) give ``[..., K]`` log-probs, each entry ignored on its own;
+    the entropy is then 0 where all K are ignored. ``return_sum_sq_probs`` appends ``sum_v p_v^2``
+    (detached, 0 at ignored positions)."""
     z = logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap)
     logq = torch.log_softmax(z, dim=-1)
     valid = targets != ignore_index
-    logp = _gather(logq, targets, valid)
-    if not return_entropy:
-        return logp
-    ent = _entropy(logq)
-    return logp, torch.where(valid, ent, torch.zeros_like(ent))
+    several = targets.dim() == hidden.dim()
+    if several:
+        safe = torch.where(valid, targets, torch.zeros_like(targets))
+        logp = torch.where(valid, logq.gather(-1, safe), torch.zeros_like(safe, dtype=logq.dtype))
+        valid = valid.any(-1)
+    else:
+        logp = _gather(logq, targets, valid)
+    outputs = (logp,)
+    if return_entropy:
+        ent = _entropy(logq)
+        outputs += (torch.where(valid, ent, torch.zeros_like(ent)),)
+    if return_sum_sq_probs:
+        sum_sq = (2 * logq.detach()).exp().sum(-1)
+        outputs += (torch.where(valid, sum_sq, torch.zeros_like(sum_sq)),)
+    return outputs[0] if len(outputs) == 1 else outputs
 
 
 # --------------------------------------------------------------------------------------------------
@@ -205,7 +219,112 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
 
 
 # --------------------------------------------------------------------------------------------------
+# sparse_distillation_loss
+
+
+def sparse_distillation_loss(hidden, weight, teacher_ids, teacher_logprobs, targets=None, *,
+                             teacher_target_logprobs=None, beta=1.0, loss_top_k=None, loss_add_tail=True,
+                             reverse_kl_top_1_mode="sampled", renormalize=True, log_prob_min_clamp=None,
+                             loss_max_clamp=None, bias=None, temperature=1.0, logit_scale=1.0, softcap=None,
+                             ignore_index=-100, reduction="batchmean", num_items_in_batch=None):
+    """TRL's server distillation loss on a teacher's top-k log-probs. Per scored position (target not
+    ignore_index; every position when targets is None), on the support S: the teacher's first loss_top_k
+    ids with a finite log-prob (beta == 0), the sampled token (beta == 1), or the teacher's top-1 and the
+    sampled token, once when they coincide (otherwise). Both sides get the tail log(1 - min(sum_S e^lp,
+    e^-1e-7)) (loss_add_tail) or are renormalised over S (renormalize; else taken as they are, clamped below
+    at log_prob_min_clamp, the KL then clamped below at 0), then KL(p || q), KL(q || p) or the generalized
+    JSD with m = (1 - beta) q + beta p, summed over the entries, clamped to +-loss_max_clamp."""
+    assert reverse_kl_top_1_mode == "sampled"
+    logq = torch.log_softmax(logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
+                                    softcap=softcap), dim=-1)
+    lead = logq.shape[:-1]
+    scored = torch.ones(lead, dtype=torch.bool, device=logq.device) if targets is None else targets != ignore_index
+    rows = logq[scored]  # [M, V]: only the scored positions are computed
+    if beta < 1:
+        k = teacher_ids.shape[-1] if loss_top_k is None else loss_top_k
+        top_ids, top_lp = teacher_ids[scored][:, :k], teacher_logprobs[scored][:, :k].to(logq.dtype)
+    if beta > 0:
+        sampled, sampled_lp = targets[scored], teacher_target_logprobs[scored].to(logq.dtype)
+    if beta == 0:
+        ids, teacher, on = top_ids, top_lp, top_lp > -math.inf
+    elif beta == 1:
+        ids, teacher, on = sampled[:, None], sampled_lp[:, None], torch.ones_like(sampled[:, None], dtype=torch.bool)
+    else:
+        ids = torch.stack((top_ids[:, 0], sampled), dim=-1)
+        teacher = torch.stack((top_lp[:, 0], sampled_lp), dim=-1)
+        on = torch.stack((torch.ones_like(sampled, dtype=torch.bool), sampled != top_ids[:, 0]), dim=-1)
+    student = torch.where(on, rows.gather(-1, torch.where(on, ids, torch.zeros_like(ids))), -math.inf)
+    teacher = torch.where(on, teacher, -math.inf)
+
+    def spread(lp):
+        if loss_add_tail:
+            mass = torch.logsumexp(lp, dim=-1, keepdim=True).clamp(max=-1e-7)
+            return torch.cat((lp, torch.log(-torch.expm1(mass))), dim=-1)
+        if not renormalize:
+            return lp if log_prob_min_clamp is None else torch.where(on, lp.clamp(min=log_prob_min_clamp), lp)
+        return torch.log_softmax(lp, dim=-1)
+
+    student, teacher = spread(student), spread(teacher)
+    if beta == 0:
+        soft = _kl(teacher, student)
+    elif beta == 1:
+        soft = _kl(student, teacher)
+    else:
+        logm = _log_mixture(student, teacher, beta)
+        soft = beta * _kl(teacher, logm) + (1.0 - beta) * _kl(student, logm)
+    if not renormalize:
+        soft = soft.clamp(min=0.0)
+    if loss_max_clamp is not None:
+        soft = soft.clamp(min=-loss_max_clamp, max=loss_max_clamp)
+    per_token = torch.zeros(lead, dtype=logq.dtype, device=logq.device).masked_scatter(scored, soft)
+    return _reduce(per_token, scored, reduction, num_items_in_batch, "batchmean")
+
+
+# --------------------------------------------------------------------------------------------------
 # grpo_loss
+
+
+def _verl_kl(logp, ref, kind):
+    """verl's ``kl_penalty``: k1 = logp - ref, abs = |k1|, k2 = k1^2 / 2, k3 = e^(ref - logp) - (ref - logp) - 1
+    (the exponent clamped to [-20, 20], the value to [-10, 10]); "+": the value, k2's gradient."""
+    base = kind.rstrip("+")
+    if base in ("kl", "k1"):
+        value = logp - ref
+    elif base == "abs":
+        value = (logp - ref).abs()
+    elif base in ("mse", "k2"):
+        value = 0.5 * (logp - ref) ** 2
+    elif base in ("low_var_kl", "k3"):
+        gap = (ref - logp).clamp(-20.0, 20.0)
+        value = (gap.exp() - gap - 1).clamp(-10.0, 10.0)
+    else:
+        raise ValueError(f"unknown kl_loss_type {kind!r}")
+    if kind.endswith("+") and base not in ("mse", "k2"):
+        k2 = 0.5 * (logp - ref) ** 2
+        value = k2 - k2.detach() + value.detach()
+    return value
+
+
+def _verl_aggregate(x, m, mode, batch_num_tokens, dp_size, global_batch_size, loss_scale_factor):
+    """verl's ``agg_loss`` of a per-token ``[B, C]`` x over the mask m (0, not NaN, for an empty batch)."""
+    if mode == "token-mean":
+        tokens = m.sum() if batch_num_tokens is None else _as_float(batch_num_tokens)
+        return (x * m).sum() / max(1.0, float(tokens)) * dp_size
+    if mode == "token-sum":
+        return (x * m).sum() * dp_size
+    counts = m.sum(-1)
+    present = (counts > 0).to(x.dtype)
+    sequences = max(1.0, float(present.sum() if global_batch_size is None else global_batch_size))
+    if mode == "seq-mean-token-mean":
+        seq_losses = (x * m).sum(-1) / (counts + 1e-8)
+    else:
+        seq_losses = (x * m).sum(-1)
+    loss = (seq_losses * present).sum() / sequences * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        loss = loss / (m.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    elif mode not in ("seq-mean-token-sum", "seq-mean-token-mean"):
+        raise ValueError(f"unknown loss_agg_mode {mode!r}")
+    return loss
 
 
 def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, old_logprobs=None,
@@ -214,13 +333,20 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
               importance_sampling_level="token", sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
               vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
               off_policy_mask_threshold=None, sampling_logprobs=None, top_entropy_quantile=1.0, entropy_coef=0.0,
-              max_completion_length=None, num_items_in_batch=None, num_processes=1, importance_weights=None,
-              return_details=False):
+              kl_loss_type=None, loss_agg_mode=None, global_batch_size=None, cispo_two_sided=False, dro_beta=None,
+              clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002, ppo_kl_coef=1.0,
+              max_completion_length=None,
+              num_items_in_batch=None, num_processes=1, importance_weights=None, return_details=False):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` (gradient accumulation 1, one process), written in TRL's order.
 
     Per-token inputs outside the mask are replaced by neutral values (advantage 0, log-probs 0, weight 1)
     before any arithmetic, so that whatever was there produces nothing, gradient included. TRL's shapes
-    are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio."""
+    are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio. ``kl_loss_type`` and
+    ``loss_agg_mode`` are verl 0.9's (``kl_penalty``, ``agg_loss``), written as verl writes them, and so are
+    its losses dppo_tv, dppo_kl, dro, clip_cov, kl_cov, geo_mean and two-sided cispo (token-mean unless
+    ``loss_agg_mode`` says)."""
+    if loss_type in ("dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean") and loss_agg_mode is None:
+        loss_agg_mode = "token-mean"
     if epsilon_high is None:
         epsilon_high = epsilon_low
     mask = completion_mask != 0
@@ -254,7 +380,10 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     per_token_kl = None
     if beta != 0.0:
         ref = inside(ref_logprobs)
-        per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        if kl_loss_type is None:
+            per_token_kl = torch.exp(ref - logp) - (ref - logp) - 1
+        else:
+            per_token_kl = _verl_kl(logp, ref, kl_loss_type)
         if use_bias_correction_kl:
             per_token_kl = per_token_kl * coef_1
 
@@ -276,8 +405,49 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
 
     weights = None if importance_weights is None else inside(importance_weights, 1.0)
     phi_seq = None
-    if loss_type == "cispo":
+    if loss_type == "cispo" and cispo_two_sided:  # verl's: clamped on both sides, log-ratio within +-20
+        r = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+        per_token_loss = -torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high).detach() * A * logp
+    elif loss_type == "cispo":
         per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * A * logp
+    elif loss_type == "dro":
+        per_token_loss = -(logp * A - 0.5 * dro_beta * (logp - old) ** 2)
+    elif loss_type in ("dppo_tv", "dppo_kl"):  # binary trust-region masks, truncated importance sampling
+        r = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+        truncated = torch.clamp(r, max=3.0 if delta is None else delta).detach()
+        p, p_old = logp.detach().exp(), old.exp()
+        if loss_type == "dppo_tv":
+            keep = torch.where(A > 0, p - p_old <= epsilon_high, p - p_old >= -epsilon_low)
+        else:
+            kl = p_old * (old - logp.detach()) + (1 - p_old) * torch.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+            keep = torch.where(A > 0, (kl <= epsilon_high) | (p <= p_old), (kl <= epsilon_low) | (p >= p_old))
+        per_token_loss = -A * truncated * logp * keep.to(acc)
+    elif loss_type == "geo_mean":  # GMPO: a per-completion objective, added after the aggregation below
+        per_token_loss = torch.zeros_like(logp)
+    elif loss_type == "kl_cov":  # |log-ratio| penalty on the tokens of largest covariance of A and logp
+        r = torch.exp(logp - old)
+        per_token_loss = -A * r
+        a, lp = A[mask], logp.detach()[mask]
+        if a.numel():
+            cov = (a - a.mean()) * (lp - lp.mean())
+            top = torch.topk(cov, max(1, int(cov.numel() * kl_cov_ratio))).indices
+            rows, cols = torch.nonzero(mask, as_tuple=True)
+            penalised = torch.zeros_like(mask)
+            penalised[rows[top], cols[top]] = True
+            per_token_loss = torch.where(penalised, per_token_loss + ppo_kl_coef * (logp - old).abs(), per_token_loss)
+    elif loss_type == "clip_cov":  # PPO clip, and a random few unclipped tokens of moderate covariance dropped
+        r = torch.exp(logp - old)
+        unclipped_loss, clipped_loss = -A * r, -A * torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high)
+        n = mask.sum()
+        lp = logp.detach()
+        cov = (A - (A * mask).sum() / (n + 1e-8)) * (lp - (lp * mask).sum() / (n + 1e-8))
+        eligible = mask & (clipped_loss <= unclipped_loss) & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+        where = torch.nonzero(eligible)
+        kept = torch.ones_like(A)
+        if len(where):
+            drawn = where[torch.randperm(len(where))[:max(int(clip_cov_ratio * int(n)), 1)]]
+            kept[drawn[:, 0], drawn[:, 1]] = 0.0
+        per_token_loss = torch.maximum(unclipped_loss, clipped_loss) * kept
     elif loss_type in ("grpo", "bnpo", "dr_grpo", "dapo", "luspo"):
         coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
         if delta is not None:  # after the clamp is formed: the first argument only (TRL reassigns coef_1)
@@ -311,7 +481,12 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     if per_token_kl is not None:
         per_token_loss = per_token_loss + beta * per_token_kl
 
-    if loss_type in ("grpo", "sapo"):
+    if loss_agg_mode is not None:
+        def aggregate(x):
+            return _verl_aggregate(x, m, loss_agg_mode, num_items_in_batch, num_processes, global_batch_size,
+                                   max_completion_length)
+        loss = aggregate(per_token_loss)
+    elif loss_type in ("grpo", "sapo"):
         loss = ((per_token_loss * m).sum(-1) / m.sum(-1).clamp(min=1.0)).mean()
     elif loss_type == "bnpo":
         loss = (per_token_loss * m).sum() / m.sum().clamp(min=1.0)
@@ -322,10 +497,21 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     else:  # dapo, cispo, vespo
         items = m.sum() if num_items_in_batch is None else _as_float(num_items_in_batch)
         loss = (per_token_loss * m).sum() / (max(1.0, _as_float(items)) / num_processes)
+    if loss_type == "geo_mean":
+        d = logp - old
+        s = torch.sign(A)
+        d_min = s * torch.min(s * d, s * d.clamp(-epsilon_low, epsilon_high))
+        n = m.sum(-1) + 1e-8
+        seq = -(A * m).sum(-1) / n * torch.exp((d_min * m).sum(-1) / n)
+        if weights is not None:
+            seq = seq * torch.exp((torch.log(weights + 1e-10) * m).sum(-1) / n)
+        loss = loss + seq.mean()
     if B == 0:
         loss = loss.nan_to_num(nan=0.0)
     policy_loss = loss.detach()
-    if entropy_coef != 0.0:
+    if entropy_coef != 0.0 and loss_agg_mode is not None:
+        loss = loss - entropy_coef * aggregate(entropy)
+    elif entropy_coef != 0.0:
         effective = m if entropy_mask is None else m * entropy_mask
         loss = loss - entropy_coef * (entropy * effective).sum() / effective.sum().clamp(min=1.0)
     if not return_details:
@@ -349,10 +535,13 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         r = coef_1.detach()  # after the delta cap, as TRL measures it
         sign = A_trl if r.shape[1] == 1 else A
         low = high = region = low_min = high_max = None
-        if loss_type == "cispo":
+        unclipped = ("sapo", "vespo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean")
+        if loss_type in unclipped or cispo_two_sided:
+            pass  # no TRL clip metrics
+        elif loss_type == "cispo":
             high = global_masked_mean((r > epsilon_high) & (sign > 0))
             low, region = torch.zeros_like(high), high
-        elif loss_type not in ("sapo", "vespo"):
+        else:
             is_low = (r < 1 - epsilon_low) & (sign < 0)
             is_high = (r > 1 + epsilon_high) & (sign > 0)
             low, high = global_masked_mean(is_low), global_masked_mean(is_high)

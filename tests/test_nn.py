@@ -14,6 +14,7 @@ PAIRS = [
     (fnn.TokenLogProbs, fusedloss.token_logprobs),
     (fnn.LinearCrossEntropy, fusedloss.cross_entropy),
     (fnn.DistillationLoss, fusedloss.distillation_loss),
+    (fnn.SparseDistillationLoss, fusedloss.sparse_distillation_loss),
     (fnn.GRPOLoss, fusedloss.grpo_loss),
     (fnn.DPOLoss, fusedloss.dpo_loss),
     (fnn.KTOLoss, fusedloss.kto_loss),

@@ -9,7 +9,8 @@ from .dpo import dpo_loss
 from .grpo import grpo_loss
 from .kto import kto_loss
 from .orpo import orpo_loss
+from .sparse_distillation import sparse_distillation_loss
 from .token_logprobs import token_logprobs
 
 __all__ = ["cpo_loss", "cross_entropy", "distillation_loss", "dpo_loss", "grpo_loss", "group_advantages",
-           "kto_loss", "orpo_loss", "token_logprobs"]
+           "kto_loss", "orpo_loss", "sparse_distillation_loss", "token_logprobs"]

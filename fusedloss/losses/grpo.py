@@ -24,6 +24,18 @@ from .. import _validation as v
 from ..types import GRPODetails
 from .implicit_logits import ImplicitLogits, count_or_one, implicit_logits, items_divisor, require_aligned
 from .options import RUN, SHARDING, shared_arguments, shared_options
+from .verl_terms import (
+    COVARIANCE_LOSS_TYPES,
+    KL_LOSS_TYPES,
+    LOSS_AGG_MODES,
+    VERL_LOSS_TYPES,
+    aggregation_weights,
+    covariance_term,
+    geo_mean_policy,
+    kl_estimate,
+    policy_term,
+    two_sided_cispo,
+)
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
@@ -33,7 +45,9 @@ _MASK_NOT_LABELS = (" inside completion_mask, where every id must be a token: gr
                     "instead of -100 labels use completion_mask, 0 at the tokens outside the loss (padding)")
 _VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's clamp range of VESPO's log sequence weight
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo"]
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "dppo_tv", "dppo_kl",
+                   "dro", "clip_cov", "kl_cov", "geo_mean"]
+_VERL_CLIP_RATIO_C = 3.0  # verl's ActorConfig.clip_ratio_c: DPPO's ratio truncation when delta is None
 
 
 @shared_options(*RUN, "eager", *SHARDING)
@@ -48,8 +62,12 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
               sapo_temperature_pos: float = 1.0, sapo_temperature_neg: float = 1.05, vespo_k_pos: float = 2.0,
               vespo_lambda_pos: float = 3.0, vespo_k_neg: float = 3.0, vespo_lambda_neg: float = 2.0,
               off_policy_mask_threshold: Optional[float] = None, sampling_logprobs: Optional[torch.Tensor] = None,
-              top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0,
-              max_completion_length: Optional[int] = None, num_items_in_batch=None, num_processes: int = 1,
+              top_entropy_quantile: float = 1.0, entropy_coef: float = 0.0, kl_loss_type: Optional[str] = None,
+              loss_agg_mode: Optional[str] = None, global_batch_size: Optional[int] = None,
+              cispo_two_sided: bool = False, dro_beta: Optional[float] = None, clip_cov_ratio: float = 0.0002,
+              clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, kl_cov_ratio: float = 0.0002,
+              ppo_kl_coef: float = 1.0, max_completion_length: Optional[int] = None, num_items_in_batch=None,
+              num_processes: int = 1,
               importance_weights: Optional[torch.Tensor] = None, return_details: bool = False,
               backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, GRPODetails]]:
     """TRL 1.16 GRPOTrainer's loss (``_compute_loss``, gradient accumulation 1) from the hidden states.
@@ -66,9 +84,13 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         ref_logprobs: ``[B, C]`` reference-model log-probs; required when ``beta != 0``.
         temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.
         loss_type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo or vespo (formulas under "Loss types"
-            below). epsilon_low, epsilon_high: clip range
-            (``epsilon_high`` None: ``epsilon_low``; cispo's cap is ``epsilon_high``). delta: two-sided
-            clipping cap of the grpo-family ratio (INTELLECT-2), None for none; other loss types ignore it.
+            below), or verl's ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, ``"clip_cov"``, ``"kl_cov"``,
+            ``"geo_mean"`` (``losses/verl_terms.py``; aggregated by ``loss_agg_mode``, None: ``"token-mean"``;
+            geo_mean's policy term is a mean over completions, its KL and entropy terms follow
+            ``loss_agg_mode``). epsilon_low, epsilon_high: clip range (``epsilon_high`` None: ``epsilon_low``;
+            cispo's cap is ``epsilon_high``; DPPO's divergence thresholds). delta: two-sided clipping cap of
+            the grpo-family ratio (INTELLECT-2), None for none; DPPO's ratio truncation (None: verl's 3.0);
+            other loss types ignore it.
         beta: KL coefficient. use_bias_correction_kl: multiply the k3 KL term by the differentiable ratio
             (DeepSeek-V3.2; TRL 1.16's default True).
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
@@ -81,6 +103,24 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         top_entropy_quantile: keep in the policy term only tokens whose entropy reaches this top quantile of
             the batch's masked entropies (1.0: all tokens).
         entropy_coef: subtract ``entropy_coef`` times the masked mean entropy (over the kept tokens).
+        kl_loss_type: verl's KL estimator for the penalty (``"kl"``/``"k1"``, ``"abs"``, ``"mse"``/``"k2"``,
+            ``"low_var_kl"``/``"k3"`` with verl's clamps, each with a ``"+"`` straight-through variant: its
+            value, k2's gradient), times the ratio with ``use_bias_correction_kl`` (verl: False); None: TRL's
+            k3 above, unclamped.
+        loss_agg_mode: verl's aggregation, independent of ``loss_type``: ``"token-mean"`` (by
+            ``num_items_in_batch`` tokens, None: the mask's sum), ``"token-sum"``, ``"seq-mean-token-sum"``,
+            ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"`` (by ``max_completion_length``, None: C);
+            sequence means over ``global_batch_size`` completions (None: those with a token), times
+            ``num_processes`` (verl's dp_size); the entropy bonus is aggregated the same way, over the mask.
+            None: the aggregation of ``loss_type`` below.
+        global_batch_size: the completions a sequence-mean ``loss_agg_mode`` divides by (all ranks).
+        cispo_two_sided: verl's cispo: the ratio clamped to ``[1 - epsilon_low, 1 + epsilon_high]``, its
+            log clamped to +-20, instead of TRL's cap at ``epsilon_high``.
+        dro_beta: the quadratic log-ratio penalty of ``loss_type="dro"`` (required there, > 0).
+        clip_cov_ratio, clip_cov_lb, clip_cov_ub: ``clip_cov``'s share of tokens drawn (torch's global
+            generator, as verl) among those whose covariance lies in ``(clip_cov_lb, clip_cov_ub)``.
+        kl_cov_ratio, ppo_kl_coef: ``kl_cov``'s share of tokens of largest covariance, and their
+            ``|logp - old|`` penalty's weight.
         max_completion_length: dr_grpo's constant (None: C).
         num_items_in_batch: dapo/cispo/vespo normaliser (int or tensor; None: the mask's sum).
         num_processes: the dapo/cispo/vespo normaliser is ``max(1, num_items_in_batch) / num_processes``.
@@ -128,7 +168,11 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
                        sapo_temperature_pos=sapo_temperature_pos, sapo_temperature_neg=sapo_temperature_neg,
                        vespo_k_pos=vespo_k_pos, vespo_lambda_pos=vespo_lambda_pos, vespo_k_neg=vespo_k_neg,
                        vespo_lambda_neg=vespo_lambda_neg, off_policy_mask_threshold=off_policy_mask_threshold,
-                       top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef)
+                       top_entropy_quantile=top_entropy_quantile, entropy_coef=entropy_coef,
+                       kl_loss_type=kl_loss_type, loss_agg_mode=loss_agg_mode, cispo_two_sided=cispo_two_sided,
+                       dro_beta=dro_beta, clip_cov_ratio=clip_cov_ratio, clip_cov_lb=clip_cov_lb,
+                       clip_cov_ub=clip_cov_ub, kl_cov_ratio=kl_cov_ratio, ppo_kl_coef=ppo_kl_coef)
+    v.require_positive_int("global_batch_size", global_batch_size, allow_none=True)
     v.require_positive_int("num_processes", num_processes)
     v.require_positive_int("max_completion_length", max_completion_length, allow_none=True)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
@@ -136,11 +180,17 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     batch = _Completions.of(logits, opts, completion_ids, advantages, completion_mask, old_logprobs=old_logprobs,
                             ref_logprobs=ref_logprobs, sampling_logprobs=sampling_logprobs,
                             importance_weights=importance_weights)
-    token_weight = _aggregation_weights(batch.m, opts.loss_type, max_completion_length, num_items_in_batch,
-                                        num_processes)  # loss = sum_t token_weight_t * l_t
+    if opts.loss_agg_mode is None:
+        token_weight = _aggregation_weights(batch.m, opts.loss_type, max_completion_length, num_items_in_batch,
+                                            num_processes)  # loss = sum_t token_weight_t * l_t
+    else:
+        token_weight = aggregation_weights(batch.m, opts.loss_agg_mode, batch_num_tokens=num_items_in_batch,
+                                           dp_size=num_processes, global_batch_size=global_batch_size,
+                                           loss_scale_factor=max_completion_length)
     want_entropy = return_details or opts.needs_entropy
     if opts.row_local and not return_details:
-        return logits.row_local_loss(_row_loss(batch, token_weight, opts), targets=batch.ids,
+        return logits.row_local_loss(_row_loss(batch, token_weight, _entropy_weights(batch, token_weight, None, opts),
+                                               opts), targets=batch.ids,
                                      want_entropy=want_entropy)
 
     stats = logits.statistics(targets=batch.ids, want_entropy=want_entropy)
@@ -153,18 +203,20 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     keep = _kept_tokens(logp, entropy, batch, opts)
     per_token, kl, ratio = _token_loss(logp, log_ratio, batch, opts, keep=keep, phi=phi)
     policy_loss = (token_weight * per_token).sum()
+    if opts.loss_type == "geo_mean":  # a per-completion objective: its own aggregation (the KL term is per token)
+        policy_loss = policy_loss + geo_mean_policy(logp, batch.old_or(logp), batch.adv, batch.m, batch.weights,
+                                                    epsilon_low=opts.epsilon_low, epsilon_high=opts.epsilon_high)
     loss = policy_loss
     if opts.entropy_coef != 0:  # the entropy bonus
-        loss = loss - opts.entropy_coef * (_entropy_weights(batch.m, keep.entropy) * entropy).sum()
+        loss = loss - opts.entropy_coef * (_entropy_weights(batch, token_weight, keep.entropy, opts) * entropy).sum()
     if not return_details:
         return loss
     return loss, _details(logp, entropy, kl, ratio, phi, policy_loss, batch, opts)
 
 
-def _row_loss(batch: "_Completions", token_weight: torch.Tensor, opts: "_Options"):
+def _row_loss(batch: "_Completions", token_weight: torch.Tensor, entropy_weight: torch.Tensor, opts: "_Options"):
     """The same loss as a sum of row terms, for the eager path (``ImplicitLogits.row_local_loss``): the
     token-level ratio, no sequence-level mask."""
-    entropy_weight = _entropy_weights(batch.m, None)
 
     def row_loss(stats, rows):
         tokens = batch.rows(rows)
@@ -177,9 +229,13 @@ def _row_loss(batch: "_Completions", token_weight: torch.Tensor, opts: "_Options
     return row_loss
 
 
-def _entropy_weights(m: torch.Tensor, high_entropy: Optional[torch.Tensor]) -> torch.Tensor:
+def _entropy_weights(batch: "_Completions", token_weight: torch.Tensor, high_entropy: Optional[torch.Tensor],
+                     opts: "_Options") -> torch.Tensor:
     """The entropy bonus is a mean over the tokens the policy term keeps (TRL's effective mask), whatever
-    the loss type's normalisation."""
+    the loss type's normalisation; with a ``loss_agg_mode`` it is aggregated as the policy term (verl)."""
+    if opts.loss_agg_mode is not None:
+        return token_weight
+    m = batch.m
     kept = m if high_entropy is None else m * high_entropy
     return kept / count_or_one(kept.sum())
 
@@ -204,10 +260,36 @@ class _Options:
     off_policy_mask_threshold: Optional[float]
     top_entropy_quantile: float
     entropy_coef: float
+    kl_loss_type: Optional[str] = None
+    loss_agg_mode: Optional[str] = None
+    cispo_two_sided: bool = False
+    dro_beta: Optional[float] = None
+    clip_cov_ratio: float = 0.0002
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    ppo_kl_coef: float = 1.0
 
     @classmethod
     def of(cls, *, epsilon_high, **options) -> "_Options":
-        v.require_choice("loss_type", options["loss_type"], LOSS_TYPES)
+        v.require_choice("loss_type", options["loss_type"], LOSS_TYPES + VERL_LOSS_TYPES)
+        v.require_bool("cispo_two_sided", options["cispo_two_sided"])
+        v.require_real("dro_beta", options["dro_beta"], positive=True, allow_none=True)
+        for name in ("clip_cov_ratio", "kl_cov_ratio"):
+            v.require_real(name, options[name], positive=True)
+        for name in ("clip_cov_lb", "clip_cov_ub", "ppo_kl_coef"):
+            v.require_real(name, options[name])
+        if options["loss_type"] == "dro" and options["dro_beta"] is None:
+            raise ValueError("dro_beta (> 0) is required with loss_type='dro': the weight of its quadratic "
+                             "log-ratio penalty")
+        verl_token_loss = options["loss_type"] in VERL_LOSS_TYPES or (
+            options["loss_type"] == "cispo" and options["cispo_two_sided"])
+        if verl_token_loss and options["importance_sampling_level"] != "token":
+            raise ValueError(f"importance_sampling_level must be 'token' with verl's per-token loss "
+                             f"{options['loss_type']!r}{' (cispo_two_sided)' if options['cispo_two_sided'] else ''}, "
+                             f"got {options['importance_sampling_level']!r}")
+        if options["loss_type"] in VERL_LOSS_TYPES and options["loss_agg_mode"] is None:
+            options["loss_agg_mode"] = "token-mean"  # verl's default aggregation
         v.require_choice("importance_sampling_level", options["importance_sampling_level"],
                          IMPORTANCE_SAMPLING_LEVELS)
         v.require_real("epsilon_low", options["epsilon_low"], nonnegative=True)
@@ -220,6 +302,10 @@ class _Options:
             v.require_real(name, options[name], positive=True)  # SAPO divides by its temperature
         v.require_real("off_policy_mask_threshold", options["off_policy_mask_threshold"], allow_none=True)
         v.require_real("top_entropy_quantile", options["top_entropy_quantile"], nonnegative=True)
+        if options["kl_loss_type"] is not None:
+            v.require_choice("kl_loss_type", options["kl_loss_type"], KL_LOSS_TYPES)
+        if options["loss_agg_mode"] is not None:
+            v.require_choice("loss_agg_mode", options["loss_agg_mode"], LOSS_AGG_MODES)
         if options["top_entropy_quantile"] > 1:
             raise ValueError(f"top_entropy_quantile must be in [0, 1], got {options['top_entropy_quantile']!r}")
         eps_high = options["epsilon_low"] if epsilon_high is None else epsilon_high
@@ -232,7 +318,8 @@ class _Options:
     @property
     def row_local(self) -> bool:
         """Every per-token term depends on its own token's statistics only (eager path eligible)."""
-        return (self.importance_sampling_level == "token" and self.loss_type != "vespo"
+        return (self.importance_sampling_level == "token"
+                and self.loss_type not in ("vespo", "geo_mean") + COVARIANCE_LOSS_TYPES
                 and self.off_policy_mask_threshold is None and self.top_entropy_quantile == 1)
 
 
@@ -338,12 +425,28 @@ def _token_loss(logp, log_ratio, t: _Completions, opts: _Options, *, keep: Optio
     ratio = torch.exp(log_ratio)  # TRL's coef_1
     kl = None
     if opts.beta != 0:
-        ref_gap = t.ref - logp
-        kl = torch.exp(ref_gap) - ref_gap - 1
+        if opts.kl_loss_type is None:
+            ref_gap = t.ref - logp
+            kl = torch.exp(ref_gap) - ref_gap - 1
+        else:
+            kl = kl_estimate(logp, t.ref, opts.kl_loss_type)
         if opts.use_bias_correction_kl:
             kl = kl * ratio
-    if opts.loss_type == "cispo":
+    if opts.loss_type == "cispo" and opts.cispo_two_sided:
+        loss = two_sided_cispo(logp, t.old_or(logp), t.adv, opts.epsilon_low, opts.epsilon_high)
+    elif opts.loss_type == "cispo":
         loss = -torch.clamp(ratio, max=opts.epsilon_high).detach() * t.adv * logp
+    elif opts.loss_type == "geo_mean":
+        loss = torch.zeros_like(logp)  # its per-completion policy term is added by grpo_loss
+    elif opts.loss_type in COVARIANCE_LOSS_TYPES:
+        loss = covariance_term(opts.loss_type, logp, t.old_or(logp), t.adv, t.valid, epsilon_low=opts.epsilon_low,
+                               epsilon_high=opts.epsilon_high, clip_cov_ratio=opts.clip_cov_ratio,
+                               clip_cov_lb=opts.clip_cov_lb, clip_cov_ub=opts.clip_cov_ub,
+                               kl_cov_ratio=opts.kl_cov_ratio, ppo_kl_coef=opts.ppo_kl_coef)
+    elif opts.loss_type in VERL_LOSS_TYPES:
+        loss = policy_term(opts.loss_type, logp, t.old_or(logp), t.adv, epsilon_low=opts.epsilon_low,
+                           epsilon_high=opts.epsilon_high, dro_beta=opts.dro_beta,
+                           clip_ratio_c=_VERL_CLIP_RATIO_C if opts.delta is None else opts.delta)
     elif opts.loss_type == "sapo":
         tau = _by_sign(t.adv > 0, opts.sapo_temperature_pos, opts.sapo_temperature_neg, t.adv.dtype)
         loss = -torch.sigmoid(tau * (ratio - 1)) * 4 / tau * t.adv
@@ -458,8 +561,9 @@ def _details(logp, entropy, kl, ratio, phi, policy_loss, t: _Completions, opts: 
 
 def _clip_metrics(ratio, t: _Completions, opts: _Options):
     """TRL's clip_ratio/{low_mean, high_mean, region_mean, low_min, high_max} for the grpo family; cispo's
-    cispo_clip_ratio as the high (and region) ratio; nothing for sapo and vespo, which do not clip."""
-    if opts.loss_type in ("sapo", "vespo"):
+    cispo_clip_ratio as the high (and region) ratio; nothing for sapo and vespo, which do not clip, nor for
+    verl's losses (dppo, dro, two-sided cispo), whose metrics are verl's own."""
+    if opts.loss_type in ("sapo", "vespo") + VERL_LOSS_TYPES or opts.cispo_two_sided:
         return None, None, None, None, None
     adv = _advantages_as_trl(t) if ratio.shape[1] == 1 else t.adv
     if opts.loss_type == "cispo":

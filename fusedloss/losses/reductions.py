@@ -18,12 +18,7 @@ def reduced_token_loss(logits: ImplicitLogits, per_token, valid: torch.Tensor, r
     ``row_local`` is False (a per-token term that also depends on another statistics pass)."""
     if reduction == "none":  # reduction was checked by the caller, before any work
         return logits.unflatten(per_token(logits.statistics(**wants), slice(None)))
-    if num_items_in_batch is not None:
-        scale = 1.0 / items_divisor(num_items_in_batch, valid.new_zeros((), dtype=torch.float64), positive=True)
-    elif reduction == mean_name:
-        scale = 1.0 / count_or_one(valid.sum()).double()
-    else:
-        scale = None
+    scale = _scale(valid, reduction, num_items_in_batch, mean_name)
 
     def row_loss(stats, rows):
         total = per_token(stats, rows).sum()
@@ -32,3 +27,23 @@ def reduced_token_loss(logits: ImplicitLogits, per_token, valid: torch.Tensor, r
     if row_local:
         return logits.row_local_loss(row_loss, **wants)
     return row_loss(logits.statistics(**wants), slice(None))
+
+
+def _scale(valid: torch.Tensor, reduction: str, num_items_in_batch, mean_name: str):
+    """The factor a reduced loss multiplies the sum by (float64 scalar tensor), or None for "sum"."""
+    if num_items_in_batch is not None:
+        return 1.0 / items_divisor(num_items_in_batch, valid.new_zeros((), dtype=torch.float64), positive=True)
+    if reduction == mean_name:
+        return 1.0 / count_or_one(valid.sum()).double()
+    return None
+
+
+def reduce_per_token(per_token: torch.Tensor, valid: torch.Tensor, reduction: str, num_items_in_batch, *,
+                     mean_name: str = "mean", unflatten=None) -> torch.Tensor:
+    """``reduced_token_loss`` for a per-token loss ``[N]`` already formed (0 on invalid tokens); "none" gives
+    it back through ``unflatten`` (the leading shape of hidden)."""
+    if reduction == "none":
+        return per_token if unflatten is None else unflatten(per_token)
+    total = per_token.sum()
+    scale = _scale(valid, reduction, num_items_in_batch, mean_name)
+    return total if scale is None else total * scale.to(total.dtype)
