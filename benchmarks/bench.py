@@ -1483,7 +1483,8 @@ def main(argv=None) -> int:
     group_by = args.group_by or ("op" if gpu else "n")
     groups = plan_groups(ops, runnable, ns, group_by, gpu)
     if args.skip_done:
-        done = done_cases(load_records([f for f in args.skip_done if Path(f).is_file()]), V, D, dtype, device)
+        done = done_cases(load_records([f for f in args.skip_done if Path(f).is_file()]), V, D, dtype, device,
+                          mode="profile" if args.profile else None)
         before = sum(len(g["tasks"]) for g in groups)
         groups = [dict(g, tasks=[t for t in g["tasks"] if (t[0], t[1], g["N"]) not in done]) for g in groups]
         groups = [g for g in groups if g["tasks"]]
