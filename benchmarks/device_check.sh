@@ -48,8 +48,10 @@
 # checks.json. stdout ends with the stage summary and the benchmark table.
 #
 # Knobs: OUT (results folder; default a new temp dir), DEVICE_CHECK_BUDGET_S, SKIP (stages to skip, comma-
-# separated), BENCH_OPS (the ops of the benchmark stages), PEER_WHEELS (default .carry/wheels), PREBUILT
-# (default .carry/prebuilt), FUSEDLOSS_COMMIT (commit to record where the checkout has no .git), PYTHON.
+# separated), BENCH_OPS (the ops of the benchmark stages), BENCH_IMPLS / BENCH_PEER_IMPLS (the core and peers
+# stages' implementations), CHECK_OPS (the correctness stage's ops), TRITON_CHECK_ARGS (device_check_triton.py's
+# arguments), PEER_WHEELS (default .carry/wheels), PREBUILT (default .carry/prebuilt), FUSEDLOSS_COMMIT
+# (commit to record where the checkout has no .git), PYTHON, DRY_BOX_SCALE.
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -58,8 +60,12 @@ RERUN=${RERUN:-0}
 PY=${PYTHON:-python3}
 command -v "$PY" >/dev/null 2>&1 || PY=python
 LIMIT=540
-TOTAL=${DEVICE_CHECK_BUDGET_S:-$LIMIT}
-RESERVE=10
+# A dry run does the same work on tiny shapes on a CPU, where the Triton interpreter and the first nvcc build
+# are slower than a GPU's stages: its boxes are DRY_BOX_SCALE (default 3) times the GPU's.
+SCALE=1
+[[ "$DRY" == 1 ]] && SCALE=${DRY_BOX_SCALE:-3}
+TOTAL=${DEVICE_CHECK_BUDGET_S:-$((LIMIT * SCALE))}
+RESERVE=$((10 * SCALE))
 # name:box seconds, in the order they run
 STAGES=(smoke:20 build:60 core:195 peers:90 profile:45 correctness:60 workspace:30 sanitize:30)
 declare -A WRITES=([smoke]="smoke.json" [build]="log" [core]="bench.json" [peers]="bench.json"
@@ -82,13 +88,14 @@ if [[ "${PLAN:-0}" == 1 ]]; then
   sum=0
   printf '%-12s %6s %8s  %s\n' stage box "ends at" writes
   for s in "${STAGES[@]}"; do
-    name=${s%%:*}; b=${s##*:}; sum=$((sum + b))
+    name=${s%%:*}; b=$(( ${s##*:} * SCALE )); sum=$((sum + b))
     printf '%-12s %5ss %7ss  %s\n' "$name" "$b" "$sum" "${WRITES[$name]}"
   done
   sum=$((sum + RESERVE))
   printf '%-12s %5ss %7ss  %s\n' reserve "$RESERVE" "$sum" "bench.json, bench.png (table and plot of every record)"
-  printf 'sum %s s (limit %s s): %s\n' "$sum" "$LIMIT" "$( ((sum <= LIMIT)) && echo ok || echo OVER)"
-  ((sum <= LIMIT)); exit $?
+  printf 'sum %s s (limit %s s%s): %s\n' "$sum" "$((LIMIT * SCALE))" "$( ((SCALE > 1)) && echo ", dry run")" \
+    "$( ((sum <= LIMIT * SCALE)) && echo ok || echo OVER)"
+  ((sum <= LIMIT * SCALE)); exit $?
 fi
 
 # ------------------------------------------------------------------------------------------ PREBUILD=1
@@ -103,7 +110,8 @@ if [[ "${PREBUILD:-0}" == 1 ]]; then
     && "$PB" -c "import runpy, sys, pathlib; sys.argv = ['setup.py', '--name']; \
 runpy.run_path('setup.py')['write_build_info'](pathlib.Path('fusedloss'))" >/dev/null) || exit 1
   mkdir -p "$PREBUILT"
-  rm -f "$PREBUILT"/_C*.so
+  # one folder for several Pythons' builds of the same sources
+  [[ "$(cat "$PREBUILT/SOURCES" 2>/dev/null)" != "$(source_hash)" ]] && rm -f "$PREBUILT"/_C*.so
   cp "$copy"/fusedloss/_C*.so "$copy"/fusedloss/_build_info.py "$PREBUILT"/
   source_hash > "$PREBUILT/SOURCES"
   rm -rf "$copy"
@@ -121,16 +129,21 @@ mkdir -p "$STATE" "$PARTS"
 SKIP=",${SKIP:-},"
 START=$(date +%s)
 SUMMARY=()
+DMON_PID=""
 if [[ "$DRY" == 1 ]]; then
   DEV=(--device cpu --dtype float32 --model-gpu h200)
-  N_BIG=128; V_BIG=1009; N_SMALL=64; V_SMALL=1031; D=64; N_CHECK=48; V_CHECK=2053; D_CHECK=32
+  N_BIG=64; V_BIG=257; N_SMALL=32; V_SMALL=263; D=32; N_CHECK=24; V_CHECK=509; D_CHECK=16
   export TRITON_INTERPRET=1  # the Triton kernels through the interpreter: results checked, never timed
 else
   DEV=(--device cuda --dtype bfloat16)
   N_BIG=16384; V_BIG=151936; N_SMALL=4096; V_SMALL=128256; D=4096; N_CHECK=1024; V_CHECK=151936; D_CHECK=1024
 fi
-IMPLS_CORE="reference fusedloss:cuda fusedloss:triton"
-IMPLS_PEERS="trl liger cce torch-lce"
+IMPLS_CORE=${BENCH_IMPLS:-"reference fusedloss:cuda fusedloss:triton"}
+IMPLS_PEERS=${BENCH_PEER_IMPLS:-"trl liger cce torch-lce"}
+# the profile of the Triton interpreter says nothing: a dry run profiles the torch backend's CPU ops instead
+IMPLS_PROFILE="fusedloss:cuda fusedloss:triton"
+[[ "$DRY" == 1 ]] && IMPLS_PROFILE="fusedloss:torch"
+CHECK_OPS=${CHECK_OPS:-"token_logprobs cross_entropy grpo_loss dpo_loss distillation_loss"}
 
 elapsed() { echo $(( $(date +%s) - START )); }
 say() { echo "$*" | tee -a "$LOG"; }
@@ -156,8 +169,8 @@ plan_schedule() {
 
 _run_boxed() {  # _run_boxed BOX FUNC ARGS...: FUNC in a child bash with this script's functions and variables
   timeout -k 5 "$1" bash -c "$(declare -f); $(declare -p DRY RERUN ROOT OUT LOG PY STATE PARTS PEER_SITE PEER_WHEELS \
-    PREBUILT DEV N_BIG V_BIG N_SMALL V_SMALL D N_CHECK V_CHECK D_CHECK OPS IMPLS_CORE IMPLS_PEERS BOX \
-    TRITON_INTERPRET 2>/dev/null); cd \"\$ROOT\"; \"\$@\"" stage "${@:2}"
+    PREBUILT DEV N_BIG V_BIG N_SMALL V_SMALL D N_CHECK V_CHECK D_CHECK OPS IMPLS_CORE IMPLS_PEERS IMPLS_PROFILE \
+    CHECK_OPS TRITON_CHECK_ARGS BOX TRITON_INTERPRET 2>/dev/null); cd \"\$ROOT\"; \"\$@\"" stage "${@:2}"
 }
 
 # stage NAME FUNC ARGS...: FUNC inside the stage's box; its output to the log; rc and seconds to the summary
@@ -282,14 +295,20 @@ build_stage() {
 ALL_PARTS=()
 parts() { ALL_PARTS=(); local f; for f in "$PARTS"/*.json; do [[ -f "$f" ]] && ALL_PARTS+=("$f"); done; }
 
-# bench TAG BUDGET_S ARGS...: one bench.py run, its records into the parts and, as they come, into $OUT/bench.json
+# bench TAG BUDGET_S ARGS...: one bench.py run, its records into the parts and, as they come, into
+# $OUT/bench.json; fails when a case was left unmeasured by the budget (a rerun then runs the stage again)
 bench() {
-  local tag=$1 budget=$2; shift 2
+  local tag=$1 budget=$2 rc; shift 2
   parts
   (( budget < 10 )) && budget=10
   FUSEDLOSS_PEER_SITE=${BENCH_PEER_SITE:-} "$PY" -m benchmarks.bench "${DEV[@]}" --D "$D" --group-by n \
     --out "$PARTS" --tag "$tag" --budget-s "$budget" --live-json "$OUT/bench.json" \
     ${ALL_PARTS[@]:+--skip-done "${ALL_PARTS[@]}"} "$@"
+  rc=$?
+  "$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); left = [x for x in r if x['status'] == 'skipped']; \
+print(f'{sys.argv[2]}: {len(left)} case(s) left for a rerun') if left else None; sys.exit(3 if left else 0)" \
+    "$PARTS/$tag.json" "$tag" 2>/dev/null || { (( rc == 0 )) && rc=3; }
+  return "$rc"
 }
 
 core_stage() {  # N=16384 first (three quarters of the box), then N=4096
@@ -297,8 +316,10 @@ core_stage() {  # N=16384 first (three quarters of the box), then N=4096
   t0=$(date +%s)
   big=$(( BOX * 70 / 100 - 15 ))
   bench core-big "$big" --N "$N_BIG" --V "$V_BIG" --impls $IMPLS_CORE --ops $OPS --repeat 5
+  local rc=$?
   bench core-small $(( BOX - ($(date +%s) - t0) - 15 )) --N "$N_SMALL" --V "$V_SMALL" --impls $IMPLS_CORE --ops $OPS \
-    --repeat 5
+    --repeat 5 || rc=$?
+  return $rc
 }
 
 peers_stage() {  # the peers' published shape first
@@ -306,16 +327,17 @@ peers_stage() {  # the peers' published shape first
   t0=$(date +%s)
   BENCH_PEER_SITE=$PEER_SITE bench peers-small $(( BOX * 55 / 100 - 15 )) --N "$N_SMALL" --V "$V_SMALL" \
     --impls $IMPLS_PEERS --ops $OPS --repeat 5
+  local rc=$?
   BENCH_PEER_SITE=$PEER_SITE bench peers-big $(( BOX - ($(date +%s) - t0) - 15 )) --N "$N_BIG" --V "$V_BIG" \
-    --impls $IMPLS_PEERS --ops $OPS --repeat 3
+    --impls $IMPLS_PEERS --ops $OPS --repeat 3 || rc=$?
+  return $rc
 }
 
 profile_stage() {
   "$PY" -m benchmarks.bench --product-rates "${DEV[@]::2}" --out "$STATE" --tag products
   local rc=$?
   cp "$STATE/products.json" "$OUT/products.json" 2>/dev/null
-  bench profile $(( BOX - 25 )) --profile --N "$N_BIG" --V "$V_BIG" --impls fusedloss:cuda fusedloss:triton \
-    --ops $OPS || rc=1
+  bench profile $(( BOX - 25 )) --profile --N "$N_BIG" --V "$V_BIG" --impls $IMPLS_PROFILE --ops $OPS || rc=1
   return $rc
 }
 
@@ -369,10 +391,11 @@ correctness_stage() {
   # every op, both backends, against float64 and against the naive path (the reference in the same dtype)
   timeout -k 5 $(( BOX * 45 / 100 )) "$PY" -m benchmarks.bench "${DEV[@]::4}" --model-gpu none --N "$N_CHECK" \
     --V "$V_CHECK" --D "$D_CHECK" --impls reference fusedloss:cuda fusedloss:triton fusedloss:torch --repeat 1 \
-    --group-by n --out "$STATE" --tag ops_check || rc=1
+    --group-by n --ops $CHECK_OPS --out "$STATE" --tag ops_check || rc=1
   collect_checks
   local cuda_args=(--quick --only cases paths confident) triton_args=(--skip-timing --dtypes bfloat16 --cases llama3_vocab,teacher)
   [[ "$DRY" == 1 ]] && cuda_args+=(--cpu-smoke) && triton_args=(--skip-timing --cpu-smoke --dtypes float32 --cases prime_131)
+  [[ -n "${TRITON_CHECK_ARGS:-}" ]] && read -r -a triton_args <<< "$TRITON_CHECK_ARGS"
   timeout -k 5 $(( $(left) * 55 / 100 )) "$PY" benchmarks/device_check_cuda.py --out "$STATE/cuda_check.json" \
     --budget-s $(( $(left) * 55 / 100 - 5 )) "${cuda_args[@]}" || rc=1
   collect_checks
@@ -432,14 +455,13 @@ EOF
 run_all() {
   plan_schedule
   say "fusedloss device check: OUT=$OUT dry_run=$DRY rerun=$RERUN budget=${TOTAL}s skip=$SKIP"
-  local dmon_pid=""
   if command -v nvidia-smi >/dev/null && [[ "$DRY" != 1 ]]; then
     nvidia-smi dmon -s pucm -d 1 -o T > "$OUT/dmon.txt" 2>&1 &
-    dmon_pid=$!
+    DMON_PID=$!
   else
     echo "nvidia-smi dmon: no GPU here (dry run)" > "$OUT/dmon.txt"
   fi
-  trap '[[ -n "$dmon_pid" ]] && kill "$dmon_pid" 2>/dev/null' EXIT
+  trap '[[ -n "$DMON_PID" ]] && kill "$DMON_PID" 2>/dev/null' EXIT
 
   stage smoke smoke_stage
   if [[ $? == 2 ]]; then
@@ -467,7 +489,7 @@ run_all() {
   [[ -f "$OUT/checks.json" ]] || collect_checks >> "$LOG" 2>&1
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
     --format=csv >> "$LOG" 2>&1
-  [[ -n "$dmon_pid" ]] && kill "$dmon_pid" 2>/dev/null
+  [[ -n "$DMON_PID" ]] && kill "$DMON_PID" 2>/dev/null && DMON_PID=""
 
   echo
   echo "================ device check summary (${TOTAL}s budget, $(elapsed)s used, dry_run=$DRY, rerun=$RERUN) ================"

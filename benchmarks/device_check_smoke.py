@@ -7,9 +7,9 @@
 Records the GPU (name, memory, SMs, compute capability), the driver and the clocks, power and throttle reasons
 (``nvidia-smi``), the runtime the caller detected (``RUNTIME``, ``SANITIZER`` in the environment: under gVisor
 compute-sanitizer cannot use the GPU), Python, torch, Triton and CUDA versions, ``fusedloss.backend_status()``,
-and for each backend ``token_logprobs`` with entropy and its backward on N=64, V=1031, D=64 against the float64
-reference. Fails loudly: a ``SMOKE FAILED`` line per failure; exit status 2 when no GPU is usable (nothing else
-is worth running), 1 when a backend's call failed, 0 otherwise.
+and for each backend ``token_logprobs`` with entropy and its backward on N=64, V=1031, D=64 (CPU: N=16, V=257,
+D=32) against the float64 reference. Fails loudly: a ``SMOKE FAILED`` line per failure; exit status 2 when no
+GPU is usable (nothing else is worth running), 1 when a backend's call failed, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -41,14 +41,13 @@ def nvidia_smi() -> dict:
     return dict(zip(QUERY, (x.strip() for x in first.split(","))))
 
 
-def tiny_call(backend: str, device, dtype) -> dict:
+def tiny_call(backend: str, device, dtype, n: int = 64, v: int = 1031, d: int = 64) -> dict:
     import torch
 
     import fusedloss
     from fusedloss import reference
 
     g = torch.Generator(device="cpu").manual_seed(0)
-    n, v, d = 64, 1031, 64
     h64 = torch.randn(n, d, generator=g, dtype=torch.float64)
     w64 = torch.randn(v, d, generator=g, dtype=torch.float64) / d ** 0.5
     y = torch.randint(0, v, (n,), generator=g)
@@ -133,7 +132,7 @@ def main(argv=None) -> int:
     for backend in args.backends:
         dtype = torch.bfloat16 if gpu else torch.float32
         try:
-            rec = tiny_call(backend, device, dtype)
+            rec = tiny_call(backend, device, dtype, *((64, 1031, 64) if gpu else (16, 257, 32)))
         except Exception as exc:
             rec = {"ok": False, "error": f"{type(exc).__name__}: {str(exc)[:500]}"}
         report["tiny_calls"][backend] = rec

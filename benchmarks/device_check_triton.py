@@ -434,11 +434,11 @@ def timing(device, smoke: bool) -> list:
 
 
 def legacy_plan(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
-    """The Triton backend before issue 12 (commit db85361) in the same model, with the traffic the GPU review
-    (gpu_review_triton.md, section c) derived from its compiled kernels: a 64 x 128 forward whose 132 resident
-    programs re-read their hidden blocks from HBM (159 GB at the acceptance shape, scaling with N x V), and a
-    backward that forms the logits again and adds d hidden and d weight with fp32 atomics (956 GB of
-    reductions, about 950 GB of HBM traffic), no eager path (4 products for every loss)."""
+    """The Triton backend at commit db85361 in the same model, with the traffic derived from its compiled
+    kernels: a 64 x 128 forward whose 132 resident programs re-read their hidden blocks from HBM (159 GB at
+    the acceptance shape, scaling with N x V), and a backward that forms the logits again and adds d hidden and
+    d weight with fp32 atomics (956 GB of reductions, about 950 GB of HBM traffic), no eager path (4 products
+    for every loss)."""
     scale = (w.n * w.v) / (16384 * 151936)
     flops = w.product_flops + w.teacher_product_flops
     grads = int(w.hidden_grad) + int(w.weight_grad)
