@@ -5,6 +5,8 @@
     python benchmarks/bench.py --case headline   # the README's memory headline (N=4096, V=131072), 6-7 min
     python benchmarks/bench.py --device cuda     # GPU: bf16, D=4096, V=151936, N in {4096, 16384}
     python benchmarks/bench.py --list            # the plan and what can run here; runs nothing
+    python benchmarks/bench.py --device cuda --profile         # per-kernel times of fusedloss's backends
+    python benchmarks/bench.py --device cuda --product-rates   # the products the cost model assumes
 
 For each op (token_logprobs with entropy, cross_entropy, grpo_loss (dapo, beta 0.04 with ref),
 dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each shape, it measures:
@@ -12,9 +14,12 @@ dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each 
 - ``fwd_bwd_ms``: median wall time of forward + backward (CUDA events on GPU) over the timed calls,
   after an untimed first call; ``fwd_bwd_ms_min`` / ``fwd_bwd_ms_max`` bound them, and ``spread`` is
   (max - min) / median. ``first_call_ms`` is the first call (compilation, autotuning). ``fwd_ms`` and
-  ``bwd_ms``: the same calls split at the loss (the implementation's call; ``loss.backward()``).
+  ``bwd_ms``: the same calls split at the loss (the implementation's call; ``loss.backward()``). The timed
+  calls of an op's implementations alternate in rounds; on a GPU after a short GEMM warm-up, with the SM
+  clock sampled during each (``sm_clock_mhz``).
 - ``extra_peak_mib``: peak memory during one forward + backward, minus what was allocated before it
-  (the inputs) and minus the gradients it returns. GPU: ``torch.cuda.max_memory_allocated``. CPU:
+  (the inputs) and minus the gradients it returns. GPU: ``torch.cuda.max_memory_allocated``, and
+  ``peak_reserved_mib`` what the caching allocator held (``max_memory_reserved``). CPU:
   the process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs before each
   run) minus the RSS before the run, in a worker process started with ``MALLOC_MMAP_THRESHOLD_`` fixed
   so that every large tensor is its own mapping and freed memory really leaves the process.
@@ -25,14 +30,15 @@ dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each 
 On a GPU (or with ``--model-gpu``) each record also carries the cost model's figures for the same call
 (benchmarks/cost_model.py; docs/design.md, "Plans and the cost model"): ``modelled_ms`` /
 ``modelled_fwd_ms`` / ``modelled_bwd_ms`` from fusedloss's CUDA and Triton backends' own plans, the
-product-count bound ``bound_ms`` for every implementation, one GEMM-sized product measured in the same
-process (``product_ms``), and the measured time over each (benchmarks/NOTES.md, "The model beside the
-measurement").
+product-count bound ``modelled_bound_ms`` for every implementation, one GEMM-sized product measured in the
+same process (``product_ms``), and the measured time over each (benchmarks/NOTES.md, "The model beside the
+measurement"). Every figure of the model is named ``modelled_*``.
 
 Which implementations can run here is decided before any problem is built (one line says what cannot
 and why). Each group of cases runs in a worker process: a crash or a hang in one implementation is
-recorded with its reason, and the group restarts for the implementations left. The table, a JSON
-file and a PNG (matplotlib, in the ``bench`` extra) are written at the end, into ``--out``.
+recorded with its reason, and the group restarts for the implementations left. The JSON file is rewritten
+after every record; the table and a PNG (matplotlib, in the ``bench`` extra) are written at the end, into
+``--out``.
 """
 
 from __future__ import annotations
@@ -1303,6 +1309,7 @@ def parse_args(argv=None):
     ap.add_argument("--live-json", default=None, metavar="JSON",
                     help="also rewrite this file after every record: the --skip-done files' records and this run's, "
                          "one per case (a caller that is cut short keeps everything measured so far)")
+    ap.add_argument("--no-plot", action="store_true", help="write no PNG (a caller that merges and plots later)")
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -1529,7 +1536,7 @@ def main(argv=None) -> int:
         tmo = group_timeout if not budget_stop else max(10.0, deadline + STOP_GRACE_S - time.time())
         run_group_isolated(spec, tmo, log, progress, budget_stop=budget_stop, on_record=on_record)
 
-    code = finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start)
+    code = finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start, draw=not args.no_plot)
     if quick and not args.case:
         log("The README's memory headline (N=4096, V=131072): python benchmarks/bench.py --case headline "
             "(6-7 minutes on 2 cores, most of it the float64 reference); more token counts: --shapes small")
@@ -1611,7 +1618,7 @@ def finalize(records, env, device, dtype):
     return final
 
 
-def finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start):
+def finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start, draw=True):
     final = finalize(records, env, device, dtype)
     log("")
     line = unavailable_summary(final)
@@ -1624,8 +1631,11 @@ def finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start
     jpath = out / f"{stem}.json"
     jpath.write_text(json.dumps(final, indent=1))
     log(f"\nwrote {jpath}")
-    title = f"fusedloss fwd+bwd, {dtype}, V={V}, D={D}, {env.get('gpu') or env.get('cpu')} ({env.get('commit')})"
-    why_not = plot(final, out / f"{stem}.png", title)
+    shapes = sorted({(r.get("N_requested") or r["N"], r.get("V")) for r in final if _ok(r)}, reverse=True)
+    vocab = (f"V={V}" if len({v for _, v in shapes}) <= 1
+             else "V=" + ", ".join(f"{v} (N={n})" for n, v in shapes))
+    title = f"fusedloss fwd+bwd, {dtype}, {vocab}, D={D}, {env.get('gpu') or env.get('cpu')} ({env.get('commit')})"
+    why_not = plot(final, out / f"{stem}.png", title) if draw else "--no-plot"
     if why_not is None:
         log(f"wrote {out / (stem + '.png')}")
     else:

@@ -247,14 +247,17 @@ prebuilt_ok() {
   suffix=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
   if [[ ! -f "$dir/_C$suffix" ]]; then echo "prebuilt: none for $suffix in $dir ($(ls "$dir" 2>/dev/null | tr '\n' ' '))"; return 1; fi
   if [[ "$(cat "$dir/SOURCES" 2>/dev/null)" != "$(source_hash)" ]]; then echo "prebuilt: built from other sources"; return 1; fi
-  echo "prebuilt: _C$suffix matches this Python and these sources"
+  if ! grep -q "sm_90a" "$dir/_build_info.py" 2>/dev/null; then echo "prebuilt: not built for sm_90a"; return 1; fi
+  echo "prebuilt: _C$suffix matches this Python and these sources; $(grep -E "^(NVCC_VERSION|CUDA_ARCHS)" "$dir/_build_info.py" | tr '\n' ' ')"
 }
 
 build_extension() {  # build_extension TREE: the extension in TREE (the checkout, or a scratch copy when dry)
   local tree=$1
   if prebuilt_ok "$PREBUILT"; then
     cp "$PREBUILT"/_C*.so "$PREBUILT"/_build_info.py "$tree/fusedloss/"
-    if (cd "$tree" && "$PY" -c "from fusedloss.cuda import backend as b; assert b.extension_built(), b.availability()"); then
+    # it must import, and on a GPU its own CUDA runtime must find the device (the driver is new enough)
+    if (cd "$tree" && "$PY" -c "from fusedloss.cuda import backend as b; import sys; \
+ok = b.extension_built() if sys.argv[1] == '1' else b.availability() == 'available'; assert ok, b.availability()" "$DRY"); then
       echo "using the prebuilt extension"; return 0
     fi
     echo "the prebuilt extension does not import here: building"
@@ -302,7 +305,7 @@ bench() {
   parts
   (( budget < 10 )) && budget=10
   FUSEDLOSS_PEER_SITE=${BENCH_PEER_SITE:-} "$PY" -m benchmarks.bench "${DEV[@]}" --D "$D" --group-by n \
-    --out "$PARTS" --tag "$tag" --budget-s "$budget" --live-json "$OUT/bench.json" \
+    --out "$PARTS" --tag "$tag" --budget-s "$budget" --live-json "$OUT/bench.json" --no-plot \
     ${ALL_PARTS[@]:+--skip-done "${ALL_PARTS[@]}"} "$@"
   rc=$?
   "$PY" -c "import json, sys; r = json.load(open(sys.argv[1])); left = [x for x in r if x['status'] == 'skipped']; \
