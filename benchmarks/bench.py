@@ -600,6 +600,9 @@ KERNEL_FAMILIES = (
     ("cuBLAS products", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "sm80_", "cublas")),
     ("copies and fills", ("memcpy", "memset", "copy_kernel", "fill_kernel")),
     ("torch elementwise and reductions", ("elementwise", "reduce_kernel", "vectorized", "at::native")),
+    # CPU runs: torch's ops by name
+    ("matrix products (CPU)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")),
+    ("other torch ops (CPU)", ("aten::",)),
 )
 
 
@@ -1050,6 +1053,8 @@ def table(records: list) -> str:
     a '|', what the cost model says where the records carry it (modelled time, modelled bound) and the
     measured time over each. Times of the Triton interpreter on a CPU are shown as 'interp.', not numbers."""
     records = [r for r in records if r.get("mode") != "profile"]
+    if not records:
+        return ""
     with_model = any(r.get("modelled_bound_ms") is not None for r in records)
     with_reserved = any(r.get("peak_reserved_mib") is not None for r in records)
     head = ["op", "N", "impl", "median ms", "min ms", "spread", "fwd ms", "bwd ms", "time/ref", "extra MiB",
@@ -1624,7 +1629,9 @@ def finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start
     line = unavailable_summary(final)
     if line:
         log(line)
-    log(table(final))
+    main_table = table(final)
+    if main_table:
+        log(main_table)
     prof = profile_table(final)
     if prof:
         log(prof)

@@ -363,9 +363,9 @@ if isinstance(ops, list):
     verdicts = []
     for r in ops:
         if r["impl"] == "reference" or r.get("status") != "ok":
-            if r["impl"] != "reference":
-                verdicts.append({"op": r["op"], "impl": r["impl"], "ok": False, "status": r.get("status"),
-                                 "reason": r.get("reason")})
+            if r["impl"] != "reference":  # unavailable here: said so, neither ok nor failed
+                verdicts.append({"op": r["op"], "impl": r["impl"], "status": r.get("status"), "reason": r.get("reason"),
+                                 "ok": None if r.get("status") == "unavailable" else False})
             continue
         ref = refs.get((r["op"], r["N"]))
         naive = ref.get("max_rel_err") if ref else None
@@ -380,10 +380,20 @@ for key, name in (("cuda_check", "cuda_check.json"), ("triton_check", "triton_ch
                   ("workspace_sweep", "workspace.json"), ("sanitizers", "sanitize.json")):
     report[key] = load(name)
 out.write_text(json.dumps(report, indent=1, default=str))
-bad = [v for v in report.get("ops_vs_float64_and_naive") or [] if not v["ok"]]
-print(f"checks.json: ops {len(report.get('ops_vs_float64_and_naive') or []) - len(bad)} ok, {len(bad)} not ok"
-      + "".join(f"\n  NOT OK {v['op']} {v['impl']}: {v.get('err_vs_float64')} > {v.get('limit')} "
-                f"{v.get('reason') or ''}" for v in bad))
+verdicts = report.get("ops_vs_float64_and_naive") or []
+bad = [v for v in verdicts if v["ok"] is False]
+absent = sorted({f"{v['impl']} ({v['reason']})" for v in verdicts if v["ok"] is None})
+line = f"checks.json: ops against float64 and the naive path: {sum(v['ok'] is True for v in verdicts)} ok, {len(bad)} not ok"
+line += "".join(f"; unavailable: {a}" for a in absent)
+for key in ("cuda_check", "triton_check", "workspace_sweep"):
+    if isinstance(report.get(key), dict):
+        line += f"; {key} ok={report[key].get('ok')}"
+if isinstance(report.get("sanitizers"), dict):
+    s = report["sanitizers"]
+    line += "; sanitizers: " + (s.get("skipped") or ", ".join(f"{k} {s[k]['verdict']}" for k in ("memcheck", "racecheck")
+                                                             if isinstance(s.get(k), dict)))
+print(line + "".join(f"\n  NOT OK {v['op']} {v['impl']}: {v.get('err_vs_float64')} > {v.get('limit')} "
+                     f"{v.get('reason') or ''}" for v in bad))
 EOF
 }
 
@@ -394,7 +404,7 @@ correctness_stage() {
   # every op, both backends, against float64 and against the naive path (the reference in the same dtype)
   timeout -k 5 $(( BOX * 45 / 100 )) "$PY" -m benchmarks.bench "${DEV[@]::4}" --model-gpu none --N "$N_CHECK" \
     --V "$V_CHECK" --D "$D_CHECK" --impls reference fusedloss:cuda fusedloss:triton fusedloss:torch --repeat 1 \
-    --group-by n --ops $CHECK_OPS --out "$STATE" --tag ops_check || rc=1
+    --group-by n --ops $CHECK_OPS --out "$STATE" --tag ops_check --no-plot || rc=1
   collect_checks
   local cuda_args=(--quick --only cases paths confident) triton_args=(--skip-timing --dtypes bfloat16 --cases llama3_vocab,teacher)
   [[ "$DRY" == 1 ]] && cuda_args+=(--cpu-smoke) && triton_args=(--skip-timing --cpu-smoke --dtypes float32 --cases prime_131)
@@ -489,7 +499,7 @@ run_all() {
     cp "$merged/bench.png" "$OUT/bench.png" 2>/dev/null
     cat "$merged/table.txt" >> "$LOG"
   fi
-  [[ -f "$OUT/checks.json" ]] || collect_checks >> "$LOG" 2>&1
+  collect_checks > "$STATE/checks_summary.txt" 2>&1
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw,memory.used \
     --format=csv >> "$LOG" 2>&1
   [[ -n "$DMON_PID" ]] && kill "$DMON_PID" 2>/dev/null && DMON_PID=""
@@ -497,8 +507,9 @@ run_all() {
   echo
   echo "================ device check summary (${TOTAL}s budget, $(elapsed)s used, dry_run=$DRY, rerun=$RERUN) ================"
   for s in "${SUMMARY[@]}"; do echo "  $s"; done
-  grep -E "^SMOKE|^checks.json|NOT OK|^wrote .*ok=|^(ALL OK|SOME CHECKS FAILED)|ERROR SUMMARY|RACECHECK SUMMARY" "$LOG" \
-    | cut -c1-200 | tail -14
+  grep -E "^SMOKE|^wrote .*ok=|^(ALL OK|SOME CHECKS FAILED)|ERROR SUMMARY|RACECHECK SUMMARY|left for a rerun" "$LOG" \
+    | cut -c1-200 | tail -10
+  cut -c1-300 "$STATE/checks_summary.txt" | head -12
   echo "---------------- benchmark ----------------"
   [[ -f "$merged/table.txt" ]] && grep -v "^wrote\|^total" "$merged/table.txt" | cut -c1-260
   echo "files in $OUT:"; (cd "$OUT" && find . -type f -printf '  %p %s bytes\n' | sort)

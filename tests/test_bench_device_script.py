@@ -96,9 +96,10 @@ def test_dry_run_of_the_check_stages(tmp_path):
         assert summary[stage].startswith("rc=0"), (stage, summary)
     checks = json.loads((out / "checks.json").read_text())
     verdicts = {v["impl"]: v for v in checks["ops_vs_float64_and_naive"]}
-    assert set(verdicts) == {"fusedloss:torch", "fusedloss:triton"}  # cuda: no device (recorded unavailable)
+    assert set(verdicts) == {"fusedloss:torch", "fusedloss:triton", "fusedloss:cuda"}
+    assert verdicts.pop("fusedloss:cuda")["ok"] is None  # no device here: unavailable, neither ok nor failed
     for v in verdicts.values():
-        assert v["ok"] and v["err_vs_float64"] <= v["limit"] and v["naive_err_vs_float64"] > 0
+        assert v["ok"] is True and v["err_vs_float64"] <= v["limit"] and v["naive_err_vs_float64"] > 0
     assert checks["cuda_check"]["ok"] is True and checks["cuda_check"]["environment"]["smoke"] is True
     timing = next(c for c in checks["workspace_sweep"]["cases"] if c["name"] == "timings")
     assert timing["rows"] and all("modelled_ms" in r for r in timing["rows"])
