@@ -289,7 +289,7 @@ build_stage() {
   if [[ "$DRY" == 1 ]]; then
     "$PY" -c "import fusedloss; print('backend_status', fusedloss.backend_status())"
   else
-    "$PY" benchmarks/device_check_smoke.py --backends cuda --out "$STATE/smoke_cuda.json" || rc=1
+    "$PY" benchmarks/device_check_smoke.py --backends cuda --add --out "$OUT/smoke.json" || rc=1
   fi
   return $rc
 }
@@ -340,7 +340,8 @@ profile_stage() {
   "$PY" -m benchmarks.bench --product-rates "${DEV[@]::2}" --out "$STATE" --tag products
   local rc=$?
   cp "$STATE/products.json" "$OUT/products.json" 2>/dev/null
-  bench profile $(( BOX - 25 )) --profile --N "$N_BIG" --V "$V_BIG" --impls $IMPLS_PROFILE --ops $OPS || rc=1
+  bench profile $(( BOX - 25 )) --profile --N "$N_BIG" --V "$V_BIG" --impls $IMPLS_PROFILE --ops $OPS \
+    --gemm-warmup-s 0.5 || rc=1
   return $rc
 }
 
@@ -404,7 +405,7 @@ correctness_stage() {
   # every op, both backends, against float64 and against the naive path (the reference in the same dtype)
   timeout -k 5 $(( BOX * 45 / 100 )) "$PY" -m benchmarks.bench "${DEV[@]::4}" --model-gpu none --N "$N_CHECK" \
     --V "$V_CHECK" --D "$D_CHECK" --impls reference fusedloss:cuda fusedloss:triton fusedloss:torch --repeat 1 \
-    --group-by n --ops $CHECK_OPS --out "$STATE" --tag ops_check --no-plot || rc=1
+    --group-by n --ops $CHECK_OPS --out "$STATE" --tag ops_check --no-plot --gemm-warmup-s 0 || rc=1
   collect_checks
   local cuda_args=(--quick --only cases paths confident) triton_args=(--skip-timing --dtypes bfloat16 --cases llama3_vocab,teacher)
   [[ "$DRY" == 1 ]] && cuda_args+=(--cpu-smoke) && triton_args=(--skip-timing --cpu-smoke --dtypes float32 --cases prime_131)

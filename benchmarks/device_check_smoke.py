@@ -79,6 +79,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu", action="store_true", help="no GPU: the torch backend and the Triton interpreter")
     ap.add_argument("--backends", nargs="+", default=["torch", "triton"])
+    ap.add_argument("--add", action="store_true", help="add these backends' calls to an existing --out report")
     args = ap.parse_args(argv)
     if args.cpu:
         os.environ["TRITON_INTERPRET"] = "1"
@@ -86,6 +87,10 @@ def main(argv=None) -> int:
               "runtime": os.environ.get("RUNTIME"), "sanitizer_can_run": os.environ.get("SANITIZER") == "1",
               "python": platform.python_version(), "nvidia_smi": nvidia_smi(), "failures": []}
     path = Path(args.out)
+    if args.add and path.is_file():  # e.g. the CUDA backend's call, once the extension is built
+        earlier = json.loads(path.read_text())
+        report = {**earlier, "failures": earlier.get("failures", []),
+                  "nvidia_smi_after": report["nvidia_smi"], "tiny_calls": earlier.get("tiny_calls", {})}
 
     def fail(msg):
         report["failures"].append(msg)
@@ -128,7 +133,7 @@ def main(argv=None) -> int:
         return 1
     write()
     device = torch.device("cuda" if gpu else "cpu")
-    report["tiny_calls"] = {}
+    report.setdefault("tiny_calls", {})
     for backend in args.backends:
         dtype = torch.bfloat16 if gpu else torch.float32
         try:
