@@ -242,9 +242,10 @@ for name in ('trl', 'liger', 'cce', 'torch-lce'):
 }
 
 # prebuilt_ok DIR: a prebuilt _C for this Python's ABI, built from these sources
+ext_suffix() { "$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))"; }
 prebuilt_ok() {
   local dir=$1 suffix
-  suffix=$("$PY" -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
+  suffix=$(ext_suffix)
   if [[ ! -f "$dir/_C$suffix" ]]; then echo "prebuilt: none for $suffix in $dir ($(ls "$dir" 2>/dev/null | tr '\n' ' '))"; return 1; fi
   if [[ "$(cat "$dir/SOURCES" 2>/dev/null)" != "$(source_hash)" ]]; then echo "prebuilt: built from other sources"; return 1; fi
   if ! grep -q "sm_90a" "$dir/_build_info.py" 2>/dev/null; then echo "prebuilt: not built for sm_90a"; return 1; fi
@@ -254,7 +255,7 @@ prebuilt_ok() {
 build_extension() {  # build_extension TREE: the extension in TREE (the checkout, or a scratch copy when dry)
   local tree=$1
   if prebuilt_ok "$PREBUILT"; then
-    cp "$PREBUILT"/_C*.so "$PREBUILT"/_build_info.py "$tree/fusedloss/"
+    cp "$PREBUILT/_C$(ext_suffix)" "$PREBUILT"/_build_info.py "$tree/fusedloss/"
     # it must import, and on a GPU its own CUDA runtime must find the device (the driver is new enough)
     if (cd "$tree" && "$PY" -c "from fusedloss.cuda import backend as b; import sys; \
 ok = b.extension_built() if sys.argv[1] == '1' else b.availability() == 'available'; assert ok, b.availability()" "$DRY"); then
