@@ -2,9 +2,11 @@
 
     python benchmarks/bench.py                   # CPU: every op at N=1024, V=32003, within 2 minutes
     python benchmarks/bench.py --shapes small    # CPU: N in {512, 2048}, a few minutes
-    python benchmarks/bench.py --case headline   # the README's memory headline (N=4096, V=131072), ~3 min
+    python benchmarks/bench.py --case headline   # the README's memory headline (N=4096, V=131072), 6-7 min
     python benchmarks/bench.py --device cuda     # GPU: bf16, D=4096, V=151936, N in {4096, 16384}
     python benchmarks/bench.py --list            # the plan and what can run here; runs nothing
+    python benchmarks/bench.py --device cuda --profile         # per-kernel times of fusedloss's backends
+    python benchmarks/bench.py --device cuda --product-rates   # the products the cost model assumes
 
 For each op (token_logprobs with entropy, cross_entropy, grpo_loss (dapo, beta 0.04 with ref),
 dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each shape, it measures:
@@ -12,9 +14,12 @@ dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each 
 - ``fwd_bwd_ms``: median wall time of forward + backward (CUDA events on GPU) over the timed calls,
   after an untimed first call; ``fwd_bwd_ms_min`` / ``fwd_bwd_ms_max`` bound them, and ``spread`` is
   (max - min) / median. ``first_call_ms`` is the first call (compilation, autotuning). ``fwd_ms`` and
-  ``bwd_ms``: the same calls split at the loss (the implementation's call; ``loss.backward()``).
+  ``bwd_ms``: the same calls split at the loss (the implementation's call; ``loss.backward()``). The timed
+  calls of an op's implementations alternate in rounds; on a GPU after a short GEMM warm-up, with the SM
+  clock sampled during each (``sm_clock_mhz``).
 - ``extra_peak_mib``: peak memory during one forward + backward, minus what was allocated before it
-  (the inputs) and minus the gradients it returns. GPU: ``torch.cuda.max_memory_allocated``. CPU:
+  (the inputs) and minus the gradients it returns. GPU: ``torch.cuda.max_memory_allocated``, and
+  ``peak_reserved_mib`` what the caching allocator held (``max_memory_reserved``). CPU:
   the process's resident-set high-water mark (VmHWM, reset through /proc/self/clear_refs before each
   run) minus the RSS before the run, in a worker process started with ``MALLOC_MMAP_THRESHOLD_`` fixed
   so that every large tensor is its own mapping and freed memory really leaves the process.
@@ -25,14 +30,15 @@ dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each 
 On a GPU (or with ``--model-gpu``) each record also carries the cost model's figures for the same call
 (benchmarks/cost_model.py; docs/design.md, "Plans and the cost model"): ``modelled_ms`` /
 ``modelled_fwd_ms`` / ``modelled_bwd_ms`` from fusedloss's CUDA and Triton backends' own plans, the
-product-count bound ``bound_ms`` for every implementation, one GEMM-sized product measured in the same
-process (``product_ms``), and the measured time over each (benchmarks/NOTES.md, "The model beside the
-measurement").
+product-count bound ``modelled_bound_ms`` for every implementation, one GEMM-sized product measured in the
+same process (``product_ms``), and the measured time over each (benchmarks/NOTES.md, "The model beside the
+measurement"). Every figure of the model is named ``modelled_*``.
 
 Which implementations can run here is decided before any problem is built (one line says what cannot
 and why). Each group of cases runs in a worker process: a crash or a hang in one implementation is
-recorded with its reason, and the group restarts for the implementations left. The table, a JSON
-file and a PNG (matplotlib, in the ``bench`` extra) are written at the end, into ``--out``.
+recorded with its reason, and the group restarts for the implementations left. The JSON file is rewritten
+after every record; the table and a PNG (matplotlib, in the ``bench`` extra) are written at the end, into
+``--out``.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -145,6 +151,10 @@ class CpuMem:
 
 
 class CudaMem:
+    """Peak device memory over a region: what torch's tensors held (``max_memory_allocated``) and what its
+    caching allocator held from the driver (``max_memory_reserved``: the tensors plus cached blocks, the
+    figure an out-of-memory error is about), each minus its value at the start."""
+
     method = "cuda_max_memory_allocated"
 
     def __init__(self):
@@ -156,10 +166,18 @@ class CudaMem:
         self.torch.cuda.synchronize()
         self.torch.cuda.reset_peak_memory_stats()
         self.base = self.torch.cuda.memory_allocated()
+        self.base_reserved = self.torch.cuda.memory_reserved()
 
     def peak_extra(self) -> float:
         self.torch.cuda.synchronize()
         return self.torch.cuda.max_memory_allocated() - self.base
+
+    def peaks(self) -> dict:
+        """Absolute peaks and the reserved peak over the start (MiB), read after ``peak_extra``."""
+        cuda = self.torch.cuda
+        return {"peak_allocated_mib": round(cuda.max_memory_allocated() / MIB, 1),
+                "peak_reserved_mib": round(cuda.max_memory_reserved() / MIB, 1),
+                "extra_reserved_mib": round((cuda.max_memory_reserved() - self.base_reserved) / MIB, 1)}
 
 
 # ============================================================================ implementations
@@ -205,16 +223,43 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _one_run(impl, p, device, mem=None):
-    """One forward+backward. Returns (ms, forward ms, backward ms, outputs, grads, extra_bytes): the forward
-    is the implementation's call (whatever it does there: an eager path finishes its gradients in it), the
-    backward is ``loss.backward()``."""
+class Run(NamedTuple):
+    ms: float         # forward + backward
+    fwd: float        # the implementation's call
+    bwd: float        # loss.backward()
+    outs: dict
+    grads: dict
+    extra: Optional[float]      # peak bytes over the start, minus the gradients returned (with a probe)
+    clock_mhz: Optional[int]    # the SM clock sampled while the call ran (GPU)
+
+
+_CLOCK = {"ok": True}
+
+
+def sm_clock_mhz(device) -> Optional[int]:
+    """The SM clock now (NVML through ``torch.cuda.clock_rate``), None where it cannot be read."""
+    import torch
+
+    if device.type != "cuda" or not _CLOCK["ok"]:
+        return None
+    try:
+        return int(torch.cuda.clock_rate(device))
+    except Exception:  # no NVML here: say nothing rather than fail the timing
+        _CLOCK["ok"] = False
+        return None
+
+
+def _one_run(impl, p, device, mem=None) -> Run:
+    """One forward+backward: the forward is the implementation's call (whatever it does there: an eager path
+    finishes its gradients in it), the backward is ``loss.backward()``. On a GPU the SM clock is sampled
+    after the work is queued and before the wait, i.e. while it runs."""
     import torch
 
     h, w = p.leaves()
     _sync(device)
     if mem is not None:
         mem.start()
+    clock = None
     if device.type == "cuda":
         e0, e1, e2 = (torch.cuda.Event(enable_timing=True) for _ in range(3))
         e0.record()
@@ -222,6 +267,7 @@ def _one_run(impl, p, device, mem=None):
         e1.record()
         loss.backward()
         e2.record()
+        clock = sm_clock_mhz(device)
         torch.cuda.synchronize()
         fwd, bwd = e0.elapsed_time(e1), e1.elapsed_time(e2)
     else:
@@ -234,7 +280,7 @@ def _one_run(impl, p, device, mem=None):
     grads = {"hidden": h.grad, "weight": w.grad}
     if mem is not None:
         extra = mem.peak_extra() - sum(g.numel() * g.element_size() for g in grads.values() if g is not None)
-    return fwd + bwd, fwd, bwd, outs, grads, extra
+    return Run(fwd + bwd, fwd, bwd, outs, grads, extra, clock)
 
 
 def _median(xs):
@@ -248,8 +294,14 @@ def _median(xs):
 # token_logprobs is timed with its entropy; distillation_loss with beta 1 is the reverse KL.
 MODEL_OP = {"token_logprobs": "token_logprobs_entropy", "cross_entropy": "cross_entropy", "grpo_loss": "grpo",
             "dpo_loss": "dpo", "distillation_loss": "distill_reverse_kl"}
-MODEL_FIELDS = ("modelled_ms", "modelled_fwd_ms", "modelled_bwd_ms", "bound_ms", "ratio", "measured_over_model",
-                "measured_over_bound", "floor_ms", "measured_over_floor")
+# Every figure that comes from the cost model is named modelled_*; measured_* are quotients or sums of
+# measurements (measured_over_modelled divides a measurement by a modelled figure). Records written before
+# this naming are read through LEGACY_FIELDS.
+MODEL_FIELDS = ("modelled_ms", "modelled_fwd_ms", "modelled_bwd_ms", "modelled_bound_ms", "modelled_over_bound",
+                "measured_over_modelled", "measured_over_bound", "measured_floor_ms", "measured_over_floor")
+LEGACY_FIELDS = {"bound_ms": "modelled_bound_ms", "ratio": "modelled_over_bound",
+                 "measured_over_model": "measured_over_modelled", "floor_ms": "measured_floor_ms",
+                 "model": "modelled_details"}
 
 
 def gpu_model_key(name: Optional[str]) -> Optional[str]:
@@ -287,8 +339,8 @@ def modelled(op: str, impl: str, n: int, d: int, v: int, dtype: str, gpu: str, d
     b = cost_model.bound(mop, n, d, v, dtype=dtype, gpu=gpu, teacher_d=teacher_d)
     info = {"gpu": b["gpu"], "op": mop, "N": n, "D": d, "V": v, "dtype": dtype,
             "bound_products": b["bound_products"], "bound_teacher_products": b["bound_teacher_products"]}
-    out = {"bound_ms": _sig(b["bound_ms"]), "modelled_ms": None, "modelled_fwd_ms": None,
-           "modelled_bwd_ms": None, "ratio": None}
+    out = {"modelled_bound_ms": _sig(b["bound_ms"]), "modelled_ms": None, "modelled_fwd_ms": None,
+           "modelled_bwd_ms": None, "modelled_over_bound": None}
     backend = impl.split(":", 1)[1] if impl.startswith("fusedloss:") else None
     if backend == "auto":
         import torch
@@ -306,7 +358,7 @@ def modelled(op: str, impl: str, n: int, d: int, v: int, dtype: str, gpu: str, d
             why = f"{backend}'s plan could not be modelled: {type(exc).__name__}: {exc}"
         else:
             out.update(modelled_ms=_sig(e["model_ms"]), modelled_fwd_ms=_sig(e["model_fwd_ms"]),
-                       modelled_bwd_ms=_sig(e["model_bwd_ms"]), ratio=_sig(e["ratio"]))
+                       modelled_bwd_ms=_sig(e["model_bwd_ms"]), modelled_over_bound=_sig(e["ratio"]))
             info.update(source=f"{backend}.plan", backend=backend, path=e["path"], products=e["products"],
                         teacher_products=e["teacher_products"], flops=e["flops"], hbm_bytes=e["hbm_bytes"],
                         free_bytes=e["free_bytes"], plan=e["plan"], passes=e["passes"],
@@ -317,16 +369,132 @@ def modelled(op: str, impl: str, n: int, d: int, v: int, dtype: str, gpu: str, d
         why = f"{impl} has no plan in the cost model (its path is not modelled)"
     if why is not None:
         info.update(source="bound only", why=why)
-    out["model"] = info
+    out["modelled_details"] = info
     return out
 
 
-def run_group(spec: dict, emit) -> None:
-    """Worker: the tasks ``spec['tasks']`` ([op, impl] pairs) at one N. Each op's problem (inputs and
-    float64 reference) is built when the op changes, and freed before the next one is built."""
+def _base_record(op, name, spec, shape, device, mem) -> dict:
+    rec = {"kind": "result", "op": op, "impl": name, "N": spec["N"], "V": spec["V"], "D": spec["D"], **shape,
+           "N_requested": spec["N"], "dtype": spec["dtype"], "device": device.type, "mem_method": mem.method}
+    if spec.get("profile"):
+        rec["mode"] = "profile"
+    return rec
+
+
+def _interpreted(name: str, device) -> bool:
+    """Triton kernels on a CPU run through Triton's interpreter: correct results, times that say nothing."""
+    return device.type == "cpu" and name == "fusedloss:triton"
+
+
+def _build_problem(op, spec, device, dtype, emit):
+    """The op's inputs, one product timed (with a model), and the float64 ground truth, saying as it goes
+    what it builds (the float64 reference of a large case takes minutes on a CPU)."""
+    from . import cases
+
+    t0 = time.perf_counter()
+    what = "the inputs" + ("" if spec.get("no_error") else " and the float64 reference")
+    emit({"kind": "status", "op": op, "msg": f"building {what}"})
+    p = cases.make_problem(op, spec["N"], spec["V"], spec["D"], dtype, device, seed=spec.get("seed", 0))
+    shape = {"N": p.N, "V": p.V, "D": p.D, "input_mib": round(p.input_bytes() / MIB, 1)}
+    if spec.get("model_gpu"):
+        try:
+            shape["product_ms"] = _sig(product_ms(p, device))
+            shape["product_tflops"] = _sig(2.0 * p.N * p.V * p.D / shape["product_ms"] * 1e-9)
+        except Exception as exc:
+            emit({"kind": "status", "op": op, "msg": f"product timing failed: {type(exc).__name__}: {exc}"})
+    ref = (None, None)
+    if not spec.get("no_error"):
+        last = [time.perf_counter()]
+
+        def said(done, total):  # at most one line per 5 s
+            if time.perf_counter() - last[0] >= 5.0:
+                last[0] = time.perf_counter()
+                emit({"kind": "status", "op": op, "msg": f"float64 reference: {done}/{total} chunks, "
+                                                           f"{last[0] - t0:.0f} s"})
+        try:
+            ref = cases.reference64(p, progress=said)
+        except Exception as exc:
+            emit({"kind": "status", "op": op, "msg": f"float64 reference failed: {type(exc).__name__}: {exc}"})
+    emit({"kind": "note", "op": op, "msg": f"problem ready in {time.perf_counter() - t0:.1f}s", **shape})
+    return p, shape, ref
+
+
+def _errors(run: Run, ref) -> dict:
+    from . import cases
+
+    ref_out, ref_grads = ref
+    if ref_out is None:
+        return {"max_rel_err": None}
+    errs = {k: cases.rel_err(run.outs.get(k), r) for k, r in ref_out.items()}
+    errs.update({"grad_" + k: cases.rel_err(run.grads.get(k), r) for k, r in ref_grads.items()})
+    return {"errors": {k: float(f"{v:.3e}") for k, v in errs.items()},
+            "max_rel_err": float(f"{max(errs.values()):.3e}")}
+
+
+def _prepare(name, impl, p, ref, spec, device, mem, rec) -> dict:
+    """An implementation's first call (compilation, autotuning; its outputs give the errors), then on a GPU
+    one memory run on an emptied cache (the reserved peak), then any further warm-up. Returns its state for
+    the timed rounds."""
     import torch
 
-    from . import cases
+    free_at_start = free_bytes_now(device)
+    t1 = time.perf_counter()
+    first = _one_run(impl, p, device, mem)
+    rec["first_call_ms"] = round((time.perf_counter() - t1) * 1e3, 2)
+    rec.update(_errors(first, ref))
+    first = first._replace(outs=None, grads=None)
+    runs, extras = [], [first.extra]
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        memory_run = _one_run(impl, p, device, mem)
+        extras.append(memory_run.extra)
+        rec.update(mem.peaks())
+    budget_ms = spec.get("impl_budget_s", 60) * 1e3
+    reps = max(spec.get("min_repeat", 1), min(spec["repeat"], int(budget_ms / max(first.ms, 1e-3))))
+    if _interpreted(name, device):
+        rec["timing"] = "triton interpreter on a CPU: checks the results, the times are not benchmark numbers"
+        reps = 1
+    elif spec.get("count_slow_first") and first.ms * (1 + reps) > budget_ms:
+        # a time-boxed CPU run and a slow call: the first call is one of the timed ones (nothing here compiles
+        # on a CPU; its extra cost is the first allocation of its buffers)
+        runs, reps = [first], reps - 1
+    else:
+        for _ in range(max(0, spec["warmup"] - (2 if device.type == "cuda" else 1))):
+            if first.ms * reps > budget_ms:
+                break
+            _one_run(impl, p, device)
+    return {"name": name, "impl": impl, "rec": rec, "reps": len(runs) + reps, "runs": runs, "extras": extras,
+            "free": free_at_start, "first_ms": first.ms}
+
+
+def _finish_record(st, op, p, spec, device) -> dict:
+    rec, runs = st["rec"], st["runs"]
+    times = sorted(r.ms for r in runs)
+    median = _median(times)
+    fwds, bwds = [r.fwd for r in runs], [r.bwd for r in runs]
+    extras = [x for x in st["extras"] + [r.extra for r in runs] if x is not None]
+    clocks = [r.clock_mhz for r in runs if r.clock_mhz is not None]
+    rec.update(status="ok", fwd_bwd_ms=round(median, 3), fwd_bwd_ms_min=round(times[0], 3),
+               fwd_bwd_ms_max=round(times[-1], 3),
+               spread=round((times[-1] - times[0]) / median, 4) if len(times) > 1 else None,
+               fwd_ms=round(_median(fwds), 3), bwd_ms=round(_median(bwds), 3),
+               fwd_ms_min=round(min(fwds), 3), bwd_ms_min=round(min(bwds), 3), repeats=len(times),
+               extra_peak_mib=round(max(extras) / MIB, 2) if extras else None)
+    if device.type == "cuda":
+        rec["sm_clock_mhz"] = [r.clock_mhz for r in runs]  # per timed call, in the order they ran
+        rec["sm_clock_mhz_min"] = min(clocks) if clocks else None
+    if spec.get("model_gpu"):
+        rec.update(model_fields(rec, op, st["name"], p, spec, device, st["free"]))
+    return rec
+
+
+def run_group(spec: dict, emit) -> None:
+    """Worker: the tasks ``spec['tasks']`` ([op, impl] pairs) at one N, op by op. Each op's problem (inputs and
+    float64 reference) is built once and freed before the next one. Every implementation of the op makes its
+    first call and memory run; then its timed calls alternate with the others' in rounds (A B C A B C ...),
+    after a short GEMM warm-up, so that a drift of the clocks or of the card's temperature falls on all of them
+    alike; then one record per implementation."""
+    import torch
 
     torch.manual_seed(0)
     if spec.get("threads"):
@@ -338,98 +506,144 @@ def run_group(spec: dict, emit) -> None:
         torch.backends.cudnn.allow_tf32 = False
     mem = CudaMem() if device.type == "cuda" else CpuMem()
     deadline = spec.get("deadline")
-    p = ref_out = ref_grads = None
-    shape = {}
     budget_rec = {"status": "skipped", "reason": "time budget of the run exhausted"}
-    for op, name in spec["tasks"]:
-        if deadline and time.time() > deadline:  # no problem is built for a case that will not run
-            emit({"kind": "result", "op": op, "impl": name, "N": spec["N"], "V": spec["V"], "D": spec["D"],
-                  "dtype": spec["dtype"], "device": device.type, **budget_rec})
+    warm = not spec.get("gemm_warmup_s")
+    for op in dict.fromkeys(op for op, _ in spec["tasks"]):
+        names = [name for o, name in spec["tasks"] if o == op]
+        if deadline and time.time() > deadline:  # no problem is built for cases that will not run
+            for name in names:
+                emit({**_base_record(op, name, spec, {}, device, mem), **budget_rec})
             continue
-        if p is None or p.op != op:
-            p = ref_out = ref_grads = None
+        p, shape, ref = _build_problem(op, spec, device, dtype, emit)
+        live = []
+        for name in names:
+            rec = _base_record(op, name, spec, shape, device, mem)
+            if deadline and time.time() > deadline:
+                emit({**rec, **budget_rec})
+                continue
+            impl, why = make_impl(name, op, device, spec.get("compile_mode", "default"))
+            if impl is None:
+                emit({**rec, "status": "unavailable", "reason": why})
+                continue
+            emit({"kind": "start", "op": op, "impl": name})
+            if os.environ.get("FUSEDLOSS_BENCH_CRASH") == name:  # self-test of the crash recovery
+                os._exit(3)
+            try:
+                live.append(_prepare(name, impl, p, ref, spec, device, mem, rec))
+            except Exception as exc:
+                emit(_failure(rec, exc))
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            t0 = time.perf_counter()
-            p = cases.make_problem(op, spec["N"], spec["V"], spec["D"], dtype, device, seed=spec.get("seed", 0))
-            shape = {"N": p.N, "V": p.V, "D": p.D, "input_mib": round(p.input_bytes() / MIB, 1)}
-            if spec.get("model_gpu"):
+        if live and not warm:
+            emit({"kind": "status", "op": op, "msg": "GEMM warm-up: " + json.dumps(gemm_warmup(device,
+                                                                                              spec["gemm_warmup_s"]))})
+            warm = True
+        for r in range(max((st["reps"] for st in live), default=0)):
+            for st in live:
+                if "failed" in st or r < len(st["runs"]) or r >= st["reps"]:
+                    continue
+                if st["runs"] and deadline and time.time() + st["runs"][-1].ms / 1e3 > deadline:
+                    st["reps"] = len(st["runs"])  # the run's budget: fewer repeats rather than a case cut off
+                    continue
+                emit({"kind": "inflight", "op": op, "impl": st["name"]})
                 try:
-                    shape["product_ms"] = _sig(product_ms(p, device))
-                    shape["product_tflops"] = _sig(2.0 * p.N * p.V * p.D / shape["product_ms"] * 1e-9)
+                    st["runs"].append(_one_run(st["impl"], p, device, mem)._replace(outs=None, grads=None))
                 except Exception as exc:
-                    emit({"kind": "note", "op": op, "msg": f"product timing failed: {type(exc).__name__}: {exc}"})
-            if not spec.get("no_error"):
+                    st["failed"] = _failure(st["rec"], exc)
+        for st in live:
+            if "failed" in st:
+                emit(st["failed"])
+                continue
+            rec = _finish_record(st, op, p, spec, device)
+            if spec.get("profile"):
                 try:
-                    ref_out, ref_grads = cases.reference64(p)
+                    rec["profile"] = profile_once(st["impl"], p, device)
                 except Exception as exc:
-                    emit({"kind": "note", "op": op, "msg": f"float64 reference failed: {type(exc).__name__}: {exc}"})
-            emit({"kind": "note", "op": op, "msg": f"problem ready in {time.perf_counter() - t0:.1f}s", **shape})
-        rec = {"kind": "result", "op": op, "impl": name, **shape, "N_requested": spec["N"], "dtype": spec["dtype"],
-               "device": device.type, "mem_method": mem.method}
-        if deadline and time.time() > deadline:
-            emit({**rec, **budget_rec})
-            continue
-        impl, why = make_impl(name, op, device, spec.get("compile_mode", "default"))
-        if impl is None:
-            emit({**rec, "status": "unavailable", "reason": why})
-            continue
-        emit({"kind": "start", "op": op, "impl": name})
-        if os.environ.get("FUSEDLOSS_BENCH_CRASH") == name:  # self-test of the crash recovery
-            os._exit(3)
-        free_at_start = free_bytes_now(device)
-        try:
-            t1 = time.perf_counter()
-            first_ms, first_fwd, first_bwd, outs, grads, first_extra = _one_run(impl, p, device, mem)
-            rec["first_call_ms"] = round((time.perf_counter() - t1) * 1e3, 2)
-            # repeats: as many as fit in the per-implementation time budget, at least one
-            budget_ms = spec.get("impl_budget_s", 60) * 1e3
-            reps = max(spec.get("min_repeat", 1), min(spec["repeat"], int(budget_ms / max(first_ms, 1e-3))))
-            times, fwds, bwds, extras = [], [], [], []
-            if spec.get("count_slow_first") and first_ms * (1 + reps) > budget_ms:
-                # A time-boxed run and a slow call: the first call is one of the timed ones (nothing here
-                # compiles on a CPU; its extra cost is the first allocation of its buffers).
-                times, fwds, bwds, extras, reps = [first_ms], [first_fwd], [first_bwd], [first_extra], reps - 1
-            for _ in range(max(0, spec["warmup"] - 1)):
-                if first_ms * reps > budget_ms:
-                    break
-                _one_run(impl, p, device)
-            for _ in range(reps):
-                if times and deadline and time.time() + times[-1] / 1e3 > deadline:
-                    break  # the run's budget: fewer repeats rather than a case cut off
-                outs = grads = None
-                ms, fwd, bwd, outs, grads, extra = _one_run(impl, p, device, mem)
-                times.append(ms)
-                fwds.append(fwd)
-                bwds.append(bwd)
-                extras.append(extra)
-            times.sort()
-            median = _median(times)
-            rec.update(status="ok", fwd_bwd_ms=round(median, 3), fwd_bwd_ms_min=round(times[0], 3),
-                       fwd_bwd_ms_max=round(times[-1], 3),
-                       spread=round((times[-1] - times[0]) / median, 4) if len(times) > 1 else None,
-                       fwd_ms=round(_median(fwds), 3), bwd_ms=round(_median(bwds), 3),
-                       fwd_ms_min=round(min(fwds), 3), bwd_ms_min=round(min(bwds), 3),
-                       repeats=len(times), extra_peak_mib=round(max(extras) / MIB, 2) if extras else None)
-            if ref_out is not None:
-                errs = {}
-                for k, ref in ref_out.items():
-                    errs[k] = cases.rel_err(outs.get(k), ref)
-                for k, ref in ref_grads.items():
-                    errs["grad_" + k] = cases.rel_err(grads.get(k), ref)
-                rec["errors"] = {k: float(f"{v:.3e}") for k, v in errs.items()}
-                rec["max_rel_err"] = float(f"{max(errs.values()):.3e}")
-            else:
-                rec["max_rel_err"] = None
-            del outs, grads
-            if spec.get("model_gpu"):
-                rec.update(model_fields(rec, op, name, p, spec, device, free_at_start))
-        except Exception as exc:
-            rec.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:400]}",
-                       traceback=traceback.format_exc()[-2000:])
+                    rec["profile"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            emit(rec)
+        live = p = ref = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        emit(rec)
+
+
+def _failure(rec, exc) -> dict:
+    return {**rec, "status": "failed", "reason": f"{type(exc).__name__}: {str(exc)[:400]}",
+            "traceback": traceback.format_exc()[-2000:]}
+
+
+def gemm_warmup(device, seconds: float) -> dict:
+    """bf16 products of 8192^3 for about ``seconds``, so that the first timed call meets the clocks and the
+    temperature a loaded card settles at, not an idle card's."""
+    import torch
+
+    if device.type != "cuda" or seconds <= 0:
+        return {"seconds": 0.0}
+    g = torch.Generator(device=device).manual_seed(1)
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=g)  # random data, never zeros
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16, generator=g)
+    t0, products = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds:
+        for _ in range(8):
+            torch.mm(a, b)
+        products += 8
+        clock = sm_clock_mhz(device)
+        torch.cuda.synchronize()
+    return {"seconds": round(time.perf_counter() - t0, 2), "products": products, "sm_clock_mhz": clock}
+
+
+# kernel name -> the family of the cost model's passes it belongs to (first match wins)
+KERNEL_FAMILIES = (
+    ("fusedloss cuda fold", ("fold_kernel", "jsd_kernel")),
+    ("fusedloss cuda dx", ("dx_kernel",)),
+    ("fusedloss triton forward", ("statistics_forward", "jsd_forward")),
+    ("fusedloss triton gradient", ("logits_gradient",)),
+    ("cuBLAS products", ("gemm", "xmma", "cutlass", "nvjet", "sm90_", "sm80_", "cublas")),
+    ("copies and fills", ("memcpy", "memset", "copy_kernel", "fill_kernel")),
+    ("torch elementwise and reductions", ("elementwise", "reduce_kernel", "vectorized", "at::native")),
+    # CPU runs: torch's ops by name
+    ("matrix products (CPU)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")),
+    ("other torch ops (CPU)", ("aten::",)),
+)
+
+
+def kernel_family(name: str) -> str:
+    low = name.lower()
+    for family, keys in KERNEL_FAMILIES:
+        if any(k.lower() in low for k in keys):
+            return family
+    return "other"
+
+
+def profile_once(impl, p, device, top: int = 40) -> dict:
+    """One more forward+backward under ``torch.profiler``: each GPU kernel's launch count and total time (on
+    a CPU: each op's self time), the largest ``top`` by time, and the totals per family of passes (the cost
+    model's ``model.passes`` name the same families)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]) as prof:
+        run = _one_run(impl, p, device)
+    rows = []
+    for e in prof.key_averages():
+        if cuda:
+            if getattr(e, "device_type", None) != torch.autograd.DeviceType.CUDA:
+                continue
+            us = getattr(e, "device_time_total", None)
+            us = e.cuda_time_total if us is None else us
+        else:
+            us = e.self_cpu_time_total
+        if us and us > 0:
+            rows.append({"name": e.key[:200], "count": int(e.count), "total_us": round(float(us), 1)})
+    rows.sort(key=lambda r: -r["total_us"])
+    families = {}
+    for r in rows:
+        f = families.setdefault(kernel_family(r["name"]), {"count": 0, "total_us": 0.0})
+        f["count"] += r["count"]
+        f["total_us"] = round(f["total_us"] + r["total_us"], 1)
+    return {"what": "GPU kernels" if cuda else "CPU ops, self time", "fwd_bwd_ms": round(run.ms, 3),
+            "total_us": round(sum(r["total_us"] for r in rows), 1), "families": families,
+            "kernels": rows[:top], "kernels_left_out": max(0, len(rows) - top)}
 
 
 def product_ms(p, device, repeat: int = 5) -> float:
@@ -461,26 +675,133 @@ def product_ms(p, device, repeat: int = 5) -> float:
     return _median(times)
 
 
+# The products the plans assume, as (name, what, M, N, K, output dtype, accumulate into the output). GPU: the
+# shapes of docs/design.md's H200 plans (a logits chunk of 8192 rows, V = 151936, D = 4096; one row chunk's
+# d weight accumulation with K = 2304 rows); CPU: a tiny stand-in that checks the code.
+PRODUCT_RATES = {
+    "gpu": (("bf16_output", "logits product, bf16 output", 8192, 151936, 4096, "bfloat16", False),
+            ("fp32_output", "logits product, fp32 output (half operands)", 8192, 151936, 4096, "float32", False),
+            ("fp32_accumulate_short_k", "beta=1 accumulation into fp32 [V, D], K = 2304", 151936, 4096, 2304,
+             "float32", True)),
+    "cpu": (("bf16_output", "tiny stand-in", 64, 1009, 64, "bfloat16", False),
+            ("fp32_output", "tiny stand-in", 64, 1009, 64, "float32", False),
+            ("fp32_accumulate_short_k", "tiny stand-in", 1009, 64, 48, "float32", True)),
+}
+
+
+def _product_call(a, b, c, accumulate):
+    """(callable, method) for one product into ``c``: torch's out_dtype products where this torch has them,
+    the way the backends call them; an unfused product-then-add is reported as such, never as the same
+    thing."""
+    import torch
+
+    if c.dtype == a.dtype:
+        return (lambda: torch.mm(a, b, out=c)) if not accumulate else (lambda: c.addmm_(a, b)), "mm"
+    tries = [("torch.addmm(out_dtype, out=c)", lambda: torch.addmm(c, a, b, out_dtype=c.dtype, out=c)),
+             ("torch.baddbmm(out_dtype, out=c)", lambda: torch.baddbmm(c[None], a[None], b[None],
+                                                                       out_dtype=c.dtype, out=c[None]))]
+    if not accumulate:
+        tries = [("torch.mm(out_dtype, out=c)", lambda: torch.mm(a, b, out_dtype=c.dtype, out=c))]
+    if accumulate:
+        tries.append(("c += torch.mm(out_dtype) (not fused)", lambda: c.add_(torch.mm(a, b, out_dtype=c.dtype))))
+    for method, fn in tries:
+        try:
+            fn()
+            return fn, method
+        except (TypeError, RuntimeError, NotImplementedError):
+            continue
+    raise Unsupported(f"torch {torch.__version__} has no {c.dtype} output of {a.dtype} operands on {a.device.type}")
+
+
+class Unsupported(Exception):
+    """A product this torch cannot do on this device (recorded as such, not as a failure)."""
+
+
+def product_rates(device, repeat: int = 5) -> list:
+    """Each product of ``PRODUCT_RATES`` timed on random data (CUDA events, median of ``repeat`` after two
+    warm-ups, the SM clock sampled during each): the rates behind the cost model's product terms."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.matmul.allow_tf32 = False
+    g = torch.Generator(device=device).manual_seed(3)
+    out = []
+    for name, what, m, n, k, out_dtype, accumulate in PRODUCT_RATES["gpu" if cuda else "cpu"]:
+        rec = {"kind": "product_rate", "name": name, "what": what, "M": m, "N": n, "K": k, "operands": "bfloat16",
+               "output": out_dtype, "beta": 1 if accumulate else 0, "device": device.type,
+               "flops": 2.0 * m * n * k}
+        a = b = c = None
+        try:
+            a = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
+            b = torch.randn(k, n, device=device, generator=g).to(torch.bfloat16) / math.sqrt(k)
+            c = torch.randn(m, n, device=device, generator=g).to(getattr(torch, out_dtype))
+            fn, rec["method"] = _product_call(a, b, c, accumulate)
+            times, clocks = [], []
+            for i in range(2 + repeat):
+                _sync(device)
+                if cuda:
+                    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    e0.record()
+                    fn()
+                    e1.record()
+                    clocks.append(sm_clock_mhz(device))
+                    torch.cuda.synchronize()
+                    ms = e0.elapsed_time(e1)
+                else:
+                    t0 = time.perf_counter()
+                    fn()
+                    ms = (time.perf_counter() - t0) * 1e3
+                if i >= 2:
+                    times.append(ms)
+            rec.update(status="ok", ms=_sig(_median(times)), ms_min=_sig(min(times)),
+                       tflops=_sig(rec["flops"] / _median(times) * 1e-9), repeats=len(times))
+            if cuda:
+                rec["sm_clock_mhz"] = clocks[2:]
+        except Unsupported as exc:
+            rec.update(status="unsupported", reason=str(exc))
+        except Exception as exc:
+            rec.update(status="failed", reason=f"{type(exc).__name__}: {str(exc)[:300]}")
+        a = b = c = None
+        if cuda:
+            torch.cuda.empty_cache()
+        out.append(rec)
+    return out
+
+
+def rates_table(rates: list) -> str:
+    lines = ["product rates (measured):"]
+    for r in rates:
+        shape = f"[{r['M']}x{r['N']}x{r['K']}] {r['operands']} -> {r['output']}, beta={r['beta']}"
+        if r["status"] == "ok":
+            lines.append(f"  {r['name']:<24} {shape:<58} {r['ms']:>9.3f} ms  {r['tflops']:>8.3g} TFLOP/s  "
+                         f"({r['method']})")
+        else:
+            lines.append(f"  {r['name']:<24} {shape:<58} {r['status']}: {r['reason'][:100]}")
+    return "\n".join(lines)
+
+
 def model_fields(rec: dict, op: str, impl: str, p, spec: dict, device, free_bytes) -> dict:
     """``modelled`` for a measured record, with the measured time over the modelled one and over the bound
     where the measurement was made on a GPU (on a CPU those quotients would compare a CPU with an H200)."""
     try:
         m = modelled(op, impl, p.N, p.D, p.V, spec["dtype"], spec["model_gpu"], device.type, free_bytes)
     except Exception as exc:
-        return {"model": {"source": "none", "why": f"{type(exc).__name__}: {exc}"}}
-    m["measured_over_model"] = m["measured_over_bound"] = m["floor_ms"] = m["measured_over_floor"] = None
+        return {"modelled_details": {"source": "none", "why": f"{type(exc).__name__}: {exc}"}}
+    m["measured_over_modelled"] = m["measured_over_bound"] = m["measured_floor_ms"] = None
+    m["measured_over_floor"] = None
     if rec.get("product_ms"):
-        info = m["model"]
-        m["floor_ms"] = _sig((info["bound_products"] + info["bound_teacher_products"]) * rec["product_ms"])
+        info = m["modelled_details"]
+        m["measured_floor_ms"] = _sig((info["bound_products"] + info["bound_teacher_products"]) * rec["product_ms"])
     if device.type == "cuda":
         if m["modelled_ms"]:
-            m["measured_over_model"] = _sig(rec["fwd_bwd_ms"] / m["modelled_ms"])
-        m["measured_over_bound"] = _sig(rec["fwd_bwd_ms"] / m["bound_ms"])
-        if m["floor_ms"]:
-            m["measured_over_floor"] = _sig(rec["fwd_bwd_ms"] / m["floor_ms"])
+            m["measured_over_modelled"] = _sig(rec["fwd_bwd_ms"] / m["modelled_ms"])
+        m["measured_over_bound"] = _sig(rec["fwd_bwd_ms"] / m["modelled_bound_ms"])
+        if m["measured_floor_ms"]:
+            m["measured_over_floor"] = _sig(rec["fwd_bwd_ms"] / m["measured_floor_ms"])
     else:
-        m["model"]["note"] = ("measured on a CPU: the model describes the GPU named in `gpu` at this shape, "
-                              "not what ran here")
+        m["modelled_details"]["note"] = ("measured on a CPU: the model describes the GPU named in `gpu` at this "
+                                         "shape, not what ran here")
     return m
 
 
@@ -510,15 +831,23 @@ def _worker_env(device: str) -> dict:
 
 def _failed(spec, op, impl, reason, status="failed"):
     return {"kind": "result", "op": op, "impl": impl, "N": spec["N"], "V": spec["V"], "D": spec["D"],
-            "dtype": spec["dtype"], "device": spec["device"], "status": status, "reason": reason}
+            "dtype": spec["dtype"], "device": spec["device"], "status": status, "reason": reason,
+            **({"mode": "profile"} if spec.get("profile") else {})}
 
 
-def run_group_isolated(spec: dict, timeout_s: float, log, progress=None, budget_stop: bool = False) -> list:
+def run_group_isolated(spec: dict, timeout_s: float, log, progress=None, budget_stop: bool = False,
+                       on_record=None) -> list:
     """Run a group's tasks in worker processes; on a crash or a timeout, record the task in flight as
     failed and restart the worker with the tasks left. ``progress(event, op, impl)`` hears each task
-    start ("start") and end ("done")."""
+    start ("start") and end ("done"); ``on_record(record)`` each record as soon as it exists."""
     progress = progress or (lambda *a: None)
     results = []
+
+    def keep(rec):
+        results.append(rec)
+        if on_record is not None:
+            on_record(rec)
+
     tasks = [tuple(t) for t in spec["tasks"]]
     tmp = Path(tempfile.mkdtemp(prefix="flbench-"))
     attempt = 0
@@ -550,15 +879,19 @@ def run_group_isolated(spec: dict, timeout_s: float, log, progress=None, budget_
                     if obj["kind"] == "start":
                         in_flight = (obj["op"], obj["impl"])
                         progress("start", obj["op"], obj["impl"])
+                    elif obj["kind"] == "inflight":  # a timed call of the rounds: a crash now is this one's
+                        in_flight = (obj["op"], obj["impl"])
                     elif obj["kind"] == "result":
                         done.add((obj["op"], obj["impl"]))
                         in_flight = None
-                        results.append(obj)
+                        keep(obj)
                         progress("done", obj["op"], obj["impl"])
                         log(_progress_line(obj))
                     elif obj["kind"] == "note":
                         progress("note", obj.get("op"), None)
                         log(f"    [{obj.get('op')} N={spec['N']}] {obj['msg']}")
+                    elif obj["kind"] == "status":
+                        log(f"    [{obj.get('op')} N={spec['N']}, {time.time() - t_group:.0f} s] {obj['msg']}")
                     elif obj["kind"] == "group_failed":
                         log(f"    [N={spec['N']}] worker failed: {obj['reason']}")
                         failed_all = obj["reason"]
@@ -575,7 +908,7 @@ def run_group_isolated(spec: dict, timeout_s: float, log, progress=None, budget_
         if failed_all is not None:
             for t in tasks:
                 if t not in done:
-                    results.append(_failed(spec, *t, "worker failed: " + failed_all))
+                    keep(_failed(spec, *t, "worker failed: " + failed_all))
                     progress("done", *t)
             return results
         left = [t for t in tasks if t not in done]
@@ -591,13 +924,13 @@ def run_group_isolated(spec: dict, timeout_s: float, log, progress=None, budget_
                                   + (" (stopped mid-case)" if t == hung else ""), "skipped")
                 else:
                     rec = _failed(spec, *t, why) if t == hung else _failed(spec, *t, "not run: " + why, "skipped")
-                results.append(rec)
+                keep(rec)
                 progress("done", *t)
                 log(_progress_line(rec))
             break
         crashed = in_flight or left[0]
         rec = _failed(spec, *crashed, f"worker died (rc={rc}): " + tail.strip()[-600:])
-        results.append(rec)
+        keep(rec)
         progress("done", *crashed)
         log(_progress_line(rec))
         tasks = [t for t in left if t != crashed]
@@ -610,16 +943,26 @@ def _progress_line(r: dict) -> str:
         return f"{head} {r.get('status', '?').upper()}: {str(r.get('reason'))[:160]}"
     err = r.get("max_rel_err")
     spread = "-" if r.get("spread") is None else f"{100 * r['spread']:.0f}%"
+    measured = (f"{r['fwd_bwd_ms']:>9.1f} ms (fwd {r.get('fwd_ms', 0):.1f} + bwd {r.get('bwd_ms', 0):.1f}; "
+                f"min {r['fwd_bwd_ms_min']:.1f}, spread {spread}, {r.get('repeats')} runs)")
+    if r.get("timing"):
+        measured = "timing not a benchmark number (Triton interpreter)"
+    if r.get("sm_clock_mhz_min") is not None:
+        measured += f" SM >= {r['sm_clock_mhz_min']} MHz"
+    memory = f"{_f(r.get('extra_peak_mib'), '>8.1f')} MiB extra"
+    if r.get("peak_reserved_mib") is not None:
+        memory += f" ({r['peak_reserved_mib'] / 1024:.1f} GiB reserved at peak)"
     model = ""
     if r.get("modelled_ms") is not None:
-        model = f"  model {_ms(r['modelled_ms'])} ms"
-    if r.get("measured_over_model") is not None:
-        model += f" (x{r['measured_over_model']:.2f})"
+        model = f"  | modelled {_ms(r['modelled_ms'])} ms"
+        if r.get("measured_over_modelled") is not None:
+            model += f", measured x{r['measured_over_modelled']:.2f} of it"
     if r.get("measured_over_bound") is not None:
-        model += f", x{r['measured_over_bound']:.2f} the bound"
-    return (f"{head} {r['fwd_bwd_ms']:>9.1f} ms (fwd {r.get('fwd_ms', 0):.1f} + bwd {r.get('bwd_ms', 0):.1f}; "
-            f"min {r['fwd_bwd_ms_min']:.1f}, spread {spread}, {r.get('repeats')} runs)  "
-            f"{_f(r.get('extra_peak_mib'), '>8.1f')} MiB extra  err {err if err is None else f'{err:.1e}'}{model}")
+        model += f"; measured x{r['measured_over_bound']:.2f} the modelled bound"
+    if r.get("profile", {}).get("families"):
+        fam = sorted(r["profile"]["families"].items(), key=lambda kv: -kv[1]["total_us"])[:3]
+        model += "  | profile: " + ", ".join(f"{k} {v['total_us'] / 1e3:.1f} ms" for k, v in fam)
+    return f"{head} {measured}  {memory}  err {err if err is None else f'{err:.1e}'}{model}"
 
 
 class Progress:
@@ -690,16 +1033,34 @@ def _sig(x, digits=4):
     return None if x is None else float(f"{x:.{digits}g}")
 
 
+def _timed(r) -> bool:
+    """A record whose time is a benchmark number: measured, not in the profile mode, not interpreted."""
+    return _ok(r) and not r.get("timing") and r.get("mode") != "profile"
+
+
+def _abs_ms(x):
+    return f"{x / 1e3:.2f} s" if x >= 1e4 else f"{x:.1f} ms" if x >= 1 else f"{x:.3g} ms"
+
+
+def _abs_mib(x):
+    return f"{x / 1024:.2f} GiB" if abs(x) >= 1024 else f"{x:.1f} MiB"
+
+
 def table(records: list) -> str:
-    """One row per measured case (what could not run here is summarised, not tabled): median time,
-    fastest run, spread, the forward and backward medians, extra memory, each as a ratio to the reference
-    where one was measured; where the records carry the cost model, the modelled time (forward+backward),
-    the measured time over it, the product-count bound and the measured time over it."""
-    with_model = any(r.get("bound_ms") is not None for r in records)
+    """One row per measured case (what could not run here is summarised, not tabled). Measured: median time,
+    fastest run, spread, the forward and backward medians, extra memory (and on a GPU the allocator's peak
+    reservation), each beside its ratio to the reference where one was measured, and the error. Then, after
+    a '|', what the cost model says where the records carry it (modelled time, modelled bound) and the
+    measured time over each. Times of the Triton interpreter on a CPU are shown as 'interp.', not numbers."""
+    records = [r for r in records if r.get("mode") != "profile"]
+    if not records:
+        return ""
+    with_model = any(r.get("modelled_bound_ms") is not None for r in records)
+    with_reserved = any(r.get("peak_reserved_mib") is not None for r in records)
     head = ["op", "N", "impl", "median ms", "min ms", "spread", "fwd ms", "bwd ms", "time/ref", "extra MiB",
-            "mem/ref", "max rel err"]
+            "mem/ref"] + (["reserved GiB"] if with_reserved else []) + ["max rel err"]
     if with_model:
-        head += ["model ms", "x model", "bound ms", "x bound"]
+        head += ["| modelled ms", "modelled bound ms", "measured/modelled", "measured/bound"]
     rows = [tuple(head + ["status"])]
     key = lambda r: (r["op"], r["N"])
     refs = {key(r): r for r in records if r["impl"] == "reference" and _ok(r)}
@@ -710,18 +1071,24 @@ def table(records: list) -> str:
     for r in shown:
         ref = refs.get(key(r))
         if _ok(r):
-            tr = f"{r['fwd_bwd_ms'] / ref['fwd_bwd_ms']:.2f}" if ref else "-"
             mr = (f"{r['extra_peak_mib'] / ref['extra_peak_mib']:.3f}"
                   if ref and ref.get("extra_peak_mib") and r.get("extra_peak_mib") is not None else "-")
-            spread = r.get("spread")
-            row = [r["op"], str(r["N"]), r["impl"], f"{r['fwd_bwd_ms']:.1f}",
-                   f"{r.get('fwd_bwd_ms_min', r['fwd_bwd_ms']):.1f}", "-" if spread is None else f"{100 * spread:.0f}%",
-                   _f(r.get("fwd_ms"), ".1f"), _f(r.get("bwd_ms"), ".1f"), tr, _f(r.get("extra_peak_mib"), ".1f"),
-                   mr, _f(r.get("max_rel_err"), ".2e")]
+            if r.get("timing"):
+                times = ["interp."] * 5 + ["-"]
+            else:
+                spread = r.get("spread")
+                times = [f"{r['fwd_bwd_ms']:.1f}", f"{r.get('fwd_bwd_ms_min', r['fwd_bwd_ms']):.1f}",
+                         "-" if spread is None else f"{100 * spread:.0f}%", _f(r.get("fwd_ms"), ".1f"),
+                         _f(r.get("bwd_ms"), ".1f"),
+                         f"{r['fwd_bwd_ms'] / ref['fwd_bwd_ms']:.2f}" if ref and _timed(ref) else "-"]
+            row = [r["op"], str(r["N"]), r["impl"]] + times + [_f(r.get("extra_peak_mib"), ".1f"), mr]
+            if with_reserved:
+                row.append("-" if r.get("peak_reserved_mib") is None else f"{r['peak_reserved_mib'] / 1024:.1f}")
+            row.append(_f(r.get("max_rel_err"), ".2e"))
             if with_model:
-                row += [_ms(r.get("modelled_ms")), _f(r.get("measured_over_model"), ".2f"),
-                        _ms(r.get("bound_ms")), _f(r.get("measured_over_bound"), ".2f")]
-            rows.append(tuple(row + ["ok"]))
+                row += ["| " + _ms(r.get("modelled_ms")), _ms(r.get("modelled_bound_ms")),
+                        _f(r.get("measured_over_modelled"), ".2f"), _f(r.get("measured_over_bound"), ".2f")]
+            rows.append(tuple(row + ["ok" + (" (Triton interpreter: not timed)" if r.get("timing") else "")]))
         else:
             rows.append(tuple([r["op"], str(r["N"]), r["impl"]] + [""] * (len(head) - 3)
                               + [f"{r.get('status')}: {str(r.get('reason'))[:70]}"]))
@@ -730,6 +1097,27 @@ def table(records: list) -> str:
     for row in rows:
         out.append("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
                    + "  " + row[-1])
+    if with_model:
+        out.append("left of '|': measured here; right of it: the cost model's figures for the GPU in "
+                   "modelled_details.gpu, and the measured time over them (on a GPU only)")
+    return "\n".join(out)
+
+
+def profile_table(records: list) -> str:
+    """The profile mode's records: per (op, N, implementation), the measured time of each kernel family
+    beside the cost model's passes."""
+    rows = [r for r in records if r.get("mode") == "profile" and _ok(r) and r.get("profile", {}).get("families")]
+    if not rows:
+        return ""
+    out = ["per-kernel profile (one forward+backward under torch.profiler; measured ms per family of kernels, "
+           "launch counts in brackets; then the modelled passes):"]
+    for r in rows:
+        fam = sorted(r["profile"]["families"].items(), key=lambda kv: -kv[1]["total_us"])
+        out.append(f"  {r['op']:<18} N={r['N']:<6} {r['impl']:<16} measured: "
+                   + ", ".join(f"{k} {v['total_us'] / 1e3:.2f} ({v['count']})" for k, v in fam))
+        passes = (r.get("modelled_details") or {}).get("passes")
+        if passes:
+            out.append(" " * 44 + "modelled: " + ", ".join(f"{k} {v:.2f}" for k, v in passes.items()))
     return "\n".join(out)
 
 
@@ -745,9 +1133,11 @@ def unavailable_summary(records: list) -> str:
 
 
 def plot(records: list, path: Path, title: str) -> Optional[str]:
-    """Three panels per op: time and extra memory as ratios to the materialised reference (linear axes,
-    1 = the reference, lower is better) and the error against float64 (log axis, lower is better).
-    Returns None when written, else why not."""
+    """Panels per op: time and extra memory as ratios to the materialised reference (linear axes, 1 = the
+    reference, lower is better; each bar labelled with the ratio and the absolute figure), the error against
+    float64 (log axis, lower is better), and, where the records carry the cost model, the measured time
+    (bars) and the modelled time (black ticks) over the modelled bound. Times of the Triton interpreter on
+    a CPU are left out of the time panels. Returns None when written, else why not."""
     try:
         import matplotlib
 
@@ -757,10 +1147,12 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
         return (f"matplotlib is not importable ({type(exc).__name__}: {exc}); install it with "
                 "`pip install 'fusedloss[bench]'` (or `pip install matplotlib`), then redraw this run with "
                 f"`python benchmarks/bench.py --merge {path.with_suffix('.json')}`")
-    ok = [r for r in records if _ok(r)]
+    import textwrap
+
+    ok = [r for r in records if _ok(r) and r.get("mode") != "profile"]
     if not ok:
         return "no implementation ran successfully: nothing to plot"
-    refs = {(r["op"], r["N"]): r for r in ok if r["impl"] == "reference"}
+    refs = {(r["op"], r["N"]): r for r in ok if r["impl"] == "reference" and _timed(r)}
     ops = [op for op in OP_ORDER if any(r["op"] == op for r in ok)]
     ops += [op for op in dict.fromkeys(r["op"] for r in ok) if op not in ops]
     rank = {impl: i for i, impl in enumerate(ALL_IMPLS)}
@@ -769,43 +1161,56 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
     panels = [("time", "time / reference\n(lower is better)"),
               ("mem", "extra memory / reference\n(lower is better)"),
               ("err", "max rel. error vs float64\n(lower is better)")]
-    if any(r.get("bound_ms") is not None for r in ok):
-        panels.append(("bound", "time / product-count bound\n(bars: measured on a GPU;\nblack ticks: the cost model)"))
-    fig, axes = plt.subplots(len(panels), len(ops), figsize=(3.6 * len(ops) + 1, 3 * len(panels)), squeeze=False)
+    if any(r.get("measured_over_bound") is not None or r.get("modelled_ms") is not None for r in ok):
+        panels.append(("bound", "time / modelled bound\nbars: measured (GPU)\nblack ticks: modelled"))
+    width_in = max(6.5, 3.8 * len(ops) + 1)
+    fig, axes = plt.subplots(len(panels), len(ops), figsize=(width_in, 3.1 * len(panels)), squeeze=False)
     for j, op in enumerate(ops):
         ns = sorted(set(r["N"] for r in ok if r["op"] == op))  # GRPO/DPO round N to whole sequences
         op_impls = [i for i in impls if any(r["op"] == op and r["impl"] == i for r in ok)]
         width = 0.8 / max(1, len(op_impls))
+        upright = len(op_impls) * len(ns) <= 4  # room for horizontal labels
         for row, (field, label) in enumerate(panels):
             ax = axes[row][j]
+            baseline = None  # the dashed line at 1: the reference (time, memory) or the modelled bound
             for k, impl in enumerate(op_impls):
-                xs, ys = [], []
+                xs, ys, texts = [], [], []
                 for i, n in enumerate(ns):
                     r = next((r for r in ok if r["op"] == op and r["impl"] == impl and r["N"] == n), None)
                     ref = refs.get((op, n))
                     if r is None:
                         continue
+                    x = i + (k - (len(op_impls) - 1) / 2) * width
+                    y = text = None
                     if field == "bound":
-                        if r.get("modelled_ms") is not None and r.get("bound_ms"):
-                            ax.plot([i + (k - (len(op_impls) - 1) / 2) * width], [r["modelled_ms"] / r["bound_ms"]],
-                                    marker="_", color="black", markersize=12, mew=2)
+                        if r.get("modelled_ms") is not None and r.get("modelled_bound_ms"):
+                            ax.plot([x], [r["modelled_ms"] / r["modelled_bound_ms"]], marker="_", color="black",
+                                    markersize=12, mew=2)
+                            baseline = "the modelled bound"
                         y = r.get("measured_over_bound")
+                        text = None if y is None else f"{y:.2f}x\n{_abs_ms(r['fwd_bwd_ms'])}"
                     elif field == "err":
                         y = r.get("max_rel_err")
-                    elif ref is None:
+                        text = None if y is None else f"{y:.1e}"
+                    elif ref is None or not _timed(r):
                         y = None
                     elif field == "time":
                         y = r["fwd_bwd_ms"] / ref["fwd_bwd_ms"]
-                    else:
-                        y = (r["extra_peak_mib"] / ref["extra_peak_mib"]
-                             if ref.get("extra_peak_mib") and r.get("extra_peak_mib") is not None else None)
+                        text = f"{y:.2f}x\n{_abs_ms(r['fwd_bwd_ms'])}"
+                    elif ref.get("extra_peak_mib") and r.get("extra_peak_mib") is not None:
+                        y = r["extra_peak_mib"] / ref["extra_peak_mib"]
+                        text = f"{y:.2f}x\n{_abs_mib(r['extra_peak_mib'])}"
                     if y is not None and y > 0:
-                        xs.append(i + (k - (len(op_impls) - 1) / 2) * width)
+                        xs.append(x)
                         ys.append(y)
+                        texts.append(text)
+                        if field in ("time", "mem"):
+                            baseline = "the reference"
+                        elif field == "bound":
+                            baseline = "the modelled bound"
                 if xs:
                     bars = ax.bar(xs, ys, width, color=colors[impl], label=impl)
-                    fmt = "{:.1e}" if field == "err" else "{:.2f}"
-                    ax.bar_label(bars, labels=[fmt.format(y) for y in ys], fontsize=6, rotation=90, padding=2)
+                    ax.bar_label(bars, labels=texts, fontsize=7, rotation=0 if upright else 90, padding=2)
             if field == "err":
                 ax.set_yscale("log")
                 heights = [b.get_height() for b in ax.patches if b.get_height() > 0]
@@ -813,9 +1218,16 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
                     lo, hi = math.floor(math.log10(min(heights))), math.ceil(math.log10(max(heights)))
                     ax.set_ylim(10.0 ** (lo - 2), 10.0 ** (hi + 1))
             else:
-                ax.axhline(1.0, color="black", lw=0.8, ls="--")
+                if baseline is not None:
+                    ax.axhline(1.0, color="black", lw=0.8, ls="--")
+                    ax.text(0.01, 0.99, f"dashed: {baseline} (= 1)", transform=ax.transAxes, fontsize=7,
+                            va="top")
+                elif not ax.patches:
+                    ax.text(0.5, 0.5, "not measured" if field != "bound" else "no GPU measurement",
+                            transform=ax.transAxes, ha="center", va="center", fontsize=8, color="gray")
                 ticks = [y for line in ax.get_lines() for y in line.get_ydata()]
-                ax.set_ylim(0, max([1.25] + [b.get_height() * 1.25 for b in ax.patches] + [t * 1.25 for t in ticks]))
+                # headroom for the two-line labels above the tallest bar
+                ax.set_ylim(0, max([1.35] + [b.get_height() * 1.45 for b in ax.patches] + [t * 1.3 for t in ticks]))
             ax.set_xticks(range(len(ns)))
             ax.set_xticklabels([f"N={n}" for n in ns])
             if row == 0:
@@ -824,10 +1236,13 @@ def plot(records: list, path: Path, title: str) -> Optional[str]:
                 ax.set_ylabel(label)
             ax.grid(axis="y", alpha=0.3, which="both")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[i]) for i in impls]
-    fig.legend(handles, impls, loc="lower center", ncol=min(len(impls), 8), fontsize=8)
-    fig.suptitle(title + "\ndashed line: the materialised reference (= 1; in the last row: the bound); below it "
-                 "is better", fontsize=9)
-    fig.tight_layout(rect=(0, 0.04, 1, 0.94))
+    fig.legend(handles, impls, loc="lower center", ncol=min(len(impls), 5), fontsize=8)
+    interp = any(r.get("timing") for r in ok)
+    note = "lower is better in every panel" + ("; Triton interpreter times (CPU) are not plotted" if interp else "")
+    wrapped = textwrap.fill(f"{title}. {note}", width=int(width_in * 13))
+    fig.suptitle(wrapped, fontsize=9)
+    legend_rows = math.ceil(len(impls) / 5)
+    fig.tight_layout(rect=(0, 0.025 + 0.02 * legend_rows, 1, 1 - 0.012 * (wrapped.count("\n") + 2)))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return None
@@ -884,6 +1299,22 @@ def parse_args(argv=None):
                          "combine the files afterwards with --merge")
     ap.add_argument("--merge", nargs="+", metavar="JSON", default=None,
                     help="combine earlier result files into one table, JSON and plot; run nothing")
+    ap.add_argument("--profile", action="store_true",
+                    help="profile mode: per (op, fusedloss backend) one first call, one timed call and one more "
+                         "forward+backward under torch.profiler, whose kernels (launch count, total time, and "
+                         "per family of passes) are stored in the record (mode 'profile'); without the float64 "
+                         "reference unless --impls or --no-error say otherwise")
+    ap.add_argument("--product-rates", action="store_true",
+                    help="time the three products the plans assume (bf16 output; fp32 output of half operands; "
+                         "a beta=1 accumulation into fp32 with a short K) and write them to <out>/<tag>.json; "
+                         "runs nothing else")
+    ap.add_argument("--gemm-warmup-s", type=float, default=None,
+                    help="seconds of bf16 products before a worker's first timed round (GPU; default 2 for the "
+                         "first worker of the run, 0.5 for the others)")
+    ap.add_argument("--live-json", default=None, metavar="JSON",
+                    help="also rewrite this file after every record: the --skip-done files' records and this run's, "
+                         "one per case (a caller that is cut short keeps everything measured so far)")
+    ap.add_argument("--no-plot", action="store_true", help="write no PNG (a caller that merges and plots later)")
     ap.add_argument("--worker", nargs=2, metavar=("SPEC", "OUT"), help=argparse.SUPPRESS)
     return ap.parse_args(argv)
 
@@ -956,6 +1387,17 @@ def main(argv=None) -> int:
                       out, args.tag or "bench-merged", r0.get("device", "cpu"), r0.get("dtype"), r0.get("V"),
                       r0.get("D"), mlog, lines, time.time())
 
+    if args.product_rates:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        print(f"product rates on {device} ...", flush=True)
+        rates = product_rates(device)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        path = out / f"{args.tag or 'product-rates'}.json"
+        path.write_text(json.dumps({"env": environment(device.type), "product_rates": rates}, indent=1))
+        print(rates_table(rates) + f"\nwrote {path}", flush=True)
+        return 1 if any(r["status"] == "failed" for r in rates) else 0
+
     if args.case in ("headline", "acceptance"):
         args.device = args.device or "cpu"
         args.shapes = "headline"
@@ -979,6 +1421,10 @@ def main(argv=None) -> int:
             return 2
     explicit = args.impls is not None
     impls = list(args.impls) if explicit else [i for i in ALL_IMPLS if i != "reference+compile"]
+    if args.profile:  # fusedloss's backends, one timed call each, no float64 reference
+        impls = impls if explicit else ["fusedloss:cuda", "fusedloss:triton"]
+        args.no_error = True
+        args.repeat = 1 if args.repeat is None else args.repeat
     if args.compile and "reference+compile" not in impls:
         impls.append("reference+compile")  # last in each group: it is the slowest to warm up
     for i in impls:
@@ -1055,7 +1501,8 @@ def main(argv=None) -> int:
     group_by = args.group_by or ("op" if gpu else "n")
     groups = plan_groups(ops, runnable, ns, group_by, gpu)
     if args.skip_done:
-        done = done_cases(load_records([f for f in args.skip_done if Path(f).is_file()]), V, D, dtype, device)
+        done = done_cases(load_records([f for f in args.skip_done if Path(f).is_file()]), V, D, dtype, device,
+                          mode="profile" if args.profile else None)
         before = sum(len(g["tasks"]) for g in groups)
         groups = [dict(g, tasks=[t for t in g["tasks"] if (t[0], t[1], g["N"]) not in done]) for g in groups]
         groups = [g for g in groups if g["tasks"]]
@@ -1063,14 +1510,27 @@ def main(argv=None) -> int:
     progress = Progress(groups, log, t_start)
     log(f"{progress.total_tasks} cases in {len(groups)} worker group(s)"
         + (f"; cases that would start after {budget_s:.0f} s are skipped" if deadline else ""))
-    for group in groups:
+    earlier = load_records([f for f in args.skip_done or () if Path(f).is_file()]) if args.live_json else []
+
+    def on_record(rec):  # every record on disk as soon as it exists
+        records.append(rec)
+        mine = finalize(records, env, device, dtype)
+        (out / f"{stem}.json").write_text(json.dumps(mine, indent=1))
+        if args.live_json:
+            Path(args.live_json).write_text(json.dumps(dedupe(earlier + mine), indent=1))
+
+    for k, group in enumerate(groups):
         n, tasks = group["N"], group["tasks"]
         progress.n = n
+        log(f"[{time.time() - t_start:.0f} s] starting a worker for N={n}: "
+            + ", ".join(dict.fromkeys(op for op, _ in tasks)))
+        warm_s = args.gemm_warmup_s if args.gemm_warmup_s is not None else (2.0 if k == 0 else 0.5)
         spec = {"N": n, "V": V, "D": D, "dtype": dtype, "device": device, "tasks": tasks,
                 "warmup": warmup, "repeat": repeat, "impl_budget_s": impl_budget, "seed": args.seed,
                 "no_error": args.no_error, "deadline": deadline, "threads": args.threads,
                 "compile_mode": args.compile_mode, "min_repeat": 2 if quick else 1, "model_gpu": model_gpu,
-                "count_slow_first": bool(quick and not gpu)}
+                "count_slow_first": bool(quick and not gpu), "profile": args.profile,
+                "gemm_warmup_s": warm_s if gpu else 0.0}
         if deadline and time.time() > deadline:
             records.extend(_failed(spec, op, i, "time budget of the run exhausted", "skipped") for op, i in tasks)
             progress.skip_group(n, tasks)
@@ -1079,14 +1539,12 @@ def main(argv=None) -> int:
         # stopped by the budget (a time-boxed caller keeps a margin).
         budget_stop = bool(deadline) and deadline + STOP_GRACE_S - time.time() < group_timeout
         tmo = group_timeout if not budget_stop else max(10.0, deadline + STOP_GRACE_S - time.time())
-        records.extend(run_group_isolated(spec, tmo, log, progress, budget_stop=budget_stop))
-        # checkpoint: a caller that kills this run still finds every finished record
-        (out / f"{stem}.json").write_text(json.dumps(finalize(records, env, device, dtype), indent=1))
+        run_group_isolated(spec, tmo, log, progress, budget_stop=budget_stop, on_record=on_record)
 
-    code = finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start)
+    code = finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start, draw=not args.no_plot)
     if quick and not args.case:
         log("The README's memory headline (N=4096, V=131072): python benchmarks/bench.py --case headline "
-            "(about 3 minutes on 2 cores); more token counts: --shapes small")
+            "(6-7 minutes on 2 cores, most of it the float64 reference); more token counts: --shapes small")
     return code
 
 
@@ -1117,20 +1575,21 @@ def plan_groups(ops, runnable, ns, group_by, gpu=False):
     return groups
 
 
-def done_cases(records, V, D, dtype, device) -> set:
-    """{(op, impl, requested N)} of the records measured ok at this V, D, dtype and device."""
+def done_cases(records, V, D, dtype, device, mode=None) -> set:
+    """{(op, impl, requested N)} of the records measured ok at this V, D, dtype and device, in this mode
+    (None: the benchmark; 'profile': the profile mode)."""
     return {(r["op"], r["impl"], r.get("N_requested", r["N"])) for r in records
             if r.get("status") == "ok" and r.get("V") == V and r.get("D") == D and r.get("dtype") == dtype
-            and r.get("device") == device}
+            and r.get("device") == device and r.get("mode") == mode}
 
 
 def dedupe(records: list) -> list:
-    """One record per (op, implementation, requested N, V, D, dtype, device), in first-seen order: a
+    """One record per (op, implementation, requested N, V, D, dtype, device, mode), in first-seen order: a
     measured one (ok) over any other, else the last one seen (a rerun's over a time-boxed run's skip)."""
     best, order = {}, []
     for r in records:
         k = (r.get("op"), r.get("impl"), r.get("N_requested", r.get("N")), r.get("V"), r.get("D"), r.get("dtype"),
-             r.get("device"))
+             r.get("device"), r.get("mode"))
         if k not in best:
             order.append(k)
             best[k] = r
@@ -1140,10 +1599,13 @@ def dedupe(records: list) -> list:
 
 
 def load_records(paths):
+    """Records of earlier result files, the model's fields under their current names (LEGACY_FIELDS)."""
     records = []
     for path in paths:
         data = json.loads(Path(path).read_text())
-        records.extend(data if isinstance(data, list) else data.get("records", []))
+        for r in data if isinstance(data, list) else data.get("records", []):
+            records.append({LEGACY_FIELDS.get(k, k) if LEGACY_FIELDS.get(k, k) not in r else k: v
+                            for k, v in r.items()})
     return records
 
 
@@ -1161,18 +1623,26 @@ def finalize(records, env, device, dtype):
     return final
 
 
-def finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start):
+def finish(records, env, out, stem, device, dtype, V, D, log, log_lines, t_start, draw=True):
     final = finalize(records, env, device, dtype)
     log("")
     line = unavailable_summary(final)
     if line:
         log(line)
-    log(table(final))
+    main_table = table(final)
+    if main_table:
+        log(main_table)
+    prof = profile_table(final)
+    if prof:
+        log(prof)
     jpath = out / f"{stem}.json"
     jpath.write_text(json.dumps(final, indent=1))
     log(f"\nwrote {jpath}")
-    title = f"fusedloss fwd+bwd, {dtype}, V={V}, D={D}, {env.get('gpu') or env.get('cpu')} ({env.get('commit')})"
-    why_not = plot(final, out / f"{stem}.png", title)
+    shapes = sorted({(r.get("N_requested") or r["N"], r.get("V")) for r in final if _ok(r)}, reverse=True)
+    vocab = (f"V={V}" if len({v for _, v in shapes}) <= 1
+             else "V=" + ", ".join(f"{v} (N={n})" for n, v in shapes))
+    title = f"fusedloss fwd+bwd, {dtype}, {vocab}, D={D}, {env.get('gpu') or env.get('cpu')} ({env.get('commit')})"
+    why_not = plot(final, out / f"{stem}.png", title) if draw else "--no-plot"
     if why_not is None:
         log(f"wrote {out / (stem + '.png')}")
     else:

@@ -204,8 +204,9 @@ def call_op(fn: Callable, p: Problem, h: torch.Tensor, w: torch.Tensor, **extra)
     raise ValueError(p.op)
 
 
-def reference64(p: Problem):
-    """Float64 ground truth on the same data, chunked so memory stays bounded: (outputs, grads)."""
+def reference64(p: Problem, progress: Optional[Callable[[int, int], None]] = None):
+    """Float64 ground truth on the same data, chunked so memory stays bounded: (outputs, grads).
+    ``progress(done, total)`` hears each finished chunk (a large case takes minutes on a CPU)."""
     from fusedloss import reference as R
 
     t = p.t
@@ -216,6 +217,12 @@ def reference64(p: Problem):
     rows = _chunk_rows(p.V, dev)
     outs: Dict[str, list] = {}
     total = torch.zeros((), dtype=torch.float64, device=dev)
+    count = {"done": 0, "total": 1}
+
+    def tick():
+        count["done"] += 1
+        if progress is not None:
+            progress(count["done"], count["total"])
 
     def run(sl, loss_fn):
         nonlocal total
@@ -226,7 +233,9 @@ def reference64(p: Problem):
         total = total + loss.detach()
         for k, x in parts.items():
             outs.setdefault(k, []).append(x.detach())
+        tick()
 
+    count["total"] = math.ceil(p.N / rows)
     if p.op == "token_logprobs":
         for r0 in range(0, p.N, rows):
             def f(hc, sl):
@@ -251,6 +260,7 @@ def reference64(p: Problem):
         b, c = t["completion_ids"].shape
         items = int(t["completion_mask"].sum())
         per = max(1, rows // c)
+        count["total"] = math.ceil(b / per)
         for s0 in range(0, b, per):
             def f(hc, sl):
                 loss = R.grpo_loss(hc, w64, t["completion_ids"][sl], t["advantages"][sl].double(),
@@ -263,6 +273,7 @@ def reference64(p: Problem):
         rows2, tlen = t["labels"].shape
         pairs = rows2 // 2
         per = max(1, rows // (2 * tlen))
+        count["total"] = math.ceil(pairs / per)
         for q0 in range(0, pairs, per):
             q1 = min(pairs, q0 + per)
             idx = torch.cat((torch.arange(q0, q1), torch.arange(pairs + q0, pairs + q1))).to(dev)
@@ -272,6 +283,7 @@ def reference64(p: Problem):
             loss.backward()
             dh.index_copy_(0, idx, hc.grad)
             total = total + loss.detach()
+            tick()
         outputs = {"loss": total}
     else:
         raise ValueError(p.op)

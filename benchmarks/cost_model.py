@@ -2,7 +2,7 @@
 
     python benchmarks/cost_model.py --op cross_entropy --backend cuda --N 16384 --D 4096 --V 151936 \\
         --dtype bfloat16 --gpu h200 --json
-    python benchmarks/cost_model.py --table            # issue 11's before/after table (markdown)
+    python benchmarks/cost_model.py --table            # the before/after table (markdown)
 
 It asks the backend's ``plan(workload, gpu, free_bytes)`` (``fusedloss.cuda.backend.plan``,
 ``fusedloss.triton.backend.plan``: the functions the backends use for their run-time choices) and evaluates
@@ -39,7 +39,7 @@ if __package__ in (None, ""):  # run as a script: make `fusedloss` importable fr
 from fusedloss.core import cost  # noqa: E402
 
 GIB = 2**30
-# issue 11's shapes: the H200 target and the peers' published shape (QuACK 17.3 ms, Liger Triton 141 ms)
+# the shapes of the table: the H200 target and the peers' published shape (QuACK 17.3 ms, Liger Triton 141 ms)
 TABLE_SHAPES = ((16384, 4096, 151936), (4096, 4096, 128256))
 TABLE_OPS = ("cross_entropy", "grpo", "token_logprobs", "token_logprobs_entropy", "distill_reverse_kl")
 
@@ -185,7 +185,7 @@ def _jsonable(x):
 
 
 # ------------------------------------------------------------------------------------------------
-# The CUDA backend at db85361, for the record (issue 11's "before")
+# The CUDA backend at db85361, for the record (the table's "before")
 # ------------------------------------------------------------------------------------------------
 def plan_db85361(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
     """The passes the CUDA backend ran at db85361, read from its code: a fixed 256 MiB workspace; the eager
@@ -302,7 +302,7 @@ def plan_db85361(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
 # The before/after table
 # ------------------------------------------------------------------------------------------------
 def table(gpu: str = "h200", dtype: str = "bfloat16", free_bytes: Optional[int] = None) -> str:
-    """Markdown: op x plan (before / after) at issue 11's shapes, plus the after-plan's rejected path."""
+    """Markdown: op x plan (before / after) at the table's shapes, plus the after-plan's rejected path."""
     lines = [f"GPU {cost.GPUS[gpu].name}, {dtype}; free memory for the workspace: "
              f"{(free_bytes or cost.GPUS[gpu].memory_bytes // 2) / 1e9:.0f} GB",
              "", "| N, D, V | op | plan | path | products | HBM GB | model ms | bound ms | ratio |",
@@ -342,7 +342,7 @@ def main(argv=None) -> int:
     ap.add_argument("--what-if-fused-epilogue", action="store_true",
                     help="the CUDA plan with fold and dx inside the products' epilogues (no backend runs it)")
     ap.add_argument("--json", action="store_true", help="one JSON object")
-    ap.add_argument("--table", action="store_true", help="the before/after table of issue 11 (markdown)")
+    ap.add_argument("--table", action="store_true", help="the before/after table (markdown)")
     args = ap.parse_args(argv)
     free = None if args.free_gb is None else int(args.free_gb * 1e9)
     if args.table:

@@ -90,22 +90,25 @@ def test_modelled_fields_of_each_implementation(op):
         assert m["modelled_ms"] == pytest.approx(e["model_ms"], rel=1e-3)
         assert m["modelled_fwd_ms"] == pytest.approx(e["model_fwd_ms"], rel=1e-3)
         assert m["modelled_bwd_ms"] == pytest.approx(e["model_bwd_ms"], rel=1e-3)
-        assert m["bound_ms"] == pytest.approx(e["bound_ms"], rel=1e-3)
-        assert m["ratio"] == pytest.approx(e["model_ms"] / e["bound_ms"], rel=1e-3)
-        assert m["model"]["source"] == f"{name}.plan" and m["model"]["path"] == e["path"]
-        assert m["model"]["plan"] == json.loads(json.dumps(e["plan"])) and m["model"]["free_bytes"] == free
+        assert m["modelled_bound_ms"] == pytest.approx(e["bound_ms"], rel=1e-3)
+        assert m["modelled_over_bound"] == pytest.approx(e["model_ms"] / e["bound_ms"], rel=1e-3)
+        details = m["modelled_details"]
+        assert details["source"] == f"{name}.plan" and details["path"] == e["path"]
+        assert details["plan"] == json.loads(json.dumps(e["plan"])) and details["free_bytes"] == free
+        assert all(k.startswith("modelled_") for k in m)  # every figure of the model says so in its name
         json.dumps(m)  # stored as JSON
     for impl in ("reference", "reference+compile", "fusedloss:torch", "trl", "liger", "cce", "torch-lce"):
         m = bench.modelled(op, impl, n, d, v, "bfloat16", "h200", "cuda", free)
-        assert m["modelled_ms"] is None and m["ratio"] is None and m["model"]["source"] == "bound only"
-        assert m["bound_ms"] == pytest.approx(cost_model.bound(mop, n, d, v, teacher_d=teacher_d)["bound_ms"],
-                                              rel=1e-3)
-        assert impl.split(":")[-1] in m["model"]["why"]
+        assert m["modelled_ms"] is None and m["modelled_over_bound"] is None
+        assert m["modelled_details"]["source"] == "bound only"
+        assert m["modelled_bound_ms"] == pytest.approx(
+            cost_model.bound(mop, n, d, v, teacher_d=teacher_d)["bound_ms"], rel=1e-3)
+        assert impl.split(":")[-1] in m["modelled_details"]["why"]
 
 
 def test_auto_is_modelled_as_the_backend_it_resolves_to():
     m = bench.modelled("cross_entropy", "fusedloss:auto", 4096, 4096, 151936, "bfloat16", "h200", "cpu")
-    assert m["model"]["auto_resolves_to"] == "torch" and m["model"]["source"] == "bound only"
+    assert m["modelled_details"]["auto_resolves_to"] == "torch" and m["modelled_details"]["source"] == "bound only"
 
 
 def test_gpu_names_map_to_the_model():
@@ -154,16 +157,48 @@ def test_a_rerun_measures_only_what_the_first_run_left(tmp_path):
                             str(tmp_path / "b.json"), "--out", str(tmp_path), "--tag", "m"], cwd=ROOT,
                            capture_output=True, text=True, env=env, timeout=600)
     assert merge.returncode == 0, merge.stdout[-2000:] + merge.stderr[-2000:]
-    assert "model ms" in merge.stdout and "bound ms" in merge.stdout and "fwd ms" in merge.stdout
+    assert "| modelled ms" in merge.stdout and "modelled bound ms" in merge.stdout and "fwd ms" in merge.stdout
     ok = [r for r in json.loads((tmp_path / "m.json").read_text()) if r["status"] == "ok"]
     assert sorted(r["impl"] for r in ok) == ["fusedloss:torch", "reference"]
     for r in ok:
         assert r["fwd_ms"] > 0 and r["bwd_ms"] > 0 and math.isfinite(r["fwd_bwd_ms"])
-        assert r["model"]["gpu"] == "H200" and r["model"]["source"] == "bound only"
-        assert r["bound_ms"] == pytest.approx(cost_model.bound("cross_entropy", r["N"], r["D"], r["V"],
-                                                               dtype="float32")["bound_ms"], rel=1e-3)
+        assert r["modelled_details"]["gpu"] == "H200" and r["modelled_details"]["source"] == "bound only"
+        assert r["modelled_bound_ms"] == pytest.approx(cost_model.bound("cross_entropy", r["N"], r["D"], r["V"],
+                                                                        dtype="float32")["bound_ms"], rel=1e-3)
         assert r["measured_over_bound"] is None  # a CPU measurement is never divided by an H200 figure
-        assert r["product_ms"] > 0 and r["floor_ms"] == pytest.approx(3 * r["product_ms"], rel=1e-3)
+        assert r["product_ms"] > 0 and r["measured_floor_ms"] == pytest.approx(3 * r["product_ms"], rel=1e-3)
+
+
+def test_files_written_before_the_modelled_names_read_under_them(tmp_path):
+    old = _rec("cross_entropy", "fusedloss:cuda", 64, "ok", fwd_bwd_ms=3.0, bound_ms=1.5, ratio=1.1,
+               measured_over_model=1.8, floor_ms=2.0, model={"gpu": "H200"})
+    (tmp_path / "old.json").write_text(json.dumps([old]))
+    (r,) = bench.load_records([tmp_path / "old.json"])
+    assert (r["modelled_bound_ms"], r["modelled_over_bound"], r["measured_over_modelled"], r["measured_floor_ms"],
+            r["modelled_details"]) == (1.5, 1.1, 1.8, 2.0, {"gpu": "H200"})
+    assert not {"bound_ms", "ratio", "measured_over_model", "floor_ms", "model"} & set(r)
+
+
+def test_profile_records_are_a_case_of_their_own():
+    """A --profile record of the same op, implementation and shape neither replaces the timed one nor counts
+    as measuring it, and the table leaves it out."""
+    timed = _rec("cross_entropy", "fusedloss:cuda", 64, "ok", fwd_bwd_ms=3.0, fwd_bwd_ms_min=3.0, spread=None)
+    prof = dict(timed, mode="profile", profile={"families": {"cuBLAS products": {"count": 3, "total_us": 2500.0}}})
+    merged = bench.dedupe([timed, prof])
+    assert len(merged) == 2
+    assert bench.done_cases([prof], 7, 3, "float32", "cpu") == set()
+    assert bench.done_cases([prof], 7, 3, "float32", "cpu", mode="profile") == {("cross_entropy", "fusedloss:cuda", 64)}
+    table = bench.table(merged)
+    assert table.count("fusedloss:cuda") == 1
+    assert "cuBLAS products 2.50 (3)" in bench.profile_table(merged)
+
+
+def test_interpreter_times_are_labelled_not_tabled():
+    ref = _rec("cross_entropy", "reference", 64, "ok", fwd_bwd_ms=2.0, fwd_bwd_ms_min=2.0, spread=None,
+               fwd_ms=1.0, bwd_ms=1.0, extra_peak_mib=1.0, max_rel_err=1e-7)
+    tri = dict(ref, impl="fusedloss:triton", fwd_bwd_ms=900.0, timing="triton interpreter on a CPU")
+    row = next(ln for ln in bench.table([ref, tri]).splitlines() if "fusedloss:triton" in ln)
+    assert "interp." in row and "900" not in row and "not timed" in row
 
 
 def test_groups_run_whole_ops_in_the_order_of_n_given():
