@@ -21,12 +21,12 @@ def tiny_causal_lm(head: str = "untied", dtype: torch.dtype = torch.float64, see
         config = transformers.Gemma2Config(**common, head_dim=8, final_logit_softcapping=30.0,
                                            attn_logit_softcapping=None, query_pre_attn_scalar=8, sliding_window=64,
                                            tie_word_embeddings=True)
-        config._attn_implementation = "eager"
+        config._attn_implementation = "sdpa"
         model = transformers.Gemma2ForCausalLM(config)
         scale = 20.0
     elif head in ("untied", "tied"):
         config = transformers.Qwen2Config(**common, tie_word_embeddings=head == "tied")
-        config._attn_implementation = "eager"
+        config._attn_implementation = "sdpa"
         model = transformers.Qwen2ForCausalLM(config)
         scale = 8.0
     else:

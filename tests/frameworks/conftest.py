@@ -24,6 +24,10 @@ if not FRAMEWORKS_ENV:
 else:
     import torch
 
+    # OpenRLHF's entropy is a torch.compile'd function; compiling it takes a minute on a CPU, and eager runs the
+    # same formula. fusedloss compiles nothing itself.
+    torch._dynamo.config.disable = True
+
     def _install_flash_attn_stand_in():
         if "flash_attn" in sys.modules:
             return
