@@ -17,7 +17,8 @@ fi
 start=$(date +%s)
 rm -rf "$VENV"
 "$PYTHON" -m venv "$VENV"
-pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check "$@"; }
+# --no-warn-conflicts: the no-deps installs below leave pins unmet on purpose (transformers, ray, flash-attn).
+pip_install() { "$VENV/bin/python" -m pip install -q --disable-pip-version-check --no-warn-conflicts "$@"; }
 
 # The CPU torch first; every later install keeps it (none of the frameworks is installed with its extras).
 pip_install "torch==2.13.0"
@@ -27,12 +28,16 @@ pip_install "verl==0.9.1" "megatron-core==0.16.1" "pytest>=8"
 # with what its model code imports. flash_attn itself is stubbed by the tests (tests/frameworks/conftest.py).
 pip_install --no-deps "openrlhf==0.11.2" "deepspeed==0.19.6"
 pip_install einops hjson ninja py-cpuinfo pydantic msgpack loralib optree
+# Axolotl pins transformers 5.16 (and ~300 packages: gradio, modal, lm_eval, ...): installed without
+# dependencies, for its plugin machinery (axolotl.integrations, axolotl.utils.config), which needs addict.
+pip_install --no-deps "axolotl==0.19.0"
+pip_install addict
 
 # fusedloss from this checkout, as an editable install would put it (without building the CUDA extension:
 # the frameworks tests run the torch backend).
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 echo "$PWD" > "$site/fusedloss-checkout.pth"
-"$VENV/bin/python" -c "import fusedloss, verl, openrlhf; print('frameworks env: fusedloss', fusedloss.__version__, \
-'from', fusedloss.__file__, '| verl', verl.__version__)"
+"$VENV/bin/python" -c "import fusedloss, verl, openrlhf, axolotl; print('frameworks env: fusedloss from', \
+fusedloss.__file__, '| verl', verl.__version__)"
 touch "$STAMP"
 echo "frameworks env: built $VENV in $(( $(date +%s) - start )) s"
