@@ -27,6 +27,7 @@ from typing import Optional
 from pydantic import BaseModel, model_validator
 
 from ..core import backends as _backends
+from . import _switch
 from . import transformers as _hf
 
 try:
@@ -69,13 +70,8 @@ class FusedLossPlugin(BasePlugin):
     def register(self, cfg):
         from importlib.metadata import version
 
-        from packaging.specifiers import SpecifierSet
-        from packaging.version import Version
-
-        found = version("axolotl")
-        if Version(Version(found).base_version) not in SpecifierSet(SUPPORTED_AXOLOTL):
-            raise RuntimeError(f"fusedloss.integrations.axolotl supports axolotl{SUPPORTED_AXOLOTL}, found axolotl "
-                               f"{found}")
+        _switch.check_version("fusedloss.integrations.axolotl", "axolotl", version("axolotl"), SUPPORTED_AXOLOTL,
+                              "Axolotl's own loss")
 
     def get_input_args(self) -> str:
         return "fusedloss.integrations.axolotl.FusedLossArgs"

@@ -21,7 +21,6 @@ and the Ray actors' code), before training. Supported: ``openrlhf>=0.11,<0.12``;
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -29,6 +28,7 @@ import torch
 import fusedloss
 
 from ..core import backends as _backends
+from . import _switch
 from . import transformers as _hf
 
 __all__ = ["SUPPORTED_OPENRLHF", "disable", "enable", "enabled", "fused_actor_forward", "is_enabled"]
@@ -47,13 +47,8 @@ def _actor_class():
     except ImportError as exc:
         raise ImportError("fusedloss.integrations.openrlhf needs openrlhf (pip install 'openrlhf>=0.11,<0.12')") \
             from exc
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    found = version("openrlhf")
-    if Version(Version(found).base_version) not in SpecifierSet(SUPPORTED_OPENRLHF):
-        raise RuntimeError(f"fusedloss.integrations.openrlhf supports openrlhf{SUPPORTED_OPENRLHF}, found openrlhf "
-                           f"{found}; install a supported version or leave OpenRLHF's Actor.forward in place")
+    _switch.check_version("fusedloss.integrations.openrlhf", "openrlhf", version("openrlhf"), SUPPORTED_OPENRLHF,
+                          "OpenRLHF's Actor.forward")
     return Actor
 
 
@@ -81,18 +76,7 @@ def is_enabled() -> bool:
     return _state["enabled"]
 
 
-@contextlib.contextmanager
-def enabled(backend: str = "auto"):
-    """``with enabled(): ...``; restores the previous state on exit."""
-    was, previous = _state["enabled"], _state["backend"]
-    enable(backend)
-    try:
-        yield
-    finally:
-        if was:
-            enable(previous)
-        else:
-            disable()
+enabled = _switch.scoped(enable, disable, _state)
 
 
 def fused_actor_forward(self, sequences: torch.LongTensor, action_mask: Optional[torch.Tensor] = None,

@@ -32,7 +32,6 @@ Supported: ``verl>=0.9,<0.10``; ``enable()`` raises ``RuntimeError`` naming the 
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import weakref
 from typing import Optional
@@ -42,6 +41,7 @@ import torch
 import fusedloss
 
 from ...core import backends as _backends
+from .. import _switch
 from .. import transformers as _hf
 
 __all__ = ["SUPPORTED_VERL", "FusedLinearForPPO", "disable", "enable", "enabled", "is_enabled",
@@ -70,13 +70,8 @@ def _check_verl_version():
         import verl
     except ImportError as exc:
         raise ImportError("fusedloss.integrations.verl needs verl (pip install 'verl>=0.9,<0.10')") from exc
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    version = Version(verl.__version__)
-    if Version(version.base_version) not in SpecifierSet(SUPPORTED_VERL):
-        raise RuntimeError(f"fusedloss.integrations.verl supports verl{SUPPORTED_VERL}, found verl {verl.__version__}; "
-                           f"install a supported version or leave verl's own fused kernels in place")
+    _switch.check_version("fusedloss.integrations.verl", "verl", verl.__version__, SUPPORTED_VERL,
+                          "verl's own fused kernels")
 
 
 def _megatron_available() -> bool:
@@ -138,18 +133,7 @@ def is_enabled() -> bool:
     return _state["enabled"]
 
 
-@contextlib.contextmanager
-def enabled(backend: str = "auto", *, vocab_size: Optional[int] = None):
-    """``with enabled(): ...``; restores the previous state on exit."""
-    was = dict(_state)
-    enable(backend, vocab_size=vocab_size)
-    try:
-        yield
-    finally:
-        if was["enabled"]:
-            enable(was["backend"], vocab_size=was["vocab_size"])
-        else:
-            disable()
+enabled = _switch.scoped(enable, disable, _state)
 
 
 # ------------------------------------------------------------------------------------------------ the head
