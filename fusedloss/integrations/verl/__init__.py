@@ -11,16 +11,19 @@ functions when ``actor_rollout_ref.model.use_fused_kernels=True``; its policy lo
   ``verl.models.mcore.model_forward_1f1b_overlap`` (Megatron engine), which passes the tensor-parallel
   group and this rank's rows of the head: fusedloss runs it vocabulary-parallel and leaves the hidden
   gradient as this rank's partial sum (``reduce_hidden_grad=False``), the contract of verl's kernel, since
-  Megatron's sequence-parallel gather reduces it (reducing it here too would double it).
+  Megatron's sequence-parallel gather reduces it (reducing it here too would double it). With sequence
+  parallelism off, verl calls the kernel outside ``ColumnParallelLinear`` and nothing reduces it, with
+  verl's kernel as with this one.
 
 Better than a one-to-one swap: verl's Hugging Face forwards hand the kernel ``self.lm_head.weight`` only, so a
 soft-capped (Gemma 2/3), scaled (Cohere, Granite, ...), biased or LoRA-adapted head would be scored without
 its logit processing. ``enable()`` also wraps ``verl.models.transformers.monkey_patch.patch_forward_with_backends``
 to remember the models verl patches; the swapped sites then read such a model's head with
 ``integrations.transformers.lm_head`` (bias, logit scale, soft-cap, LoRA folded in), and a model whose head
-they cannot read is refused when verl patches it. The entropy is fp32 (verl's torch path returns it in the
-hidden dtype); float64 inputs stay float64. ``vocab_size`` leaves the head rows at or past it out of every
-softmax (Megatron pads the vocabulary to a multiple of the TP size): off by default, for parity with verl.
+they cannot read is refused when verl patches it (an adapter added afterwards: at the first call). The entropy
+is fp32 (verl's torch path returns it in the hidden dtype); float64 inputs stay float64. ``vocab_size``
+leaves the head rows at or past it out of every softmax (Megatron pads the vocabulary to a multiple of the TP
+size): off by default, for parity with verl.
 
 verl trains in Ray worker processes, so ``enable()`` has to run there, before the model is built:
 ``actor_rollout_ref.model.external_lib=fusedloss.integrations.verl.auto`` imports
