@@ -12,11 +12,16 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# tests/frameworks needs verl, OpenRLHF and Axolotl: it runs in .venv-frameworks (tools/frameworks_env.sh), which
+# tests/test_frameworks_env.py calls; anywhere else it is not collected.
+collect_ignore = [] if os.path.basename(sys.prefix) == ".venv-frameworks" else ["frameworks"]
 
 from typing import Optional  # noqa: E402
 
