@@ -225,19 +225,24 @@ def autotune(key, configs: tuple, measure: Callable[[TileConfig], float]) -> Til
     return _TUNED[key]
 
 
-def tiles_for(p: StatsProblem, path: str = "composable") -> TileConfig:
+def tiles_for(p: StatsProblem, path: str = "composable", tune: bool = True) -> TileConfig:
     """The tile configuration of a problem's kernels on ``path`` ("composable": the forward and the gradient
     kernel, which must share it; "eager": the eager forward): the interpreter's on CPU tensors; on a GPU the
     tuned one of ``candidates`` (the first without tuning in deterministic mode, where a timing must not
-    choose the summation order, and during CUDA graph capture, where nothing may be timed)."""
+    choose the summation order; during CUDA graph capture, where nothing may be timed, the choice tuned before
+    the capture, so that a captured forward and a backward outside the graph form the same tiles).
+    ``tune=False``: the tuned choice if there is one, else the first, without measuring (a plan that only
+    compares the paths)."""
     dev = p.hidden.device
     if dev.type == "cpu":
         return INTERPRETER_TILES
     configs = candidates(p.hidden.dtype, epilogue(p), path)
-    if dev.type != "cuda" or len(configs) == 1 or deterministic() or torch.cuda.is_current_stream_capturing():
+    if dev.type != "cuda" or len(configs) == 1 or deterministic():
         return configs[0]
     key = (dev.index if dev.index is not None else torch.cuda.current_device(), p.hidden.dtype,
            d_bucket(p.hidden.shape[1]), epilogue(p))
+    if not tune or torch.cuda.is_current_stream_capturing():
+        return _TUNED.get(key, configs[0])
 
     def measure(cfg: TileConfig) -> float:
         import triton.testing
@@ -472,9 +477,10 @@ def _common_params(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precisi
 
 
 def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int, math: str,
-                       dx_bytes: float) -> list:
+                       dx_bytes: float, direct_weight: bool = False) -> list:
     """d hidden and d weight through cuBLAS from dx blocks of ``rows`` x ``cols``, with their fp32
-    accumulators' traffic and the efficiency of products of that shape."""
+    accumulators' traffic and the efficiency of products of that shape. ``direct_weight``: a d weight block
+    that one product completes is written in the weight's dtype (no fp32 block, no cast) when all rows fit."""
     e, acc, e_dx = _sizes(w.dtype)
     rows, cols = min(rows, w.n), min(cols, w.v)
     chunks_r, chunks_v = _cdiv(w.n, rows), _cdiv(w.v, cols)
@@ -488,9 +494,10 @@ def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int
             passes.append(_pass("d hidden: round to the input dtype", 0.0, w.n * w.d * (acc + e), "cuda_core",
                                 launches=1))
     if w.weight_grad:
-        cast = w.v * w.d * (acc + e) if e != acc else 0
-        passes.append(_pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e
-                            + (2 * chunks_r - 1) * w.v * w.d * acc + cast, math,
+        direct = direct_weight and chunks_r == 1
+        cast = w.v * w.d * (acc + e) if e != acc and not direct else 0
+        out_bytes = w.v * w.d * e if direct else (2 * chunks_r - 1) * w.v * w.d * acc
+        passes.append(_pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e + out_bytes + cast, math,
                             efficiency=cost.gemm_efficiency(cols, w.d, rows, gpu)))
         passes.append(_pass("d weight: rows without gradient masked", 0.0, 2 * w.n * w.d * e, "cuda_core",
                             launches=1))
@@ -515,7 +522,8 @@ def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, preci
         passes.append(_pass("backward: logits again and dx", flops,
                             groups * cols * (w.d + teacher_d) * e + chunks_v * w.n * (w.d + teacher_d) * e
                             + dx_bytes, math_key, launches=chunks_r * chunks_v * BACKWARD_BLOCK_LAUNCHES))
-        passes += _gradient_products(w, gpu, rows, cols, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
+        passes += _gradient_products(w, gpu, rows, cols, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes,
+                                     direct_weight=True)
     return cost.Plan(backend="triton", path="composable", products=1.0 + (1.0 + grads if grads else 0.0),
                      passes=passes, params=params)
 
@@ -568,10 +576,13 @@ def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: 
     and precision."""
     dev = p.hidden.device
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    # Only the tiles of the path(s) the plan weighs: tiles_for may autotune (a device sync) on first use.
-    cfg = (tiles if tiles is not None and path == "composable" else None if path == "eager" else tiles_for(p))
+    # Only the tiles of the path(s) the plan weighs, and tuned only for the path taken: choosing between the
+    # paths (path None) compares them with the untuned tiles, so an eager call never times composable kernels.
+    tune = path is not None
+    cfg = (tiles if tiles is not None and path == "composable" else None if path == "eager"
+           else tiles_for(p, tune=tune))
     eager_cfg = (tiles if tiles is not None and path == "eager" else None if path == "composable"
-                 else tiles_for(p, "eager"))
+                 else tiles_for(p, "eager", tune=tune))
     return plan(workload_of(p, needs, row_local=path != "composable"), gpu_of(dev), _free_bytes(dev), tiles=cfg,
                 eager_tiles=eager_cfg, workspace_mb=p.workspace_mb, precision=fp32_precision(p, capability),
                 allow_tf32=_allow_tf32(p), path=path)
@@ -709,17 +720,23 @@ def _launch(p: StatsProblem, cfg: TileConfig) -> _Launch:
     acc = p.acc_dtype
     h, w = p.hidden, p.weight
     dummy = h
-    student = tm.Head(h, w, p.bias if p.bias is not None else dummy, h.stride(0), w.stride(0))
+    # The kernels read a bias at unit stride (tile_math.capped): a strided view is copied once here.
+    student = tm.Head(h, w, p.bias.contiguous() if p.bias is not None else dummy, h.stride(0), w.stride(0))
     strides = [h.stride(0), w.stride(0)]
+    operand_dtypes = {h.dtype}
     teacher = student
     if p.has_teacher:
         th, tw = _teacher_tensors(p, acc)
-        teacher = tm.Head(th, tw, p.teacher_bias if p.teacher_bias is not None else dummy, th.stride(0), tw.stride(0))
+        teacher = tm.Head(th, tw, p.teacher_bias.contiguous() if p.teacher_bias is not None else dummy, th.stride(0),
+                          tw.stride(0))
         strides += [th.stride(0), tw.stride(0)]
+        operand_dtypes.add(th.dtype)
     dev = h.device
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    tiles = tm.Tiles(cfg.block_m, cfg.block_v, cfg.block_k, fp32_precision(p, capability) if acc != torch.float64
-                     else "ieee", _align(*strides))
+    # tf32x3 (or the problem's TF32 choice) only where a product has fp32 operands (an fp32 teacher beside a
+    # half student shares the launch's precision); half and float64 products are asked for plain ones.
+    precision = fp32_precision(p, capability) if torch.float32 in operand_dtypes else "ieee"
+    tiles = tm.Tiles(cfg.block_m, cfg.block_v, cfg.block_k, precision, _align(*strides))
     return _Launch(p, cfg, acc, student, teacher, _params(p, acc), tiles, dummy)
 
 
@@ -864,30 +881,42 @@ def forward_statistics(p: StatsProblem, *, tiles: Optional[TileConfig] = None) -
 # Backward: the gradient kernel into the workspace, cuBLAS products out of it
 
 
+def _capabilities(device: torch.device):
+    """What this torch's products can do on the device (fp32 outputs of half operands; beta = 1 accumulation
+    into fp32 inside the GEMM), probed once per device by the CUDA backend's probe, which warns once when
+    either is missing: the products then take the slower form, never silently."""
+    from ..cuda import backend as cuda_backend
+
+    return cuda_backend._capabilities(device)
+
+
 def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
     """``out = a @ b`` (``out += a @ b`` when ``accumulate``), summed in ``out``'s dtype (fp32 or float64)
-    whatever the operands' (cuBLAS's fp32-output GEMM for bf16/fp16 operands). Older PyTorch versions lack
-    an fp32 ``self`` beside half operands in ``addmm(out_dtype=...)``: they add a separate product."""
+    whatever the operands' (cuBLAS's fp32-output GEMM for bf16/fp16 operands, accumulating with beta = 1)."""
+    caps = _capabilities(a.device)
+    if a.dtype != out.dtype and not caps.out_dtype:
+        # the interpreter's host products (no mixed-dtype GEMM on the CPU), or a torch without them (warned)
+        a, b = a.to(out.dtype), b.to(out.dtype)
     if a.dtype == out.dtype:
         if accumulate:
             out.addmm_(a, b)
         else:
             torch.mm(a, b, out=out)
-        return
-    if a.device.type == "cpu":  # the interpreter's host products: no mixed-dtype GEMM on the CPU
-        a, b = a.to(out.dtype), b.to(out.dtype)
-        if accumulate:
-            out.addmm_(a, b)
-        else:
-            torch.mm(a, b, out=out)
-        return
-    if not accumulate:
+    elif not accumulate:
         torch.mm(a, b, out_dtype=out.dtype, out=out)
-        return
-    try:
-        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-    except RuntimeError:
-        out += torch.mm(a, b, out_dtype=out.dtype)
+    elif caps.accumulate:
+        torch.baddbmm(out[None], a[None], b[None], out_dtype=out.dtype, out=out[None])
+    else:
+        out.add_(torch.mm(a, b, out_dtype=out.dtype))
+
+
+def _direct_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> None:
+    """``out = a @ b`` in ``out``'s own (half) dtype: summed in ``acc`` and rounded once, with no fp32 block
+    and copy (cuBLAS's half GEMM accumulates in fp32; on the CPU, the interpreter's host, an ``acc`` product)."""
+    if a.device.type == "cuda":
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a.to(acc), b.to(acc)))
 
 
 def _gradient_block(lc: _Launch, p: StatsProblem, coeffs: torch.Tensor, norm: torch.Tensor, norm_t: torch.Tensor,
@@ -949,7 +978,10 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         norm, norm_t = _normalisers(saved, acc, p.has_teacher)
         dh_acc = (dh if dh.dtype == acc else _alloc((n, d), acc, dev, zero=False)) if need_h else None
         db_acc = (db if db.dtype == acc else _alloc((v,), acc, dev)) if need_b else None
-        dw_block = _alloc((min(cols, v), d), acc, dev, zero=False) if need_w and w.dtype != acc else None
+        # One row chunk holds every row: each d weight block is one product, written in the weight's dtype.
+        direct = rows >= n
+        dw_block = (_alloc((min(cols, v), d), acc, dev, zero=False) if need_w and w.dtype != acc and not direct
+                    else None)
         h_w = _masked_rows(h, (coeffs != 0).any(dim=0)) if need_w else None
         # Rows of a whole number of tiles: the kernel stores them without a column mask.
         work = _alloc((min(rows, n), _cdiv(min(cols, v), cfg.block_v) * cfg.block_v), _dx_dtype(p), dev, zero=False)
@@ -965,7 +997,9 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                                 norm_t[:, r0:r1].contiguous(), v0, v1, dx)
                 if need_h:
                     _product(dh_acc[r0:r1], dx, w[v0:v1], accumulate=v0 > 0)
-                if need_w:
+                if need_w and direct and w.dtype != acc:
+                    _direct_product(dw_out, dx.T, h_w[r0:r1], acc)
+                elif need_w:
                     _product(dw_out, dx.T, h_w[r0:r1], accumulate=r0 > 0)
                 if need_b:
                     db_acc[v0:v1] += dx.sum(0, dtype=acc)
