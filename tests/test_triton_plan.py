@@ -88,6 +88,27 @@ def test_forward_splits_fill_whole_waves(n):
     assert 1 <= group <= row_blocks and group * splits <= max(slots, splits)
 
 
+@pytest.mark.parametrize("kind", ["lean", "heavy"])
+def test_forward_grid_streams_the_weight_few_times_at_small_n(kind):
+    """At N = 4096, V = 128256 (bf16, H200) one split per SM streamed the weight once per row block (32 or
+    64 times, longer than the products): the grid now lets a wave cover several row blocks, and the larger of
+    the two times drops (the split count alone would keep the compute a little lower)."""
+    cfg = tb.candidates(torch.bfloat16, kind)[0]
+    stream = tb.weight_stream_steps(128256, cfg, H200, "bfloat16")
+    assert stream > 0 and tb.weight_stream_steps(128256, cfg, H200, "float32") == 0.0
+
+    def steps(row_blocks, per, splits, group):
+        return max(-(-row_blocks * splits // H200.sm_count) * per, -(-row_blocks // group) * stream)
+
+    old = tb.forward_grid(4096, 128256, cfg.block_m, cfg.block_v, H200.sm_count)
+    new = tb.grid_of(4096, 128256, cfg, H200, "bfloat16")
+    assert -(-new[0] // new[3]) <= 16 < -(-old[0] // old[3])  # weight streams
+    assert steps(*new) < 0.7 * steps(*old)
+    # a long batch was compute-bound already: the same grid
+    assert tb.grid_of(16384, 128256, cfg, H200, "bfloat16") == tb.forward_grid(16384, 128256, cfg.block_m,
+                                                                                cfg.block_v, H200.sm_count)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_backward_chunks_fit_the_budget_and_keep_the_forward_row_blocks(seed):
     g = torch.Generator().manual_seed(seed)
@@ -125,7 +146,7 @@ def test_plan_parameters_are_the_ones_the_backend_runs_with():
     plan = tb.plan(w, H200, workspace_mb=8, tiles=cfg)
     budget = 8 << 20
     assert plan.params["workspace_bytes"] == budget
-    assert plan.params["forward_grid"] == tb.forward_grid(300, 32003, cfg.block_m, cfg.block_v, H200.sm_count)
+    assert plan.params["forward_grid"] == tb.grid_of(300, 32003, cfg, H200, "float16")
     assert (plan.params["row_chunk"], plan.params["vocab_chunk"]) == tb.backward_chunks(300, 32003, 1000, "float16",
                                                                                         budget, cfg)
     assert plan.params["eager_rows"] == tb.eager_rows(300, 32003, "float16", False, budget, cfg)

@@ -282,12 +282,15 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @lru_cache(maxsize=1024)
-def forward_grid(n: int, v: int, block_m: int, block_v: int, slots: int) -> tuple:
+def forward_grid(n: int, v: int, block_m: int, block_v: int, slots: int, weight_stream: float = 0.0) -> tuple:
     """(row blocks, tiles per split, splits, group of row blocks) of the forward. Every program walks
-    ``tiles per split`` tiles, so the time is about (waves of programs) x (tiles per program): the split
-    count minimises that product (ties: fewer splits, fewer partials to merge), which fills the last wave
-    where a plain 2 x SMs rule left 19-31% of the GPU idle at N = 1024-4096. The group puts about one wave
-    of programs on a few row blocks, so their hidden rows and weight tiles stay in L2."""
+    ``tiles per split`` tiles, so the compute time is about (waves of programs) x (tiles per program), which
+    filling the last wave minimises where a plain 2 x SMs rule left 19-31% of the GPU idle at N = 1024-4096.
+    The group puts about one wave of programs on a few row blocks, whose weight tiles are then read from HBM
+    once for the group (L2 serves the rest): the weight is streamed once per group. ``weight_stream``: the
+    time of one such stream in tile steps of one program (``weight_stream_steps``); the split count
+    minimises the larger of the two times (ties: fewer splits, fewer partials to merge), so that at N <= 4096,
+    where one split per SM would stream the weight once per row block, a wave covers several row blocks."""
     row_blocks, vtiles = _cdiv(n, block_m), _cdiv(v, block_v)
     max_splits = min(vtiles, max(1, _cdiv(64 * slots, row_blocks)))
     best = None
@@ -295,15 +298,32 @@ def forward_grid(n: int, v: int, block_m: int, block_v: int, slots: int) -> tupl
     while s <= max_splits:
         per = _cdiv(vtiles, s)
         splits = _cdiv(vtiles, per)
-        key = (_cdiv(row_blocks * splits, slots) * per, splits)
+        group = max(1, min(row_blocks, slots // splits))
+        time = max(_cdiv(row_blocks * splits, slots) * per, _cdiv(row_blocks, group) * weight_stream)
+        key = (time, splits)
         if best is None or key < best[0]:
-            best = (key, per, splits)
+            best = (key, per, splits, group)
         if per == 1:
             break
         s = _cdiv(vtiles, per - 1)  # the next split count with fewer tiles per program
-    _, per, splits = best
-    group = max(1, min(row_blocks, slots // splits))
+    _, per, splits, group = best
     return row_blocks, per, splits, group
+
+
+def weight_stream_steps(v: int, cfg: TileConfig, gpu: cost.GPUSpec, dtype: str) -> float:
+    """The time to stream a half-precision weight [V, D] from HBM once, in tile steps of one program (a
+    BLOCK_M x BLOCK_V x D product at the GPU's rate shared by its SMs); D cancels. 0 where the products are
+    far slower than the stream (fp32, float64) and for the interpreter's fixed slots."""
+    if cfg.slots is not None or dtype not in ("bfloat16", "float16") or dtype not in gpu.tflops:
+        return 0.0
+    flops_per_byte = gpu.tflops[dtype] / gpu.hbm_tbps
+    return _cdiv(v, cfg.block_v) * _BYTES[dtype] * flops_per_byte / (2.0 * gpu.sm_count * cfg.block_m)
+
+
+def grid_of(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec, dtype: str) -> tuple:
+    """``forward_grid`` of ``n`` rows for these tiles on this GPU."""
+    return forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count,
+                        weight_stream_steps(v, cfg, gpu, dtype))
 
 
 GRADIENT_GROUP = 8  # row blocks per group of the gradient kernel's one-tile programs (the matmul swizzle)
@@ -406,7 +426,7 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
     e, acc, _ = _sizes(w.dtype)
     math_key, factor = _product_math(w.dtype, precision, gpu)
     slots = cfg.slots or gpu.sm_count
-    row_blocks, per, splits, group = forward_grid(n, w.v, cfg.block_m, cfg.block_v, slots)
+    row_blocks, per, splits, group = grid_of(n, w.v, cfg, gpu, w.dtype)
     d_all = w.d + _teacher_d(w)
     flops = 2.0 * n * w.v * d_all * factor
     groups = _cdiv(row_blocks, group)
@@ -472,7 +492,7 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
 def _common_params(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, budget: int) -> dict:
     return dict(tiles=dataclasses.asdict(cfg), precision=precision if w.dtype == "float32" else "native",
                 teacher_products=float(w.has_teacher),
-                forward_grid=forward_grid(w.n, w.v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count),
+                forward_grid=grid_of(w.n, w.v, cfg, gpu, w.dtype),
                 workspace_bytes=budget, eager_rows=eager_rows(w.n, w.v, w.dtype, w.has_teacher, budget, cfg))
 
 
@@ -803,7 +823,7 @@ def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], 
     lc = launch or _launch(p, cfg)
     n, v = p.hidden.shape[0], p.weight.shape[0]
     gpu = gpu_of(p.hidden.device)
-    row_blocks, per, splits, group = forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count)
+    row_blocks, per, splits, group = grid_of(n, v, cfg, gpu, _DTYPE_NAMES[p.hidden.dtype])
     part = _alloc((len(partials.FIELDS), splits, n), lc.acc, p.hidden.device, zero=False)
     ws = lc.workspace(*(store or (None, None)))
     tgt = p.targets if p.targets is not None else lc.dummy
@@ -860,7 +880,7 @@ def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple, *, tiles: Optional[TileC
     cfg = tiles or tiles_for(p)
     with _on_device(p.hidden):
         gpu = gpu_of(p.hidden.device)
-        grid = forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count)
+        grid = grid_of(n, v, cfg, gpu, _DTYPE_NAMES[p.hidden.dtype])
         return _jsd_pass(_launch(p, cfg), lse, lse_t, grid)
 
 
