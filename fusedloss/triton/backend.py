@@ -836,19 +836,44 @@ def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], 
 def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None) -> dict:
     """Every statistic of ``p``'s rows, ``{name: [N]}`` (zeros on ignored rows and where not asked)."""
     lc = _launch(p, cfg)
-    n, v = p.hidden.shape[0], p.weight.shape[0]
     part, (row_blocks, per, splits, group) = _forward_partials(p, cfg, store, lc)
-    out = {name: torch.zeros(n, dtype=lc.acc, device=p.hidden.device) for name in Statistics._fields}
-    out.update(partials.finalize(partials.merge(dict(zip(partials.FIELDS, part.unbind(0)))), p, v))
+    out = _finalized(part, p, p.weight.shape[0])
     if p.jsd_beta is not None:
         qm, pm = _jsd_pass(lc, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
                            (row_blocks, per, splits, group), store)
-        out["kl_qm"] = qm
-        out["jsd"] = p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm
-    if p.targets is not None:
-        valid = p.targets >= 0
-        out = {name: torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)) for name, x in out.items()}
+        jsd = dict(kl_qm=qm, jsd=p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm)
+        out.update(_on_valid_rows(jsd, p))
     return out
+
+
+def merged_fields(p: StatsProblem) -> tuple:
+    """The partials (``core/partials.FIELDS``) that ``p``'s statistics are finalised from: only these are
+    merged across the splits (each field merged is a few small kernels more per call)."""
+    t = p.has_teacher
+    wanted = dict(e=p.want_entropy, s2=p.want_extras, sz=p.want_mean_logit, mt=t, st=t, a=t and p.want_kl_rev,
+                  ztm=t and p.want_kl_rev, b=t and p.want_kl_fwd, zy=p.targets is not None,
+                  mb=p.want_extras and p.targets is not None)
+    return tuple(name for name in partials.FIELDS if wanted.get(name, True))
+
+
+def _finalized(part: torch.Tensor, p: StatsProblem, v: int) -> dict:
+    """Every statistic, ``{name: [N]}``, from the ``[F, splits, N]`` partials: the splits merged exactly
+    (``partials.merge``, only the fields ``p`` needs), finalised, zero on ignored rows and where not asked."""
+    n = part.shape[-1]
+    stats = partials.finalize(partials.merge({name: part[partials.FIELDS.index(name)] for name in merged_fields(p)}),
+                              p, v)
+    out = dict(zip(Statistics._fields, torch.zeros((len(Statistics._fields), n), dtype=part.dtype,
+                                                   device=part.device).unbind(0)))
+    out.update(_on_valid_rows(stats, p))
+    return out
+
+
+def _on_valid_rows(stats: dict, p: StatsProblem) -> dict:
+    """The statistics with zeros on ignored rows (target < 0)."""
+    if p.targets is None:
+        return stats
+    valid = p.targets >= 0
+    return {name: torch.where(valid, x, 0.0) for name, x in stats.items()}
 
 
 def _jsd_pass(lc: _Launch, lse: tuple, lse_t: tuple, grid: tuple, store: Optional[tuple] = None) -> tuple:
