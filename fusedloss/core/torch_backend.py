@@ -339,7 +339,7 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt
         else:  # consumed in place
             r = kl_ratio
             _repair_rows(r, ratio, ~(torch.isfinite(norms.row_max) & torch.isfinite(norms.teacher_at_max)))
-        terms = r.sub_(norms.kl_rev_rel[:, None]).mul_(coef[COEF_KL_REV]).masked_fill_(coef[COEF_KL_REV] == 0, 0.0)
+        terms = _zero_rows(r.sub_(norms.kl_rev_rel[:, None]).mul_(coef[COEF_KL_REV]), coeffs[COEF_KL_REV] == 0)
     keep_c = p.transform.softcap is not None and z is c  # the soft-cap's chain rule still needs c
     logq = (z.clone() if keep_c else z).sub_(norms.lse[:, None]).sub_(norms.lse_lo[:, None])
     if p.want_entropy or p.jsd_beta is not None:

@@ -37,7 +37,9 @@ Memory
     Besides the gradients, O(N) per-row vectors and the ``[F, splits, N]`` partials (F = len(partials.FIELDS)):
     an fp32 ``[N, D]`` accumulator for d hidden (when hidden is not fp32/float64), and one workspace of at most
     the problem's ``workspace_mb`` (None: a share of the free device memory, bounded; ``workspace_budget``): the
-    dx block of a vocabulary chunk and its fp32 d weight block, or, on the eager path, a row chunk's logits. Nothing
+    dx block of a vocabulary chunk and, when the rows take several chunks, its fp32 d weight block (with one
+    row chunk each block is one product straight into the weight's dtype), or, on the eager path, a row
+    chunk's logits. Nothing
     of size N x V. The eager path returns fp32 (float64) gradients, so d weight is a ``[V, D]`` fp32 buffer
     there, as on the other backends.
 
