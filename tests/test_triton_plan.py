@@ -13,9 +13,11 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fusedloss.core import cost
 from fusedloss.core.problem import LogitTransform, StatsProblem
@@ -88,6 +90,27 @@ def test_forward_splits_fill_whole_waves(n):
     assert 1 <= group <= row_blocks and group * splits <= max(slots, splits)
 
 
+@pytest.mark.parametrize("kind", ["lean", "heavy"])
+def test_forward_grid_streams_the_weight_few_times_at_small_n(kind):
+    """At N = 4096, V = 128256 (bf16, H200) one split per SM streamed the weight once per row block (32 or
+    64 times, longer than the products): the grid now lets a wave cover several row blocks, and the larger of
+    the two times drops (the split count alone would keep the compute a little lower)."""
+    cfg = tb.candidates(torch.bfloat16, kind)[0]
+    stream = tb.weight_stream_steps(128256, cfg, H200, "bfloat16")
+    assert stream > 0 and tb.weight_stream_steps(128256, cfg, H200, "float32") == 0.0
+
+    def steps(row_blocks, per, splits, group):
+        return max(-(-row_blocks * splits // H200.sm_count) * per, -(-row_blocks // group) * stream)
+
+    old = tb.forward_grid(4096, 128256, cfg.block_m, cfg.block_v, H200.sm_count)
+    new = tb.grid_of(4096, 128256, cfg, H200, "bfloat16")
+    assert -(-new[0] // new[3]) <= 16 < -(-old[0] // old[3])  # weight streams
+    assert steps(*new) < 0.7 * steps(*old)
+    # a long batch was compute-bound already: the same grid
+    assert tb.grid_of(16384, 128256, cfg, H200, "bfloat16") == tb.forward_grid(16384, 128256, cfg.block_m,
+                                                                                cfg.block_v, H200.sm_count)
+
+
 @pytest.mark.parametrize("seed", range(20))
 def test_backward_chunks_fit_the_budget_and_keep_the_forward_row_blocks(seed):
     g = torch.Generator().manual_seed(seed)
@@ -125,7 +148,7 @@ def test_plan_parameters_are_the_ones_the_backend_runs_with():
     plan = tb.plan(w, H200, workspace_mb=8, tiles=cfg)
     budget = 8 << 20
     assert plan.params["workspace_bytes"] == budget
-    assert plan.params["forward_grid"] == tb.forward_grid(300, 32003, cfg.block_m, cfg.block_v, H200.sm_count)
+    assert plan.params["forward_grid"] == tb.grid_of(300, 32003, cfg, H200, "float16")
     assert (plan.params["row_chunk"], plan.params["vocab_chunk"]) == tb.backward_chunks(300, 32003, 1000, "float16",
                                                                                         budget, cfg)
     assert plan.params["eager_rows"] == tb.eager_rows(300, 32003, "float16", False, budget, cfg)
@@ -242,3 +265,130 @@ def test_scalars_are_exact_in_float64_and_cached():
     assert params[0].item() == 1.3 and params[1].item() == 30.0 and params[2].item() == 0.7
     assert params[8].item() == 1.3 / 0.7
     assert tb._params(p, torch.float64) is params
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Tile choices on a GPU that no interpreter run reaches: under stream capture, and when only the path is chosen
+
+
+def _gpu_problem(dtype=torch.bfloat16, n=4096, d=4096, v=151936):
+    """A problem that says it lives on cuda:0 (shapes and flags only: what the tile choice and the plan read)."""
+    hidden = SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=(n, d), requires_grad=True)
+    weight = SimpleNamespace(device=torch.device("cuda", 0), dtype=dtype, shape=(v, d), requires_grad=True)
+    return StatsProblem(hidden=hidden, weight=weight, bias=None, targets=None, transform=LogitTransform())
+
+
+def test_stream_capture_keeps_the_tiles_tuned_before_it(monkeypatch):
+    """A forward captured in a graph and a backward replayed outside it must form the same tiles (the
+    recompute is the forward's logits bit for bit only then): under capture the tuned choice, not the first."""
+    monkeypatch.setattr(tb, "_TUNED", {})
+    monkeypatch.delenv("FUSEDLOSS_DETERMINISTIC", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    p = _gpu_problem()
+    configs = tb.candidates(torch.bfloat16, "lean")
+    assert tb.tiles_for(p) == configs[0]  # nothing tuned yet, and nothing may be timed
+    tb._TUNED[(0, torch.bfloat16, tb.d_bucket(4096), "lean")] = configs[1]
+    assert tb.tiles_for(p) == configs[1]
+
+
+def test_choosing_the_path_times_no_kernel(monkeypatch):
+    """eager_pays compares the paths with the untuned tiles: an eager call never autotunes composable kernels."""
+    monkeypatch.setattr(tb, "_TUNED", {})
+    monkeypatch.delenv("FUSEDLOSS_DETERMINISTIC", raising=False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tb, "gpu_of", lambda device: H200)
+    monkeypatch.setattr(tb, "_free_bytes", lambda device: H200.memory_bytes // 2)
+
+    def no_timing(*args):
+        raise AssertionError("the path choice timed kernels")
+
+    monkeypatch.setattr(tb, "autotune", no_timing)
+    p = _gpu_problem()
+    assert tb.eager_pays(p) == (tb.plan(cost.Workload.of(p, row_local=True), H200).path == "eager")
+    with pytest.raises(AssertionError, match="timed kernels"):  # the path taken is tuned
+        tb.tiles_for(p)
+
+
+class _OpLog(TorchDispatchMode):
+    """The names of the aten ops a block issues; the products and adds are not run (meta tensors have no
+    mixed-dtype baddbmm), every other op is."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        self.names.append(name)
+        if name in ("baddbmm", "mm", "addmm", "addmm_", "add", "add_"):
+            return args[0]
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("caps, expected", [
+    ((True, True), ["baddbmm"]),         # beta = 1 inside the GEMM
+    ((True, False), ["mm", "add_"]),     # a torch that cannot: a product and an add (the probe warned)
+    ((False, False), ["_to_copy", "_to_copy", "addmm_"]),  # no fp32 output of half operands at all
+])
+def test_d_weight_accumulation_follows_the_probed_capabilities(caps, expected, monkeypatch):
+    """The Triton backend accumulates as the device's probe says it can (``cuda.backend._capabilities``,
+    which warns once when it cannot), never by catching an error of the real product."""
+    from fusedloss.cuda import backend as cuda_backend
+
+    monkeypatch.setattr(tb, "_capabilities", lambda device: cuda_backend.Capabilities(*caps))
+    out = torch.empty(64, 32, device="meta")
+    a, b = torch.empty(64, 16, dtype=torch.bfloat16, device="meta"), torch.empty(16, 32, dtype=torch.bfloat16,
+                                                                                   device="meta")
+    with _OpLog() as log:
+        tb._product(out, a, b, accumulate=True)
+    assert [n for n in log.names if n not in ("unsqueeze", "view", "detach")] == expected
+
+
+def test_one_row_chunk_writes_d_weight_in_its_dtype_without_a_cast():
+    """When all rows fit one chunk, each d weight block is one product straight into the weight's dtype: the
+    plan drops the fp32 block's traffic and its cast (the backend allocates no fp32 block: test_triton_backend)."""
+    w = cost.Workload(op="token_logprobs", n=4096, d=4096, v=128256, dtype="bfloat16")
+    plan = tb.plan(w, H200, path="composable")
+    assert plan.params["row_chunk"] >= w.n
+    d_weight = next(p for p in plan.passes if p.name == "d weight (cuBLAS)")
+    chunks_v = -(-w.v // plan.params["vocab_chunk"])
+    assert d_weight.hbm_bytes == w.n * w.v * 2 + chunks_v * w.n * w.d * 2 + w.v * w.d * 2
+
+
+@pytest.mark.parametrize("flags, share", [(dict(), 0.6), (dict(want_entropy=True), 0.6),
+                                          (dict(teacher=True, want_kl_rev=True), 0.9)])
+def test_split_merge_merges_only_the_fields_it_finalises(flags, share):
+    """The split merge of one forward call (run per eager chunk) merges only the partials the problem's
+    statistics need: the same values as merging all of them, in far fewer small ops (counted: 56 against 141
+    for cross-entropy)."""
+    from fusedloss.core import partials
+    from fusedloss.core.problem import Statistics
+
+    n, v, splits = 64, 1000, 11
+    flags = dict(flags)
+    teacher = flags.pop("teacher", False)
+    g = torch.Generator().manual_seed(0)
+    p = StatsProblem(hidden=torch.zeros(n, 8), weight=torch.zeros(v, 8), bias=None,
+                     targets=torch.randint(-1, v, (n,), generator=g), transform=LogitTransform(),
+                     teacher_hidden=torch.zeros(n, 8) if teacher else None,
+                     teacher_weight=torch.zeros(v, 8) if teacher else None, **flags)
+    part = torch.rand(len(partials.FIELDS), splits, n, generator=g) * 3  # sums > 0, maxima in [0, 3)
+    with _Counted() as fused:
+        got = tb._finalized(part, p, v)
+    with _Counted() as full:
+        want = dict(zip(Statistics._fields, torch.zeros(len(Statistics._fields), n).unbind(0)))
+        stats = partials.finalize(partials.merge(dict(zip(partials.FIELDS, part.unbind(0)))), p, v)
+        want.update({name: torch.where(p.targets >= 0, x, 0.0) for name, x in stats.items()})
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert fused.ops <= share * full.ops, (fused.ops, full.ops)
+
+
+class _Counted(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))

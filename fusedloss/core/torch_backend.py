@@ -43,11 +43,12 @@ ROW_CHUNK = 1024
 VOCAB_TILE = 4096
 
 
-def _raw_product(h: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+def _raw_product(h: torch.Tensor, w: torch.Tensor, acc: torch.dtype, out: Optional[torch.Tensor] = None):
     """``h @ w.T`` with fp32 (float64) accumulation *and output*: rounding the logits to bf16 before the
-    softmax is one of the precision bugs peers shipped, so half inputs are multiplied into fp32."""
+    softmax is one of the precision bugs peers shipped, so half inputs are multiplied into fp32. ``out``: a
+    buffer of the call to write into (same-dtype products)."""
     if h.dtype == acc:
-        return h @ w.T
+        return torch.mm(h, w.T, out=out) if out is not None else h @ w.T
     if h.is_cuda:
         try:
             return torch.mm(h, w.T, out_dtype=acc)
@@ -57,17 +58,38 @@ def _raw_product(h: torch.Tensor, w: torch.Tensor, acc: torch.dtype) -> torch.Te
 
 
 def _transform(x: torch.Tensor, b: Optional[torch.Tensor], tf: LogitTransform):
-    """Raw product -> (z, capped) where capped is the soft-capped value (needed by the chain rule)."""
+    """Raw product -> (z, capped) where capped is the soft-capped value (needed by the chain rule). ``x`` is
+    the tile's own product and is transformed in place: on a CPU a fresh tile costs as much as the pass that
+    fills it (its pages are faulted in)."""
     if b is not None:
-        x = x + b.to(x.dtype)
-    u = x * tf.logit_scale if tf.logit_scale != 1.0 else x
-    c = tf.softcap * torch.tanh(u / tf.softcap) if tf.softcap is not None else u
-    z = c / tf.temperature if tf.temperature != 1.0 else c
-    return z, c
+        x.add_(b.to(x.dtype))
+    if tf.logit_scale != 1.0:
+        x.mul_(tf.logit_scale)
+    if tf.softcap is not None:
+        x.div_(tf.softcap).tanh_().mul_(tf.softcap)
+        return (x / tf.temperature if tf.temperature != 1.0 else x), x
+    if tf.temperature != 1.0:
+        x.div_(tf.temperature)
+    return x, x
 
 
-def _logits_tile(h, w, b, tf, acc):
-    return _transform(_raw_product(h, w, acc), b, tf)
+def _logits_tile(h, w, b, tf, acc, out=None):
+    return _transform(_raw_product(h, w, acc, out), b, tf)
+
+
+class Scratch:
+    """Tile-sized buffers reused across the tiles of one call, one per name: on a CPU a fresh [rows, cols]
+    tensor costs about as much as the pass that fills it (measured 79 ms for ``z - m`` into a new 32 MiB tile
+    against 26 ms in place), so the passes write into these."""
+
+    def __init__(self, device, dtype):
+        self.device, self.dtype, self.buffers = device, dtype, {}
+
+    def __call__(self, name: str, rows: int, cols: int) -> torch.Tensor:
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < rows * cols:
+            buf = self.buffers[name] = torch.empty(rows * cols, device=self.device, dtype=self.dtype)
+        return buf[: rows * cols].view(rows, cols)
 
 
 def _finite_or_zero(m):
@@ -91,33 +113,65 @@ def _kl_terms(prob, log_own, log_other):
     return torch.where(torch.isneginf(log_other) & torch.isfinite(log_own), math.inf, terms)
 
 
-def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem, tgt, v0: int, v1: int) -> dict:
-    """The partial statistics (core/partials.py) of one tile of student (and teacher) logits."""
-    rows = z.shape[0]
+def _row_dot(a, b):
+    """sum_j a_j b_j per row, as a batched dot: one pass and no tile-sized temporary."""
+    return (a.unsqueeze(1) @ b.unsqueeze(2)).view(-1)
+
+
+def _guarded_row_sum(prob, log_ratio, careful):
+    """``careful(rows).sum(1)`` (the columns of an xlogy or KL sum, with their rules for 0 and infinite
+    logs), computed as the plain dot of prob and log_ratio wherever that is finite: the rules change a
+    column only where it meets an infinity or a NaN, and such a column makes the row's dot non-finite, so
+    only those rows are formed column by column (on a CPU, where the check costs no device wait)."""
+    if prob.device.type != "cpu":
+        return careful(slice(None)).sum(1)
+    out = _row_dot(prob, log_ratio)
+    bad = ~torch.isfinite(out)
+    if bool(bad.any()):
+        out[bad] = careful(bad).sum(1)
+    return out
+
+
+def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem, tgt, v0: int, v1: int,
+                   scratch: Optional[Scratch] = None) -> dict:
+    """The partial statistics (core/partials.py) of one tile of student (and teacher) logits. ``scratch``:
+    the call's reusable buffers for the tile-sized intermediates; with a teacher, ``scratch("d")`` is left
+    holding (z - m) - (z_t - ztm), the reverse KL's log-ratio in its frame, for a gradient of the same tile
+    (``logits_gradient_tile``'s ``kl_ratio``)."""
+    rows, cols = z.shape
+    scratch = scratch or Scratch(z.device, z.dtype)
     zero = torch.zeros(rows, device=z.device, dtype=z.dtype)
     neg_inf = torch.full_like(zero, -math.inf)
-    m = z.amax(dim=1)
-    zc = z - _finite_or_zero(m)[:, None]
-    ez = torch.exp(zc)
-    # t: every column but the first maximum (whose e^0 = 1 is implicit); tied maxima still count 1 each.
-    first_max = z.argmax(dim=1, keepdim=True)
-    part = dict(m=m, s=ez.sum(1), t=ez.scatter(1, first_max, 0.0).sum(1), e=zero, s2=zero, sz=zero,
+    m, first_max = z.max(dim=1, keepdim=True)  # the first maximum on ties, as argmax
+    m = m.squeeze(1)
+    zc = torch.sub(z, _finite_or_zero(m)[:, None], out=scratch("zc", rows, cols))
+    ez = torch.exp(zc, out=scratch("ez", rows, cols))
+    # t: every column but the first maximum (whose e^0 = 1 is implicit); tied maxima still count 1 each. That
+    # column is zeroed in ez: its terms of e and a are 0 anyway (z - m = 0, and z_t - ztm = 0 there).
+    ez.scatter_(1, first_max, 0.0)
+    t = ez.sum(1)
+    empty_row = torch.isneginf(m)
+    part = dict(m=m, s=torch.where(empty_row, 0.0, 1.0 + t), t=t, e=zero, s2=zero, sz=zero,
                 mt=neg_inf, st=zero, a=zero, b=zero, zy=zero, mb=neg_inf, ztm=zero)
     if p.want_entropy:
-        part["e"] = _xlogy_terms(ez, zc).sum(1)
+        part["e"] = _guarded_row_sum(ez, zc, lambda r: _xlogy_terms(ez[r], zc[r]))
     if p.want_extras:
-        part["s2"] = (ez * ez).sum(1)
+        part["s2"] = torch.where(empty_row, 0.0, 1.0 + _row_dot(ez, ez))
     if p.want_mean_logit:
         part["sz"] = z.sum(1)
     if zt is not None:
         mt = zt.amax(dim=1)
-        ztc = zt - _finite_or_zero(mt)[:, None]
-        ezt = torch.exp(ztc)
+        ztc = torch.sub(zt, _finite_or_zero(mt)[:, None], out=scratch("ztc", rows, cols))
+        ezt = torch.exp(ztc, out=scratch("ezt", rows, cols))
         # a relative to the student's maximum column (core/partials.py): its own term is exactly 0.
         ztm = zt.gather(1, first_max).squeeze(1)
-        a = _kl_terms(ez, zc, zt - _finite_or_zero(ztm)[:, None]).sum(1)
-        part.update(mt=mt, st=ezt.sum(1), a=partials.reverse_kl_infinite(a, m, ztm), b=_kl_terms(ezt, ztc, zc).sum(1),
-                    ztm=ztm)
+        ztr = torch.sub(zt, _finite_or_zero(ztm)[:, None], out=scratch("ztr", rows, cols))
+        a = _guarded_row_sum(ez, torch.sub(zc, ztr, out=scratch("d", rows, cols)),
+                             lambda r: _kl_terms(ez[r], zc[r], ztr[r]))
+        part.update(mt=mt, st=ezt.sum(1), a=partials.reverse_kl_infinite(a, m, ztm), ztm=ztm)
+        if p.want_kl_fwd:
+            part["b"] = _guarded_row_sum(ezt, torch.sub(ztc, zc, out=scratch("d_fwd", rows, cols)),
+                                         lambda r: _kl_terms(ezt[r], ztc[r], zc[r]))
     if tgt is not None:
         part["zy"] = _gather_target(z, tgt, v0, v1)
         if p.want_extras:
@@ -158,17 +212,17 @@ def _jsd_sums(z, zt, lse, lse_t, beta):
             _xlogy_terms(torch.exp(logpt), logpt - logm).sum(1))
 
 
-def _student_tile(p: StatsProblem, rows: slice, v0: int, v1: int, hidden=None):
-    h = p.hidden[rows] if hidden is None else hidden
-    return _logits_tile(h, p.weight[v0:v1], None if p.bias is None else p.bias[v0:v1], p.transform, p.acc_dtype)
+def _student_tile(p: StatsProblem, rows, v0: int, v1: int, out=None):
+    return _logits_tile(p.hidden[rows], p.weight[v0:v1], None if p.bias is None else p.bias[v0:v1], p.transform,
+                        p.acc_dtype, out)
 
 
-def _teacher_tile(p: StatsProblem, rows: slice, v0: int, v1: int, hidden=None):
+def _teacher_tile(p: StatsProblem, rows, v0: int, v1: int, out=None):
     if not p.has_teacher:
         return None
-    h = p.teacher_hidden[rows] if hidden is None else hidden
     tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
-    return _logits_tile(h, p.teacher_weight[v0:v1], tb, p.teacher_transform, p.acc_dtype)[0]
+    return _logits_tile(p.teacher_hidden[rows], p.teacher_weight[v0:v1], tb, p.teacher_transform, p.acc_dtype,
+                        out)[0]
 
 
 def forward_statistics(p: StatsProblem) -> Statistics:
@@ -179,10 +233,7 @@ def forward_statistics(p: StatsProblem) -> Statistics:
         return _forward_rows(p)
     full = torch.zeros((len(Statistics._fields), p.hidden.shape[0]), device=p.hidden.device, dtype=p.acc_dtype)
     if rows.numel():
-        sub = dataclasses.replace(
-            p, hidden=p.hidden.index_select(0, rows), targets=p.targets.index_select(0, rows),
-            teacher_hidden=None if p.teacher_hidden is None else p.teacher_hidden.index_select(0, rows))
-        full.index_copy_(1, rows, torch.stack(tuple(_forward_rows(sub))))
+        full.index_copy_(1, rows, torch.stack(tuple(_forward_rows(_gathered_rows(p, rows)))))
     return Statistics(*full.unbind(0))
 
 
@@ -192,14 +243,17 @@ def _forward_rows(p: StatsProblem) -> Statistics:
     n, v = p.hidden.shape[0], p.weight.shape[0]
     dev = p.hidden.device
     out = {name: torch.zeros(n, device=dev, dtype=acc) for name in Statistics._fields}
+    scratch = Scratch(dev, acc)
     for r0 in range(0, n, ROW_CHUNK):
         rows = slice(r0, min(n, r0 + ROW_CHUNK))
         tgt = p.targets[rows] if p.targets is not None else None
         state = partials.empty(rows.stop - r0, dev, acc)
         for v0 in range(0, v, VOCAB_TILE):
             v1 = min(v, v0 + VOCAB_TILE)
-            z, _ = _student_tile(p, rows, v0, v1)
-            state = partials.merge_pair(state, _tile_partials(z, _teacher_tile(p, rows, v0, v1), p, tgt, v0, v1))
+            cols = v1 - v0
+            z, _ = _student_tile(p, rows, v0, v1, scratch("z", rows.stop - r0, cols))
+            zt = _teacher_tile(p, rows, v0, v1, scratch("zt", rows.stop - r0, cols))
+            state = partials.merge_pair(state, _tile_partials(z, zt, p, tgt, v0, v1, scratch))
         for name, value in partials.finalize(state, p, v).items():
             out[name][rows] = value
     if p.jsd_beta is not None:
@@ -258,45 +312,62 @@ def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple) -> tuple:
     return kl_qm, kl_pm
 
 
-def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt, v0, v1):
+def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt, v0, v1,
+                         scratch: Optional[Scratch] = None, kl_ratio: Optional[torch.Tensor] = None):
     """dx for one tile: the generic dz of problem.py, then the chain rule through temperature, soft-cap and
     logit_scale. Shared by the eager and the recompute paths. ``norms``: the tile's rows' ``RowNorms``.
     Terms whose coefficients the problem cannot produce are not formed (a cross-entropy tile is exp, one
-    multiply and the target column), and the tile is updated in place: on a CPU these elementwise passes,
-    not the products, set the time."""
-    logq = (z - norms.lse[:, None]).sub_(norms.lse_lo[:, None])
+    multiply and the target column), and the passes run in place, on ``z`` (the caller's tile, consumed) and
+    on the call's ``scratch`` buffers: on a CPU these elementwise passes, not the products, set the time.
+    ``kl_ratio``: (z - row_max) - (z_t - teacher_at_max) of this tile if the caller formed it (the eager
+    path's forward did), used on the rows where both maxima are finite (the same operations, so the same
+    bits)."""
+    rows, cols = z.shape
+    scratch = scratch or Scratch(z.device, z.dtype)
     coef = coeffs[:, :, None]
     a = coeffs[COEF_ONEHOT]
-    terms = None  # the per-element part of inner: c1 log q + c2 r + c4 log m
-
-    def add(term):
-        return term if terms is None else terms.add_(term)
-
-    if p.want_entropy or p.jsd_beta is not None:
-        terms = add(coef[COEF_LOGQ] * logq)
-    logpt = None
+    terms = None  # the per-element part of inner: c1 log q + c2 r + c4 log m (added in any order: exact)
     if zt is not None and p.want_kl_rev:
-        # r_j = log q_j - log p_j - KL(q||p), relative to the student's maximum column (problem.py); 0 where
-        # c2 is: a row outside the loss whose KL is +inf contributes nothing.
-        r = (z - norms.row_max[:, None]).sub_(zt - norms.teacher_at_max[:, None]).sub_(norms.kl_rev_rel[:, None])
-        terms = add(torch.where(coef[COEF_KL_REV] == 0, 0.0, r.mul_(coef[COEF_KL_REV])))
+        # r_j = log q_j - log p_j - KL(q||p), relative to the student's maximum column (problem.py), formed
+        # before z becomes log q; 0 where c2 is: a row outside the loss whose KL is +inf contributes nothing.
+        def ratio(sel):
+            return (z[sel] - norms.row_max[sel, None]).sub_(zt[sel] - norms.teacher_at_max[sel, None])
+
+        if kl_ratio is None:
+            r = torch.sub(z, norms.row_max[:, None], out=scratch("terms", rows, cols)).sub_(
+                torch.sub(zt, norms.teacher_at_max[:, None], out=scratch("tmp", rows, cols)))
+        else:  # consumed in place
+            r = kl_ratio
+            _repair_rows(r, ratio, ~(torch.isfinite(norms.row_max) & torch.isfinite(norms.teacher_at_max)))
+        terms = _zero_rows(r.sub_(norms.kl_rev_rel[:, None]).mul_(coef[COEF_KL_REV]), coeffs[COEF_KL_REV] == 0)
+    keep_c = p.transform.softcap is not None and z is c  # the soft-cap's chain rule still needs c
+    logq = (z.clone() if keep_c else z).sub_(norms.lse[:, None]).sub_(norms.lse_lo[:, None])
+    if p.want_entropy or p.jsd_beta is not None:
+        if terms is None:
+            terms = torch.mul(logq, coef[COEF_LOGQ], out=scratch("terms", rows, cols))
+        else:
+            terms.add_(torch.mul(logq, coef[COEF_LOGQ], out=scratch("tmp", rows, cols)))
+    logpt = None
     if zt is not None and (p.want_kl_fwd or p.jsd_beta is not None):
         logpt = (zt - norms.lse_t[:, None]).sub_(norms.lse_t_lo[:, None])
         if p.jsd_beta is not None:
-            terms = add(coef[COEF_LOGM] * _log_mixture(logq, logpt, p.jsd_beta))
+            log_m = coef[COEF_LOGM] * _log_mixture(logq, logpt, p.jsd_beta)
+            terms = log_m if terms is None else terms.add_(log_m)
     if tgt is not None:
         inside = (tgt >= v0) & (tgt < v1)
         idx = torch.where(inside, tgt - v0, torch.zeros_like(tgt))[:, None]
         logq_y = logq.gather(1, idx).squeeze(1)
         inner_y = coeffs[COEF_CONST] + (0.0 if terms is None else terms.gather(1, idx).squeeze(1))
-    dz = torch.exp(logq)
+    q = logq.exp_()
     if tgt is not None:
-        q_y = dz.gather(1, idx).squeeze(1)
+        q_y = q.gather(1, idx).squeeze(1)
     base = (coeffs[COEF_CONST] - a)[:, None]  # off the target, a ([j=y] - q_j) is -a q_j
     if terms is None:  # a per-row constant: q * (c0 - a) is 0 wherever q is
-        dz.mul_(base)
+        dz = q.mul_(base)
     else:  # 0 * (c1 * log 0) would be NaN: q_j log q_j -> 0
-        dz = _xlogy_terms(dz, terms.add_(base))
+        inner = terms.add_(base)
+        dz = torch.mul(q, inner, out=scratch("dz", rows, cols))
+        _repair_rows(dz, lambda r: _xlogy_terms(q[r], inner[r]))
     if tgt is not None:
         dz.scatter_(1, idx, torch.where(inside, target_column(a, inner_y, q_y, logq_y),
                                         dz.gather(1, idx).squeeze(1))[:, None])
@@ -312,7 +383,29 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt
         dz.mul_(scale)
     # Rows that do not enter the loss (ignored, masked) give exact zeros, as in the kernels: their logits may
     # overflow exp (q = inf, times a zero coefficient = NaN) or be NaN padding.
-    return dz.masked_fill_(~(coeffs != 0).any(dim=0)[:, None], 0.0)
+    return _zero_rows(dz, ~(coeffs != 0).any(dim=0))
+
+
+def _repair_rows(out, careful, bad=None) -> None:
+    """Rows of ``out`` formed again by ``careful(rows)``: those in ``bad``, by default the rows that are not
+    finite (the product of q and a term that is infinite where q = 0 is NaN there, and must be 0). On a CPU
+    only those rows; elsewhere every row, with no device wait."""
+    if out.device.type != "cpu":
+        out.copy_(careful(slice(None)))
+        return
+    if bad is None:
+        bad = ~torch.isfinite(out.sum(1))
+    if bool(bad.any()):
+        out[bad] = careful(bad)
+
+
+def _zero_rows(t, rows):
+    """``t`` with the rows where ``rows`` is True set to 0: on a CPU only those rows are written."""
+    if t.device.type != "cpu":
+        return t.masked_fill_(rows[:, None], 0.0)
+    if bool(rows.any()):
+        t[rows] = 0.0
+    return t
 
 
 def _valid_rows(p: StatsProblem) -> Optional[torch.Tensor]:
@@ -358,6 +451,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         dh = torch.zeros_like(h_all) if needs.hidden else None
         return dh, (None if dw is None else dw.zero_()), (None if db is None else db.zero_())
     dh_act = torch.zeros((n_act, h_all.shape[1]), device=h_all.device, dtype=acc) if needs.hidden else None
+    scratch = Scratch(h_all.device, acc)
     for v0 in range(0, v, VOCAB_TILE):
         v1 = min(v, v0 + VOCAB_TILE)
         w_tile = w[v0:v1]
@@ -367,18 +461,19 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         db_tile = torch.zeros(v1 - v0, device=w.device, dtype=acc) if needs.bias else None
         for r0, r1 in chunks:
             h = h_act[r0:r1]
-            z, c = _logits_tile(h, w_tile, b_tile, p.transform, acc)
+            z, c = _logits_tile(h, w_tile, b_tile, p.transform, acc, scratch("z", r1 - r0, v1 - v0))
             zt = None
             if p.has_teacher:
                 tb = None if p.teacher_bias is None else p.teacher_bias[v0:v1]
-                zt, _ = _logits_tile(ht_act[r0:r1], p.teacher_weight[v0:v1], tb, p.teacher_transform, acc)
+                zt, _ = _logits_tile(ht_act[r0:r1], p.teacher_weight[v0:v1], tb, p.teacher_transform, acc,
+                                     scratch("zt", r1 - r0, v1 - v0))
             tgt = None if tgt_act is None else tgt_act[r0:r1]
             dx = logits_gradient_tile(p, z, c, zt, coeffs_act[:, r0:r1], RowNorms(*norms_act[:, r0:r1].unbind(0)),
-                                      tgt, v0, v1)
+                                      tgt, v0, v1, scratch)
             if dh_act is not None:
-                dh_act[r0:r1] += dx @ w_acc
+                dh_act[r0:r1].addmm_(dx, w_acc)
             if dw_tile is not None:
-                dw_tile += dx.T @ h.to(acc)
+                dw_tile.addmm_(dx.T, h.to(acc))
             if db_tile is not None:
                 db_tile += dx.sum(0)
         if dw is not None:
@@ -400,12 +495,12 @@ EAGER_WORKSPACE_BYTES = 256 * 2**20
 
 
 def eager_pays(p: StatsProblem) -> bool:
-    """Measured on a 2-core CPU (fp32, N=2048, V=32000, D=256, forward+backward, median of 3): with a teacher
-    the eager path saves the recompute of both heads (reverse-KL distillation 1.60 s vs 1.92 s); without one
-    the saved product is offset by the elementwise passes over full-vocabulary rows, which set a CPU's time
-    (cross-entropy 0.88-0.96 s vs 0.82-0.90 s, DAPO 0.92-0.97 s vs 0.82-0.84 s). On a GPU the products set
-    the time, so the path that needs fewer of them is taken."""
-    return p.hidden.is_cuda or p.has_teacher
+    """Always, now that the tile passes run in place: measured on a shared 2-core CPU (fp32, N=2048,
+    V=32768, D=512, forward+backward, fastest of 3, ``benchmarks/portable_ratio.py``), cross-entropy took
+    1.16x its 3 products on the eager path against 1.65x on the composable one (with a teacher the eager path
+    also saves the recompute of both heads). On a GPU the products set the time, so the path that needs
+    fewer of them is taken there too."""
+    return True
 
 
 def eager_rows(p: StatsProblem) -> int:
@@ -423,36 +518,56 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     Returns the loss and the gradients in the accumulation dtype (cast after the backward's scaling)."""
     acc = p.acc_dtype
     n, v = p.hidden.shape[0], p.weight.shape[0]
-    dh = torch.zeros(p.hidden.shape, device=p.hidden.device, dtype=acc) if needs.hidden else None
-    dw = torch.zeros(p.weight.shape, device=p.weight.device, dtype=acc) if needs.weight else None
+    dev = p.hidden.device
+    # Ignored rows (prompt tokens, padding) cost nothing: the valid rows are gathered once and chunked.
+    active = _valid_rows(p)
+    q = p if active is None else _gathered_rows(p, active)
+    count = q.hidden.shape[0]
+    dh = torch.empty((count, q.hidden.shape[1]), device=dev, dtype=acc) if needs.hidden else None
+    # written by the first chunk's product (zeros only when there is none)
+    dw = (torch.zeros if count == 0 else torch.empty)(p.weight.shape, device=p.weight.device, dtype=acc) \
+        if needs.weight else None
     db = torch.zeros(v, device=p.weight.device, dtype=acc) if needs.bias else None
     w_acc = p.weight.to(acc)
-    loss = torch.zeros((), device=p.hidden.device, dtype=acc)
-    # Ignored rows (prompt tokens, padding) cost nothing: chunk over the valid rows only.
-    active = _valid_rows(p)
-    count = n if active is None else active.numel()
+    loss = torch.zeros((), device=dev, dtype=acc)
     step = eager_rows(p)
+    scratch = Scratch(dev, acc)
     for r0 in range(0, count, step):
-        r1 = min(count, r0 + step)
-        rows = slice(r0, r1) if active is None else active[r0:r1]
-        tgt = p.targets[rows] if p.targets is not None else None
-        z, c = _student_tile(p, rows, 0, v)
-        zt = _teacher_tile(p, rows, 0, v)
-        state = partials.merge_pair(partials.empty(r1 - r0, z.device, acc), _tile_partials(z, zt, p, tgt, 0, v))
-        out = {name: torch.zeros(r1 - r0, device=z.device, dtype=acc) for name in Statistics._fields}
-        out.update(partials.finalize(state, p, v))
-        if p.jsd_beta is not None:
+        rows = slice(r0, min(count, r0 + step))
+        m = rows.stop - r0
+        tgt = q.targets[rows] if q.targets is not None else None
+        z, c = _student_tile(q, rows, 0, v, scratch("z", m, v))
+        zt = _teacher_tile(q, rows, 0, v, scratch("zt", m, v))
+        # one piece holds every column: its partials are the merged ones (partials.merge of one piece)
+        out = dict(zip(Statistics._fields, torch.zeros((len(Statistics._fields), m), device=dev,
+                                                       dtype=acc).unbind(0)))
+        out.update(partials.finalize(_tile_partials(z, zt, q, tgt, 0, v, scratch), q, v))
+        if q.jsd_beta is not None:
             out["kl_qm"], kl_pm = _jsd_sums(z, zt, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
-                                            p.jsd_beta)
-            out["jsd"] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * out["kl_qm"]
-        chunk_loss, coeffs = chunk_fn(Statistics(**out), rows)
+                                            q.jsd_beta)
+            out["jsd"] = q.jsd_beta * kl_pm + (1.0 - q.jsd_beta) * out["kl_qm"]
+        chunk_loss, coeffs = chunk_fn(Statistics(**out), rows if active is None else active[rows])
         loss = loss + chunk_loss.to(acc)
-        dx = logits_gradient_tile(p, z, c, zt, coeffs, row_norms(out), tgt, 0, v)
-        del z, c, zt
+        kl_ratio = scratch("d", m, v) if q.want_kl_rev else None  # left there by _tile_partials
+        dx = logits_gradient_tile(q, z, c, zt, coeffs, row_norms(out), tgt, 0, v, scratch, kl_ratio)
         if dh is not None:
-            dh[rows] = dx @ w_acc
+            torch.mm(dx, w_acc, out=dh[rows])
         if dw is not None:
-            dw += dx.T @ p.hidden[rows].to(acc)
+            h = q.hidden[rows].to(acc)
+            if r0 == 0:
+                torch.mm(dx.T, h, out=dw)
+            else:
+                dw.addmm_(dx.T, h)
         if db is not None:
             db += dx.sum(0)
+    if dh is not None and active is not None:
+        dh = torch.zeros((n, dh.shape[1]), device=dev, dtype=acc).index_copy_(0, active, dh)
     return loss, (dh, dw, db)
+
+
+def _gathered_rows(p: StatsProblem, rows: torch.Tensor) -> StatsProblem:
+    """The problem restricted to the given rows (an index tensor), gathered once."""
+    def pick(t):
+        return None if t is None else t.index_select(0, rows)
+
+    return dataclasses.replace(p, hidden=pick(p.hidden), targets=pick(p.targets), teacher_hidden=pick(p.teacher_hidden))

@@ -37,7 +37,9 @@ Memory
     Besides the gradients, O(N) per-row vectors and the ``[F, splits, N]`` partials (F = len(partials.FIELDS)):
     an fp32 ``[N, D]`` accumulator for d hidden (when hidden is not fp32/float64), and one workspace of at most
     the problem's ``workspace_mb`` (None: a share of the free device memory, bounded; ``workspace_budget``): the
-    dx block of a vocabulary chunk and its fp32 d weight block, or, on the eager path, a row chunk's logits. Nothing
+    dx block of a vocabulary chunk and, when the rows take several chunks, its fp32 d weight block (with one
+    row chunk each block is one product straight into the weight's dtype), or, on the eager path, a row
+    chunk's logits. Nothing
     of size N x V. The eager path returns fp32 (float64) gradients, so d weight is a ``[V, D]`` fp32 buffer
     there, as on the other backends.
 
@@ -226,19 +228,24 @@ def autotune(key, configs: tuple, measure: Callable[[TileConfig], float]) -> Til
     return _TUNED[key]
 
 
-def tiles_for(p: StatsProblem, path: str = "composable") -> TileConfig:
+def tiles_for(p: StatsProblem, path: str = "composable", tune: bool = True) -> TileConfig:
     """The tile configuration of a problem's kernels on ``path`` ("composable": the forward and the gradient
     kernel, which must share it; "eager": the eager forward): the interpreter's on CPU tensors; on a GPU the
     tuned one of ``candidates`` (the first without tuning in deterministic mode, where a timing must not
-    choose the summation order, and during CUDA graph capture, where nothing may be timed)."""
+    choose the summation order; during CUDA graph capture, where nothing may be timed, the choice tuned before
+    the capture, so that a captured forward and a backward outside the graph form the same tiles).
+    ``tune=False``: the tuned choice if there is one, else the first, without measuring (a plan that only
+    compares the paths)."""
     dev = p.hidden.device
     if dev.type == "cpu":
         return INTERPRETER_TILES
     configs = candidates(p.hidden.dtype, epilogue(p), path)
-    if dev.type != "cuda" or len(configs) == 1 or deterministic() or torch.cuda.is_current_stream_capturing():
+    if dev.type != "cuda" or len(configs) == 1 or deterministic():
         return configs[0]
     key = (dev.index if dev.index is not None else torch.cuda.current_device(), p.hidden.dtype,
            d_bucket(p.hidden.shape[1]), epilogue(p))
+    if not tune or torch.cuda.is_current_stream_capturing():
+        return _TUNED.get(key, configs[0])
 
     def measure(cfg: TileConfig) -> float:
         import triton.testing
@@ -278,12 +285,15 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @lru_cache(maxsize=1024)
-def forward_grid(n: int, v: int, block_m: int, block_v: int, slots: int) -> tuple:
+def forward_grid(n: int, v: int, block_m: int, block_v: int, slots: int, weight_stream: float = 0.0) -> tuple:
     """(row blocks, tiles per split, splits, group of row blocks) of the forward. Every program walks
-    ``tiles per split`` tiles, so the time is about (waves of programs) x (tiles per program): the split
-    count minimises that product (ties: fewer splits, fewer partials to merge), which fills the last wave
-    where a plain 2 x SMs rule left 19-31% of the GPU idle at N = 1024-4096. The group puts about one wave
-    of programs on a few row blocks, so their hidden rows and weight tiles stay in L2."""
+    ``tiles per split`` tiles, so the compute time is about (waves of programs) x (tiles per program), which
+    filling the last wave minimises where a plain 2 x SMs rule left 19-31% of the GPU idle at N = 1024-4096.
+    The group puts about one wave of programs on a few row blocks, whose weight tiles are then read from HBM
+    once for the group (L2 serves the rest): the weight is streamed once per group. ``weight_stream``: the
+    time of one such stream in tile steps of one program (``weight_stream_steps``); the split count
+    minimises the larger of the two times (ties: fewer splits, fewer partials to merge), so that at N <= 4096,
+    where one split per SM would stream the weight once per row block, a wave covers several row blocks."""
     row_blocks, vtiles = _cdiv(n, block_m), _cdiv(v, block_v)
     max_splits = min(vtiles, max(1, _cdiv(64 * slots, row_blocks)))
     best = None
@@ -291,15 +301,32 @@ def forward_grid(n: int, v: int, block_m: int, block_v: int, slots: int) -> tupl
     while s <= max_splits:
         per = _cdiv(vtiles, s)
         splits = _cdiv(vtiles, per)
-        key = (_cdiv(row_blocks * splits, slots) * per, splits)
+        group = max(1, min(row_blocks, slots // splits))
+        time = max(_cdiv(row_blocks * splits, slots) * per, _cdiv(row_blocks, group) * weight_stream)
+        key = (time, splits)
         if best is None or key < best[0]:
-            best = (key, per, splits)
+            best = (key, per, splits, group)
         if per == 1:
             break
         s = _cdiv(vtiles, per - 1)  # the next split count with fewer tiles per program
-    _, per, splits = best
-    group = max(1, min(row_blocks, slots // splits))
+    _, per, splits, group = best
     return row_blocks, per, splits, group
+
+
+def weight_stream_steps(v: int, cfg: TileConfig, gpu: cost.GPUSpec, dtype: str) -> float:
+    """The time to stream a half-precision weight [V, D] from HBM once, in tile steps of one program (a
+    BLOCK_M x BLOCK_V x D product at the GPU's rate shared by its SMs); D cancels. 0 where the products are
+    far slower than the stream (fp32, float64) and for the interpreter's fixed slots."""
+    if cfg.slots is not None or dtype not in ("bfloat16", "float16") or dtype not in gpu.tflops:
+        return 0.0
+    flops_per_byte = gpu.tflops[dtype] / gpu.hbm_tbps
+    return _cdiv(v, cfg.block_v) * _BYTES[dtype] * flops_per_byte / (2.0 * gpu.sm_count * cfg.block_m)
+
+
+def grid_of(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec, dtype: str) -> tuple:
+    """``forward_grid`` of ``n`` rows for these tiles on this GPU."""
+    return forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count,
+                        weight_stream_steps(v, cfg, gpu, dtype))
 
 
 GRADIENT_GROUP = 8  # row blocks per group of the gradient kernel's one-tile programs (the matmul swizzle)
@@ -402,7 +429,7 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
     e, acc, _ = _sizes(w.dtype)
     math_key, factor = _product_math(w.dtype, precision, gpu)
     slots = cfg.slots or gpu.sm_count
-    row_blocks, per, splits, group = forward_grid(n, w.v, cfg.block_m, cfg.block_v, slots)
+    row_blocks, per, splits, group = grid_of(n, w.v, cfg, gpu, w.dtype)
     d_all = w.d + _teacher_d(w)
     flops = 2.0 * n * w.v * d_all * factor
     groups = _cdiv(row_blocks, group)
@@ -470,14 +497,15 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
 def _common_params(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, budget: int) -> dict:
     return dict(tiles=dataclasses.asdict(cfg), precision=precision if w.dtype == "float32" else "native",
                 teacher_products=float(w.has_teacher),
-                forward_grid=forward_grid(w.n, w.v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count),
+                forward_grid=grid_of(w.n, w.v, cfg, gpu, w.dtype),
                 workspace_bytes=budget, eager_rows=eager_rows(w.n, w.v, w.dtype, w.has_teacher, budget, cfg))
 
 
 def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int, math: str,
-                       dx_bytes: float) -> list:
+                       dx_bytes: float, direct_weight: bool = False) -> list:
     """d hidden and d weight through cuBLAS from dx blocks of ``rows`` x ``cols``, with their fp32
-    accumulators' traffic and the efficiency of products of that shape."""
+    accumulators' traffic and the efficiency of products of that shape. ``direct_weight``: a d weight block
+    that one product completes is written in the weight's dtype (no fp32 block, no cast) when all rows fit."""
     e, acc, e_dx = _sizes(w.dtype)
     rows, cols = min(rows, w.n), min(cols, w.v)
     chunks_r, chunks_v = _cdiv(w.n, rows), _cdiv(w.v, cols)
@@ -491,9 +519,10 @@ def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int
             passes.append(_pass("d hidden: round to the input dtype", 0.0, w.n * w.d * (acc + e), "cuda_core",
                                 launches=1))
     if w.weight_grad:
-        cast = w.v * w.d * (acc + e) if e != acc else 0
-        passes.append(_pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e
-                            + (2 * chunks_r - 1) * w.v * w.d * acc + cast, math,
+        direct = direct_weight and chunks_r == 1
+        cast = w.v * w.d * (acc + e) if e != acc and not direct else 0
+        out_bytes = w.v * w.d * e if direct else (2 * chunks_r - 1) * w.v * w.d * acc
+        passes.append(_pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e + out_bytes + cast, math,
                             efficiency=cost.gemm_efficiency(cols, w.d, rows, gpu)))
         passes.append(_pass("d weight: rows without gradient masked", 0.0, 2 * w.n * w.d * e, "cuda_core",
                             launches=1))
@@ -519,7 +548,8 @@ def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, preci
                             groups * cols * (w.d + teacher_d) * e + chunks_v * w.n * (w.d + teacher_d) * e
                             + dx_bytes, math_key, efficiency=cost.triton_tile_efficiency(cfg.block_m, cfg.block_v),
                             launches=chunks_r * chunks_v * BACKWARD_BLOCK_LAUNCHES))
-        passes += _gradient_products(w, gpu, rows, cols, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
+        passes += _gradient_products(w, gpu, rows, cols, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes,
+                                     direct_weight=True)
     return cost.Plan(backend="triton", path="composable", products=1.0 + (1.0 + grads if grads else 0.0),
                      passes=passes, params=params)
 
@@ -572,10 +602,13 @@ def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: 
     and precision."""
     dev = p.hidden.device
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    # Only the tiles of the path(s) the plan weighs: tiles_for may autotune (a device sync) on first use.
-    cfg = (tiles if tiles is not None and path == "composable" else None if path == "eager" else tiles_for(p))
+    # Only the tiles of the path(s) the plan weighs, and tuned only for the path taken: choosing between the
+    # paths (path None) compares them with the untuned tiles, so an eager call never times composable kernels.
+    tune = path is not None
+    cfg = (tiles if tiles is not None and path == "composable" else None if path == "eager"
+           else tiles_for(p, tune=tune))
     eager_cfg = (tiles if tiles is not None and path == "eager" else None if path == "composable"
-                 else tiles_for(p, "eager"))
+                 else tiles_for(p, "eager", tune=tune))
     return plan(workload_of(p, needs, row_local=path != "composable"), gpu_of(dev), _free_bytes(dev), tiles=cfg,
                 eager_tiles=eager_cfg, workspace_mb=p.workspace_mb, precision=fp32_precision(p, capability),
                 allow_tf32=_allow_tf32(p), path=path)
@@ -713,17 +746,23 @@ def _launch(p: StatsProblem, cfg: TileConfig) -> _Launch:
     acc = p.acc_dtype
     h, w = p.hidden, p.weight
     dummy = h
-    student = tm.Head(h, w, p.bias if p.bias is not None else dummy, h.stride(0), w.stride(0))
+    # The kernels read a bias at unit stride (tile_math.capped): a strided view is copied once here.
+    student = tm.Head(h, w, p.bias.contiguous() if p.bias is not None else dummy, h.stride(0), w.stride(0))
     strides = [h.stride(0), w.stride(0)]
+    operand_dtypes = {h.dtype}
     teacher = student
     if p.has_teacher:
         th, tw = _teacher_tensors(p, acc)
-        teacher = tm.Head(th, tw, p.teacher_bias if p.teacher_bias is not None else dummy, th.stride(0), tw.stride(0))
+        teacher = tm.Head(th, tw, p.teacher_bias.contiguous() if p.teacher_bias is not None else dummy, th.stride(0),
+                          tw.stride(0))
         strides += [th.stride(0), tw.stride(0)]
+        operand_dtypes.add(th.dtype)
     dev = h.device
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
-    tiles = tm.Tiles(cfg.block_m, cfg.block_v, cfg.block_k, fp32_precision(p, capability) if acc != torch.float64
-                     else "ieee", _align(*strides))
+    # tf32x3 (or the problem's TF32 choice) only where a product has fp32 operands (an fp32 teacher beside a
+    # half student shares the launch's precision); half and float64 products are asked for plain ones.
+    precision = fp32_precision(p, capability) if torch.float32 in operand_dtypes else "ieee"
+    tiles = tm.Tiles(cfg.block_m, cfg.block_v, cfg.block_k, precision, _align(*strides))
     return _Launch(p, cfg, acc, student, teacher, _params(p, acc), tiles, dummy)
 
 
@@ -790,7 +829,7 @@ def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], 
     lc = launch or _launch(p, cfg)
     n, v = p.hidden.shape[0], p.weight.shape[0]
     gpu = gpu_of(p.hidden.device)
-    row_blocks, per, splits, group = forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count)
+    row_blocks, per, splits, group = grid_of(n, v, cfg, gpu, _DTYPE_NAMES[p.hidden.dtype])
     part = _alloc((len(partials.FIELDS), splits, n), lc.acc, p.hidden.device, zero=False)
     ws = lc.workspace(*(store or (None, None)))
     tgt = p.targets if p.targets is not None else lc.dummy
@@ -803,19 +842,44 @@ def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], 
 def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None) -> dict:
     """Every statistic of ``p``'s rows, ``{name: [N]}`` (zeros on ignored rows and where not asked)."""
     lc = _launch(p, cfg)
-    n, v = p.hidden.shape[0], p.weight.shape[0]
     part, (row_blocks, per, splits, group) = _forward_partials(p, cfg, store, lc)
-    out = {name: torch.zeros(n, dtype=lc.acc, device=p.hidden.device) for name in Statistics._fields}
-    out.update(partials.finalize(partials.merge(dict(zip(partials.FIELDS, part.unbind(0)))), p, v))
+    out = _finalized(part, p, p.weight.shape[0])
     if p.jsd_beta is not None:
         qm, pm = _jsd_pass(lc, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
                            (row_blocks, per, splits, group), store)
-        out["kl_qm"] = qm
-        out["jsd"] = p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm
-    if p.targets is not None:
-        valid = p.targets >= 0
-        out = {name: torch.where(valid, x, torch.zeros((), dtype=x.dtype, device=x.device)) for name, x in out.items()}
+        jsd = dict(kl_qm=qm, jsd=p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm)
+        out.update(_on_valid_rows(jsd, p))
     return out
+
+
+def merged_fields(p: StatsProblem) -> tuple:
+    """The partials (``core/partials.FIELDS``) that ``p``'s statistics are finalised from: only these are
+    merged across the splits (each field merged is a few small kernels more per call)."""
+    t = p.has_teacher
+    wanted = dict(e=p.want_entropy, s2=p.want_extras, sz=p.want_mean_logit, mt=t, st=t, a=t and p.want_kl_rev,
+                  ztm=t and p.want_kl_rev, b=t and p.want_kl_fwd, zy=p.targets is not None,
+                  mb=p.want_extras and p.targets is not None)
+    return tuple(name for name in partials.FIELDS if wanted.get(name, True))
+
+
+def _finalized(part: torch.Tensor, p: StatsProblem, v: int) -> dict:
+    """Every statistic, ``{name: [N]}``, from the ``[F, splits, N]`` partials: the splits merged exactly
+    (``partials.merge``, only the fields ``p`` needs), finalised, zero on ignored rows and where not asked."""
+    n = part.shape[-1]
+    stats = partials.finalize(partials.merge({name: part[partials.FIELDS.index(name)] for name in merged_fields(p)}),
+                              p, v)
+    out = dict(zip(Statistics._fields, torch.zeros((len(Statistics._fields), n), dtype=part.dtype,
+                                                   device=part.device).unbind(0)))
+    out.update(_on_valid_rows(stats, p))
+    return out
+
+
+def _on_valid_rows(stats: dict, p: StatsProblem) -> dict:
+    """The statistics with zeros on ignored rows (target < 0)."""
+    if p.targets is None:
+        return stats
+    valid = p.targets >= 0
+    return {name: torch.where(valid, x, 0.0) for name, x in stats.items()}
 
 
 def _jsd_pass(lc: _Launch, lse: tuple, lse_t: tuple, grid: tuple, store: Optional[tuple] = None) -> tuple:
@@ -847,7 +911,7 @@ def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple, *, tiles: Optional[TileC
     cfg = tiles or tiles_for(p)
     with _on_device(p.hidden):
         gpu = gpu_of(p.hidden.device)
-        grid = forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count)
+        grid = grid_of(n, v, cfg, gpu, _DTYPE_NAMES[p.hidden.dtype])
         return _jsd_pass(_launch(p, cfg), lse, lse_t, grid)
 
 
@@ -868,30 +932,42 @@ def forward_statistics(p: StatsProblem, *, tiles: Optional[TileConfig] = None) -
 # Backward: the gradient kernel into the workspace, cuBLAS products out of it
 
 
+def _capabilities(device: torch.device):
+    """What this torch's products can do on the device (fp32 outputs of half operands; beta = 1 accumulation
+    into fp32 inside the GEMM), probed once per device by the CUDA backend's probe, which warns once when
+    either is missing: the products then take the slower form, never silently."""
+    from ..cuda import backend as cuda_backend
+
+    return cuda_backend._capabilities(device)
+
+
 def _product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, accumulate: bool) -> None:
     """``out = a @ b`` (``out += a @ b`` when ``accumulate``), summed in ``out``'s dtype (fp32 or float64)
-    whatever the operands' (cuBLAS's fp32-output GEMM for bf16/fp16 operands). Older PyTorch versions lack
-    an fp32 ``self`` beside half operands in ``addmm(out_dtype=...)``: they add a separate product."""
+    whatever the operands' (cuBLAS's fp32-output GEMM for bf16/fp16 operands, accumulating with beta = 1)."""
+    caps = _capabilities(a.device)
+    if a.dtype != out.dtype and not caps.out_dtype:
+        # the interpreter's host products (no mixed-dtype GEMM on the CPU), or a torch without them (warned)
+        a, b = a.to(out.dtype), b.to(out.dtype)
     if a.dtype == out.dtype:
         if accumulate:
             out.addmm_(a, b)
         else:
             torch.mm(a, b, out=out)
-        return
-    if a.device.type == "cpu":  # the interpreter's host products: no mixed-dtype GEMM on the CPU
-        a, b = a.to(out.dtype), b.to(out.dtype)
-        if accumulate:
-            out.addmm_(a, b)
-        else:
-            torch.mm(a, b, out=out)
-        return
-    if not accumulate:
+    elif not accumulate:
         torch.mm(a, b, out_dtype=out.dtype, out=out)
-        return
-    try:
-        torch.addmm(out, a, b, out_dtype=out.dtype, out=out)
-    except RuntimeError:
-        out += torch.mm(a, b, out_dtype=out.dtype)
+    elif caps.accumulate:
+        torch.baddbmm(out[None], a[None], b[None], out_dtype=out.dtype, out=out[None])
+    else:
+        out.add_(torch.mm(a, b, out_dtype=out.dtype))
+
+
+def _direct_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> None:
+    """``out = a @ b`` in ``out``'s own (half) dtype: summed in ``acc`` and rounded once, with no fp32 block
+    and copy (cuBLAS's half GEMM accumulates in fp32; on the CPU, the interpreter's host, an ``acc`` product)."""
+    if a.device.type == "cuda":
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a.to(acc), b.to(acc)))
 
 
 def _gradient_block(lc: _Launch, p: StatsProblem, coeffs: torch.Tensor, norm: torch.Tensor, norm_t: torch.Tensor,
@@ -953,7 +1029,10 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         norm, norm_t = _normalisers(saved, acc, p.has_teacher)
         dh_acc = (dh if dh.dtype == acc else _alloc((n, d), acc, dev, zero=False)) if need_h else None
         db_acc = (db if db.dtype == acc else _alloc((v,), acc, dev)) if need_b else None
-        dw_block = _alloc((min(cols, v), d), acc, dev, zero=False) if need_w and w.dtype != acc else None
+        # One row chunk holds every row: each d weight block is one product, written in the weight's dtype.
+        direct = rows >= n
+        dw_block = (_alloc((min(cols, v), d), acc, dev, zero=False) if need_w and w.dtype != acc and not direct
+                    else None)
         h_w = _masked_rows(h, (coeffs != 0).any(dim=0)) if need_w else None
         # Rows of a whole number of tiles: the kernel stores them without a column mask.
         work = _alloc((min(rows, n), _cdiv(min(cols, v), cfg.block_v) * cfg.block_v), _dx_dtype(p), dev, zero=False)
@@ -969,7 +1048,9 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                                 norm_t[:, r0:r1].contiguous(), v0, v1, dx)
                 if need_h:
                     _product(dh_acc[r0:r1], dx, w[v0:v1], accumulate=v0 > 0)
-                if need_w:
+                if need_w and direct and w.dtype != acc:
+                    _direct_product(dw_out, dx.T, h_w[r0:r1], acc)
+                elif need_w:
                     _product(dw_out, dx.T, h_w[r0:r1], accumulate=r0 > 0)
                 if need_b:
                     db_acc[v0:v1] += dx.sum(0, dtype=acc)
