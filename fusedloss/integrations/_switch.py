@@ -1,8 +1,10 @@
-"""What the framework integrations share: the version gate and the ``enabled()`` context manager."""
+"""What the framework integrations share: the version gate, the exact restore and the ``enabled()`` context
+manager."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 
 def check_version(module: str, package: str, found: str, supported: str, keep: str) -> None:
@@ -14,6 +16,14 @@ def check_version(module: str, package: str, found: str, supported: str, keep: s
     if Version(Version(found).base_version) not in SpecifierSet(supported):
         raise RuntimeError(f"{module} supports {package}{supported}, found {package} {found}; install a supported "
                            f"version or leave {keep} in place")
+
+
+def restore_originals(originals: dict, state: dict) -> None:
+    """Put each replaced attribute back, the very object that was there before (``originals`` maps
+    ``(module name, attribute)`` to it), and mark the integration disabled."""
+    for (module_name, attr), original in originals.items():
+        setattr(importlib.import_module(module_name), attr, original)
+    state["enabled"] = False
 
 
 def scoped(enable, disable, state: dict):

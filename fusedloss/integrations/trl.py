@@ -43,6 +43,7 @@ from ..core import LogitTransform, TeacherHead, token_statistics
 from ..core import backends as _backends
 from ..core.statistics import autocast_dtype
 from ..distributed import zero3
+from . import _switch
 
 __all__ = ["SUPPORTED_TRL", "FusedChunkedDivergenceFunction", "FusedChunkedLogProbFunction", "disable", "enable",
            "enabled", "is_enabled"]
@@ -113,9 +114,7 @@ def enable(backend: str = "auto") -> None:
 
 def disable() -> None:
     """Put TRL's own functions back, exactly the objects that were there before ``enable()``."""
-    for (module_name, attr), original in _originals.items():
-        setattr(importlib.import_module(module_name), attr, original)
-    _state["enabled"] = False
+    _switch.restore_originals(_originals, _state)
 
 
 def is_enabled() -> bool:

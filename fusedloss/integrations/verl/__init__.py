@@ -127,9 +127,7 @@ def enable(backend: str = "auto", *, vocab_size: Optional[int] = None) -> None:
 
 def disable() -> None:
     """Put verl's own objects back, exactly the ones that were there before ``enable()``."""
-    for (module_name, attr), original in _originals.items():
-        setattr(importlib.import_module(module_name), attr, original)
-    _state["enabled"] = False
+    _switch.restore_originals(_originals, _state)
 
 
 def is_enabled() -> bool:
