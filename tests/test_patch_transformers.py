@@ -94,13 +94,13 @@ def test_the_head_never_runs_with_labels_and_runs_without():
     model = fl_hf.patch(make_model("qwen2-tied"), backend="torch")
     input_ids, attention_mask, labels = batch(1)
     products = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: products.append(o.shape[-1]))
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: products.append(tuple(o.shape)))
     try:
         model(input_ids, attention_mask=attention_mask, labels=labels)
-        assert products == [0], "the head formed logits"
+        assert products == [(1, 4, V)], "the head formed logits beyond its 4 probe rows"
         products.clear()
         out = model(input_ids, attention_mask=attention_mask)
-        assert products == [V] and out.logits.shape == (3, 11, V) and out.loss is None
+        assert products == [(3, 11, V)] and out.logits.shape == (3, 11, V) and out.loss is None
     finally:
         hook.remove()
 
