@@ -47,9 +47,8 @@ TINY_SIZES = [  # (name pattern, tiny value): a size field becomes min(default, 
      r"num_encoder_layers|n_layer|num_text_layers)", 2),
     (r"(num_attention_heads|n_heads?|num_heads|decoder_attention_heads|encoder_attention_heads|"
      r"swa_num_attention_heads|num_attention_heads_per_layer)", 4),
-    (r"(num_key_value_heads|n_kv_heads?|num_kv_heads|multi_query_group_num|swa_num_key_value_heads|"
-     r"num_key_value_groups)", 2),
-    (r"(.*head_dim|.*head_size|d_head|d_kv|kv_channels|attention_head_size)", 8),
+    (r"(num_key_value_heads|n_kv_heads?|num_kv_heads|multi_query_group_num|swa_num_key_value_heads)", 2),
+    (r"(.*head_dim|.*head_size|d_head|d_kv|kv_channels|attention_head_size|rotary_dim)", 8),
     (r"(moe_intermediate_size|shared_expert_intermediate_size|expert_intermediate_size|moe_ffn_hidden_size|"
      r"ffn_hidden_size_moe|.*expert.*_size)", 16),
     (r"(intermediate_size|ffn_dim|n_inner|d_ff|ffn_hidden_size|decoder_ffn_dim|encoder_ffn_dim|"
@@ -73,7 +72,14 @@ ACTIVE = {"final_logit_softcapping": 5.0, "logits_soft_cap": 5.0, "output_logit_
           "logit_scale": 0.37, "logits_scaling": 1.9, "lm_head_multiplier": 0.7, "output_multiplier": 0.6,
           "logits_mup_width_multiplier": 3.0}
 
-OVERRIDES: dict = {}  # model_type -> {field: value} the generic shrink gets wrong
+OVERRIDES: dict = {  # model_type -> {field: value} the generic shrink gets wrong
+    "bamba": dict(mamba_n_heads=8, mamba_d_head=8, mamba_expand=2),  # heads x head dim = expand x hidden
+    "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1),
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2),  # None by default, derived from nothing
+    "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "musicgen": dict(num_codebooks=2),  # input_ids [sequences x codebooks, T]: one sequence of 2 codebooks
+    "musicgen_melody": dict(num_codebooks=2),
+}
 INPUTS: dict = {}  # model_type -> extra model kwargs
 
 # Architectures that cannot run from input_ids alone here, with the reason.
@@ -107,6 +113,13 @@ def _size(name: str, value):
     return value
 
 
+def _field(config, name):
+    try:
+        return getattr(config, name, None)
+    except Exception:  # a per-layer attribute read globally: left to the per-layer configs
+        return None
+
+
 def tiny_config(cls, default=None):
     """A config of ``cls`` with every size field shrunk and every logit transform active (recursively)."""
     from transformers import PreTrainedConfig
@@ -114,16 +127,25 @@ def tiny_config(cls, default=None):
     default = cls() if default is None else default
     kwargs = {}
     fields = [f.name for f in dataclasses.fields(default)] if dataclasses.is_dataclass(default) else []
+    heads = {}
     for name in fields or list(default.to_dict()):
-        value = getattr(default, name, None)
+        value = _field(default, name)
         if isinstance(value, PreTrainedConfig):
             kwargs[name] = tiny_config(type(value), value)
         elif name in ACTIVE and (value is None or isinstance(value, (int, float))) and not isinstance(value, bool):
             kwargs[name] = ACTIVE[name]
+        elif isinstance(value, list) and value and all(type(v) is int for v in value) \
+                and _size(name, max(value)) != max(value):  # a size per layer: shrunk, cut below
+            kwargs[name] = [_size(name, v) for v in value]
         else:
             new = _size(name, value)
             if new is not value:
                 kwargs[name] = new
+            if name in ("num_attention_heads", "num_key_value_heads") and isinstance(value, int):
+                heads[name] = value
+    if heads.get("num_key_value_heads") == heads.get("num_attention_heads") and "num_attention_heads" in kwargs:
+        kwargs["num_key_value_heads"] = kwargs["num_attention_heads"]  # attention without grouped keys (MLA)
+    kwargs.update(OVERRIDES.get(getattr(default, "model_type", None), {}))
     vocab = kwargs.get("vocab_size", getattr(default, "vocab_size", None))
     if isinstance(vocab, int):
         for name in ("bos_token_id", "eos_token_id", "pad_token_id", "decoder_start_token_id", "sep_token_id",
@@ -138,10 +160,13 @@ def tiny_config(cls, default=None):
     layers = next((kwargs[n] for n in ("num_hidden_layers", "n_layer", "n_layers", "num_layers") if n in kwargs), None)
     if layers is not None:
         for name in fields:
-            value = getattr(default, name, None)
-            if isinstance(value, list) and len(value) > layers and name not in kwargs and value \
+            value = kwargs.get(name, _field(default, name))
+            if isinstance(value, list) and len(value) > layers and value \
                     and all(isinstance(v, (str, int)) and not isinstance(v, bool) for v in value):
                 kinds = list(dict.fromkeys(value))
+                if name in kwargs and all(isinstance(v, int) for v in value):  # a size per layer
+                    kwargs[name] = value[:layers]
+                    continue
                 if name.endswith("_ids") or all(isinstance(v, int) for v in value):
                     cut = [v for v in value if isinstance(v, int) and v < layers]
                     if len(cut) != len(value):
@@ -153,7 +178,6 @@ def tiny_config(cls, default=None):
             for n in ("num_hidden_layers", "n_layer", "n_layers", "num_layers"):
                 if n in kwargs:
                     kwargs[n] = max(lists)
-    kwargs.update(OVERRIDES.get(getattr(default, "model_type", None), {}))
     config = cls(**kwargs)
     with contextlib.suppress(Exception):  # grouped_mm has no float64
         config.experts_implementation = "eager"
@@ -230,6 +254,10 @@ class _Wrong(Exception):
     pass
 
 
+class _CannotRun(Exception):
+    """The model's own forward fails on the tiny config: no comparison possible."""
+
+
 def _refusal(error: BaseException) -> str | None:
     """The message of an error the integration raised to refuse the architecture, else None."""
     frames = traceback.extract_tb(error.__traceback__)
@@ -251,10 +279,14 @@ def check_patch(model, model_type):
     labels = ids.clone()
     labels[0, :2] = -100
     extra = INPUTS.get(model_type, {})
-    before = _forward(model, input_ids=ids, labels=labels, **extra).loss.detach()
+    try:  # the model's own labelled forward and backward must run for the comparison to mean anything
+        before = _forward(model, input_ids=ids, labels=labels, **extra).loss.detach()
+        with keep_float64():
+            own = _forward(model, input_ids=ids, labels=labels, **extra).loss
+            want = _grads(model, own)
+    except Exception as error:
+        raise _CannotRun(f"own forward: {type(error).__name__}: {error}"[:300]) from error
     with keep_float64():
-        own = _forward(model, input_ids=ids, labels=labels, **extra).loss
-        want = _grads(model, own)
         try:
             fl_hf.patch(model, backend="torch")
             out = _forward(model, input_ids=ids, labels=labels, **extra)
@@ -338,19 +370,13 @@ def run(model_type: str) -> dict:
         result["build"] = f"{type(error).__name__}: {error}"[:300]
         result["seconds"] = time.perf_counter() - start
         return result
-    try:  # the model's own labelled forward and backward must run for the comparison to mean anything
-        ids = _ids(model, (BATCH, PROMPT + COMPLETION), 3)
-        with keep_float64():
-            _forward(model, input_ids=ids, labels=ids, **INPUTS.get(model_type, {})).loss.backward()
-        model.zero_grad(set_to_none=True)
-    except Exception as error:
-        result["build"] = f"own forward: {type(error).__name__}: {error}"[:300]
-        result["seconds"] = time.perf_counter() - start
-        return result
     result["build"] = "ok"
     for key, check in (("patch", check_patch), ("helpers", check_helpers)):
         try:
             result[key] = check(model, model_type)
+        except _CannotRun as error:
+            result["build"] = str(error)
+            break
         except _Wrong as error:
             result[key] = f"WRONG: {error}"
         except Exception as error:

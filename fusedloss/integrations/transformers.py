@@ -405,9 +405,11 @@ def _refuse(lm, why: str):
                    "this architecture (it gives no number it cannot reproduce exactly)")
 
 
-def _observe(state: _Tap, logits) -> _Transform:
+def _observe(state: _Tap, logits, *, gradient: bool = True) -> _Transform:
     """The post-processing the model applied to the head's output on the probe rows (``logits``: what the
-    model made of them), checked against fusedloss's formula; refused with the reason when none fits."""
+    model made of them), checked against fusedloss's formula; refused with the reason when none fits.
+    ``gradient=False``: values only (the logits left the model's forward, where wrappers may have hooked a
+    backward on them)."""
     lm, obs = state.lm, state.observation
     if obs is None:
         _refuse(lm, "did not call its LM head before computing its loss")
@@ -438,7 +440,7 @@ def _observe(state: _Tap, logits) -> _Transform:
                     f"not reproduce with any value its config declares: on {k} probe rows its logits are about "
                     f"{ratio.item():.4g} x the head's output{cut}, but not exactly any candidate "
                     f"({', '.join(_describe(t) for t in candidates)})")
-    if torch.is_grad_enabled() and y.requires_grad and z.requires_grad and not state.grad_checked:
+    if gradient and torch.is_grad_enabled() and y.requires_grad and z.requires_grad and not state.grad_checked:
         _check_gradient(state, chosen, obs, y, eps)
         state.grad_checked = True
     state.transform = chosen
@@ -499,6 +501,14 @@ def _check_gradient(state: _Tap, t: _Transform, obs: _Observation, y: torch.Tens
                           f"{_describe(t)} (the values agree on the probe rows, the slopes do not)")
 
 
+def _is_fsdp(module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
 def _forward_accepts(lm, name: str) -> bool:
     import inspect
 
@@ -527,7 +537,9 @@ def _observed_forward(lm, kwargs: dict) -> tuple[torch.Tensor, _Transform]:
         if hidden is None:
             _refuse(lm, "did not call its LM head in its forward")
         logits = getattr(out, "logits", None) if not isinstance(out, tuple) else out[0]
-        transform = _observe(state, logits)
+        # FSDP2 hooks its pre-backward on the root's outputs: a backward through them here, mid-step, would
+        # run it. Such a model's gradient check is the patch's (inside the forward, before the hooks).
+        transform = _observe(state, logits, gradient=not _is_fsdp(lm))
     return hidden, transform
 
 
