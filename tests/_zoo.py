@@ -83,7 +83,13 @@ OVERRIDES: dict = {  # model_type -> {field: value} the generic shrink gets wron
 INPUTS: dict = {}  # model_type -> extra model kwargs
 
 # Architectures that cannot run from input_ids alone here, with the reason.
-CANNOT_BUILD = {}
+CANNOT_BUILD = {
+    "gemma3n": "its vision tower is a timm model (the timm package)",
+    "gemma4_assistant": "a draft model: its forward runs on the main model's inputs_embeds and shared KV states",
+    "gemma4_unified_assistant": "a draft model: its forward runs on the main model's inputs_embeds and shared KV "
+                                "states",
+    "git": "its loss drops num_image_tokens leading positions: it needs pixel_values",
+}
 
 BATCH, PROMPT, COMPLETION = 2, 4, 5
 

