@@ -77,10 +77,16 @@ OVERRIDES: dict = {  # model_type -> {field: value} the generic shrink gets wron
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2),  # None by default, derived from nothing
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
-    "musicgen": dict(num_codebooks=2),  # input_ids [sequences x codebooks, T]: one sequence of 2 codebooks
-    "musicgen_melody": dict(num_codebooks=2),
+    # input_ids [sequences x codebooks, T]: one sequence of 2 codebooks
+    "musicgen_decoder": dict(num_codebooks=2),
+    "musicgen_melody_decoder": dict(num_codebooks=2),
 }
 INPUTS: dict = {}  # model_type -> extra model kwargs
+LABELS = {  # model_type -> the labels of input_ids, where they are not input_ids' shape
+    # MusicGen: input_ids [sequences x codebooks, T], labels [sequences, T, codebooks]
+    "musicgen": lambda ids: ids.reshape(-1, 2, ids.shape[-1]).transpose(1, 2),
+    "musicgen_melody": lambda ids: ids.reshape(-1, 2, ids.shape[-1]).transpose(1, 2),
+}
 
 # Architectures that cannot run from input_ids alone here, with the reason.
 CANNOT_BUILD = {
@@ -213,6 +219,8 @@ def build(model_type: str):
         torch.set_default_dtype(previous)
     with contextlib.suppress(Exception):  # grouped_mm has no float64
         model.set_experts_implementation("eager")
+    if hasattr(model, "set_default_language"):  # X-MOD's language adapters
+        model.set_default_language(next(iter(model.config.languages)))
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in model.parameters():
@@ -284,6 +292,7 @@ def check_patch(model, model_type):
     ids = _ids(model, (BATCH, PROMPT + COMPLETION), 3)
     labels = ids.clone()
     labels[0, :2] = -100
+    labels = LABELS.get(model_type, lambda x: x)(labels)
     extra = INPUTS.get(model_type, {})
     try:  # the model's own labelled forward and backward must run for the comparison to mean anything
         before = _forward(model, input_ids=ids, labels=labels, **extra).loss.detach()
