@@ -77,6 +77,7 @@ OVERRIDES: dict = {  # model_type -> {field: value} the generic shrink gets wron
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1),
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2),  # None by default, derived from nothing
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
+    "gemma3n_text": dict(num_kv_shared_layers=0),  # KV sharing across the 2 tiny layers would share nothing
     # input_ids [sequences x codebooks, T]: one sequence of 2 codebooks
     "musicgen_decoder": dict(num_codebooks=2),
     "musicgen_melody_decoder": dict(num_codebooks=2),
@@ -181,8 +182,8 @@ def tiny_config(cls, default=None):
                     continue
                 if name.endswith("_ids") or all(isinstance(v, int) for v in value):
                     cut = [v for v in value if isinstance(v, int) and v < layers]
-                    if len(cut) != len(value):
-                        kwargs[name] = cut
+                    if len(cut) != len(value):  # a hybrid stack keeps one layer of the listed kind
+                        kwargs[name] = cut or [layers - 1]
                     continue
                 kwargs[name] = (kinds + [value[0]] * layers)[:max(layers, len(kinds))]
         lists = [len(kwargs[n]) for n in fields if isinstance(kwargs.get(n), list) and n.endswith("types")]
