@@ -75,7 +75,9 @@ ACTIVE = {"final_logit_softcapping": 5.0, "logits_soft_cap": 5.0, "output_logit_
 OVERRIDES: dict = {  # model_type -> {field: value} the generic shrink gets wrong
     "bamba": dict(mamba_n_heads=8, mamba_d_head=8, mamba_expand=2),  # heads x head dim = expand x hidden
     "dory": dict(num_hidden_layers=3, n_input_layers=1, n_output_layers=1),
-    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2),  # None by default, derived from nothing
+    # None by default and derived from nothing
+    "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1),
+    "deepseek_v2": dict(num_experts_per_tok=2),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "gemma3n_text": dict(num_kv_shared_layers=0),  # KV sharing across the 2 tiny layers would share nothing
     # input_ids [sequences x codebooks, T]: one sequence of 2 codebooks
