@@ -201,17 +201,17 @@ def _output_head(lm):
     base = head.get_base_layer() if _is_peft_layer(head) else head
     weight = getattr(base, "weight", None)
     if not isinstance(base, torch.nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
-        raise ValueError(f"{name}'s LM head is a {type(base).__name__}, not one module with a [vocab, hidden] "
-                         "weight (e.g. one head per codebook): fusedloss.integrations.transformers does not "
-                         "support this architecture")
+        raise ValueError(f"fusedloss: {name}'s LM head is a {type(base).__name__}, not one module with a "
+                         "[vocab, hidden] weight (e.g. one head per codebook): fusedloss.integrations.transformers "
+                         "does not support this architecture")
     if type(base).forward is not torch.nn.Linear.forward:
-        raise ValueError(f"{name}'s LM head class {type(base).__name__} has a forward of its own, not "
+        raise ValueError(f"fusedloss: {name}'s LM head class {type(base).__name__} has a forward of its own, not "
                          "nn.Linear's: fusedloss computes h @ weight.T + bias and would skip what it adds; "
                          "fusedloss.integrations.transformers does not support this architecture")
     extra = [n for n, _ in base.named_parameters() if n not in ("weight", "bias")]
     if extra:
-        raise ValueError(f"{name}'s LM head has parameters beyond weight and bias ({', '.join(extra)}): they "
-                         "would get no gradient from fusedloss; fusedloss.integrations.transformers does not "
+        raise ValueError(f"fusedloss: {name}'s LM head has parameters beyond weight and bias ({', '.join(extra)}): "
+                         "they would get no gradient from fusedloss; fusedloss.integrations.transformers does not "
                          "support this architecture")
     return head
 
