@@ -78,6 +78,9 @@ OVERRIDES: dict = {  # model_type -> {field: value} the generic shrink gets wron
     # None by default and derived from nothing
     "dots1": dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1),
     "deepseek_v2": dict(num_experts_per_tok=2),
+    "hunyuan_v1_dense": dict(head_dim=8),
+    "hunyuan_v1_moe": dict(head_dim=8),
+    "ministral": dict(head_dim=8),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "gemma3n_text": dict(num_kv_shared_layers=0),  # KV sharing across the 2 tiny layers would share nothing
     # input_ids [sequences x codebooks, T]: one sequence of 2 codebooks
@@ -213,13 +216,9 @@ def build(model_type: str):
         sub = next((v for v in vars(config).values() if isinstance(v, wanted)), None)
         if sub is not None:
             config = sub
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with default_float64():
         torch.manual_seed(0)
         model = model_cls(config).to(torch.float64).eval()
-    finally:
-        torch.set_default_dtype(previous)
     with contextlib.suppress(Exception):  # grouped_mm has no float64
         model.set_experts_implementation("eager")
     if hasattr(model, "set_default_language"):  # X-MOD's language adapters
@@ -283,9 +282,21 @@ def _refusal(error: BaseException) -> str | None:
     return None
 
 
+@contextlib.contextmanager
+def default_float64():
+    """Some models build constants in the default dtype in their forward (XGLM's float64 minimum)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def _forward(model, **kwargs):
     torch.manual_seed(2)
-    return model(**kwargs)
+    with default_float64():
+        return model(**kwargs)
 
 
 def check_patch(model, model_type):
@@ -346,7 +357,8 @@ def check_helpers(model, model_type):
         want = _grads(model, (cotangent * want_logp).sum())
         try:
             torch.manual_seed(2)
-            logp = fl_hf.completion_logprobs(model, prompt, completion, backend="torch", **extra)
+            with default_float64():
+                logp = fl_hf.completion_logprobs(model, prompt, completion, backend="torch", **extra)
         except Exception as error:
             reason = _refusal(error)
             if reason is None:
@@ -358,8 +370,9 @@ def check_helpers(model, model_type):
         grad_err = _compare_grads(_grads(model, (cotangent * logp).sum()), want)
         if not grad_err <= 1e-9:
             raise _Wrong(f"a completion_logprobs gradient off by {grad_err:.2e}")
-        head = fl_hf.lm_head(model)
-        hidden = fl_hf.last_hidden_state(model, ids, **extra)[:, PROMPT - 1:-1]
+        with default_float64():
+            head = fl_hf.lm_head(model)
+            hidden = fl_hf.last_hidden_state(model, ids, **extra)[:, PROMPT - 1:-1]
         again = fusedloss_token_logprobs(hidden, head, completion)
         if not ((again - want_logp).abs().max() / want_logp.abs().max()).item() <= 1e-10:
             raise _Wrong("last_hidden_state with lm_head differs from the model")
