@@ -58,4 +58,5 @@ def test_architectures_that_could_not_be_built_are_listed():
         warnings.warn(f"transformers {transformers.__version__}: {len(unexpected)} causal-LM architectures could not "
                       f"be built tiny (an entry in tests/_zoo.py OVERRIDES may fix each): "
                       + "; ".join(f"{name}: {unbuilt[name][:120]}" for name in unexpected), stacklevel=1)
-    assert len(built) >= 0.75 * len(_RESULTS), f"most architectures could not be built: {sorted(unbuilt)}"
+    if len(_RESULTS) == len(_zoo.architectures()):  # the whole sweep ran: it must cover most architectures
+        assert len(built) >= 0.75 * len(_RESULTS), f"most architectures could not be built: {sorted(unbuilt)}"
