@@ -366,7 +366,9 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         return torch.where(mask, x, torch.full_like(x, fill))
 
     A = inside(advantages)
-    A_trl = advantages.to(acc).unsqueeze(1) if advantages.dim() == 1 else A  # TRL's unsqueeze(1)
+    # TRL's [B, 1] advantages (per completion, or per token with C == 1) are used as given, masked entries
+    # included (its plain-mean clip metrics read them so).
+    A_trl = advantages.to(acc).reshape(B, 1) if advantages.dim() == 1 or C == 1 else A
     old = logp.detach() if old_logprobs is None else inside(old_logprobs)
     log_ratio = logp - old
     if importance_sampling_level == "token":
@@ -506,7 +508,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         if weights is not None:
             seq = seq * torch.exp((torch.log(weights + 1e-10) * m).sum(-1) / n)
         loss = loss + seq.mean()
-    if B == 0:
+    if B == 0 or C == 0:  # no token: 0, as TRL (dr_grpo's B * C denominator is then 0 too)
         loss = loss.nan_to_num(nan=0.0)
     policy_loss = loss.detach()
     if entropy_coef != 0.0 and loss_agg_mode is not None:
@@ -636,7 +638,9 @@ def dpo_loss(hidden, weight, labels, ref_chosen_logps, ref_rejected_logps, *, be
     loss_weights = [1.0] * len(loss_types) if loss_weights is None else list(loss_weights)
     loss = torch.zeros((), dtype=acc)
     for lt, lw in zip(loss_types, loss_weights):
-        if lt == "sigmoid":
+        if lt == "sigmoid" and e == 0:  # TRL's form: 0, not 0 * -inf, at an infinite margin
+            losses = -logsig(beta * delta_score)
+        elif lt == "sigmoid":
             losses = -(1 - e) * logsig(beta * delta_score) - e * logsig(-beta * delta_score)
         elif lt == "hinge":
             losses = torch.relu(1 - beta * delta_score)

@@ -99,14 +99,14 @@ def test_labels_mask_and_no_entropy():
 def test_no_logits_are_materialised():
     model = make_model("qwen2-tied")
     input_ids, attention_mask = batch(2)
-    calls = []
+    products = []
     head = model.get_output_embeddings()
-    hook = head.register_forward_hook(lambda *args: calls.append(1))
+    hook = head.register_forward_hook(lambda m, i, o: products.append(tuple(o.shape)))
     try:
         fl_hf.causal_lm_logprobs(model, input_ids, attention_mask, backend="torch")
     finally:
         hook.remove()
-    assert not calls, "the LM head module ran: logits were formed"
+    assert products == [(1, 4, V)], "the LM head formed logits beyond its 4 probe rows"
 
 
 def test_tied_head_gradient_reaches_the_embedding():
@@ -222,3 +222,12 @@ def test_plain_loop_example_on_matches_off():
     off = losses(_run_example("plain_loop.py", "--fusedloss", "off", "--steps", "2"))
     assert len(on) == len(off) == 4
     assert on == pytest.approx(off, rel=1e-5)
+
+
+def test_left_padded_prompts_need_prompt_mask():
+    model = make_model("llama-untied")  # pad_token_id 0, bos 1
+    prompt, completion = batch(6)[0][:, :5], batch(6)[0][:, 5:]
+    prompt[1, :2] = 0  # left padding
+    with pytest.raises(ValueError, match="prompt_ids row 1 starts with the pad token .* need prompt_mask"):
+        fl_hf.completion_logprobs(model, prompt, completion, backend="torch")
+    fl_hf.completion_logprobs(model, prompt, completion, prompt_mask=(prompt != 0).long(), backend="torch")

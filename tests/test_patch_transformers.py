@@ -18,9 +18,11 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma2Config,
     LlamaConfig,
+    LlamaForCausalLM,
     MixtralConfig,
     Qwen2Config,
 )
+from transformers.modeling_outputs import CausalLMOutputWithPast  # noqa: E402
 
 from fusedloss.integrations import transformers as fl_hf  # noqa: E402
 
@@ -94,13 +96,13 @@ def test_the_head_never_runs_with_labels_and_runs_without():
     model = fl_hf.patch(make_model("qwen2-tied"), backend="torch")
     input_ids, attention_mask, labels = batch(1)
     products = []
-    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: products.append(o.shape[-1]))
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, i, o: products.append(tuple(o.shape)))
     try:
         model(input_ids, attention_mask=attention_mask, labels=labels)
-        assert products == [0], "the head formed logits"
+        assert products == [(1, 4, V)], "the head formed logits beyond its 4 probe rows"
         products.clear()
         out = model(input_ids, attention_mask=attention_mask)
-        assert products == [V] and out.logits.shape == (3, 11, V) and out.loss is None
+        assert products == [(3, 11, V)] and out.logits.shape == (3, 11, V) and out.loss is None
     finally:
         hook.remove()
 
@@ -402,3 +404,158 @@ def test_the_head_weight_reaches_fusedloss_unchanged(monkeypatch, tmp_path):
         assert isinstance(seen[-1], DTensor) and seen[-1] is untied.lm_head.weight
     finally:
         dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------------
+# What the patch observes, and what it refuses (every transformers architecture: tests/test_transformers_zoo.py)
+
+
+class _TransformedLlama(LlamaForCausalLM):
+    """A causal LM that post-processes its logits with ``transform(self, logits)`` before ``self.loss_function``."""
+
+    transform = staticmethod(lambda model, logits: logits)
+
+    def forward(self, input_ids=None, attention_mask=None, labels=None, logits_to_keep=0, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        logits = self.transform(self, self.lm_head(hidden))
+        loss = None if labels is None else self.loss_function(logits, labels, self.config.vocab_size, **kwargs)
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def transformed_llama(transform, seed=0):
+    torch.manual_seed(seed)
+    model = type("Model", (_TransformedLlama,), {"transform": staticmethod(transform)})(
+        CONFIGS["llama"]()).to(torch.float64)
+    return model
+
+
+@pytest.mark.parametrize("transform, expected", [
+    (lambda m, z: z * 0.37, (0.37, None)),  # no config field says so: refused below, not guessed
+    (lambda m, z: 5.0 * torch.tanh(z / 5.0), (1.0, 5.0)),
+])
+def test_a_transform_no_config_field_declares_is_refused(transform, expected):
+    model = fl_hf.patch(transformed_llama(transform), backend="torch")
+    input_ids, attention_mask, labels = batch(13)
+    with pytest.raises(RuntimeError, match="Model post-processes its head's output .* not reproduce"):
+        model(input_ids, attention_mask=attention_mask, labels=labels)
+
+
+@pytest.mark.parametrize("field, value, transform", [
+    ("logit_scale", 0.37, lambda m, z: z * 0.37),
+    ("logits_soft_cap", 5.0, lambda m, z: 5.0 * torch.tanh(z / 5.0)),  # RecurrentGemma's spelling
+    ("output_logit_soft_cap", 5.0, lambda m, z: 5.0 * torch.tanh(z / 5.0)),  # xLSTM's
+    ("logit_scale", 0.37, lambda m, z: z),  # declared but not applied (MPT): the model's own number
+    ("logits_scaling", 4.0, lambda m, z: z),  # applied to the head's input (MiniCPM3): already in it
+])
+def test_the_transform_the_model_applies_is_the_one_used(field, value, transform):
+    model = transformed_llama(transform)
+    setattr(model.config, field, value)
+    input_ids, attention_mask, labels = batch(14)
+    ref_loss = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels)
+    ref = param_grads(model, ref_loss)
+    fl_hf.patch(model, backend="torch")
+    out = model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert_each_close(param_grads(model, out.loss), ref, 1e-10)
+
+
+def test_a_vocabulary_cut_becomes_vocab_size():
+    """Inkling keeps the first ``unpadded_vocab_size`` logits: the padded rows leave the softmax."""
+    model = transformed_llama(lambda m, z: z[..., :V - 7])
+    with torch.no_grad():
+        model.lm_head.weight[V - 7:].mul_(20.0)  # padded rows that would dominate the softmax
+    input_ids, attention_mask, labels = (t.remainder(V - 7) if t.dtype == torch.long and t is not None else t
+                                         for t in batch(15))
+    labels = labels.masked_fill(attention_mask == 0, -100)
+    ref_loss = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels)
+    fl_hf.patch(model, backend="torch")
+    out = model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert rel(out.loss, ref_loss) < 1e-10
+    assert fl_hf.lm_head(model).vocab_size == V - 7
+
+
+def test_a_learned_parameter_on_the_logits_is_refused_even_at_one():
+    """A learned scale of exactly 1 leaves the values alone, but fusedloss would give it no gradient."""
+    model = transformed_llama(lambda m, z: z * m.logit_gain)
+    model.logit_gain = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
+    fl_hf.patch(model, backend="torch")
+    input_ids, attention_mask, labels = batch(16)
+    with pytest.raises(RuntimeError, match=r"applies learned parameters to its logits \(logit_gain\)"):
+        model(input_ids, attention_mask=attention_mask, labels=labels)
+    with torch.no_grad():  # without autograd nothing can miss a gradient: the values decide
+        assert model(input_ids, attention_mask=attention_mask, labels=labels).loss is not None
+
+
+def test_a_transform_with_the_right_values_and_the_wrong_slope_is_refused():
+    """The identity in value with slope 1.5 (a straight-through estimator): caught by the gradient check."""
+    model = fl_hf.patch(transformed_llama(lambda m, z: z + 0.5 * (z - z.detach())), backend="torch")
+    input_ids, attention_mask, labels = batch(17)
+    with pytest.raises(RuntimeError, match="the values agree on the probe rows, the slopes do not"):
+        model(input_ids, attention_mask=attention_mask, labels=labels)
+
+
+class _OwnLossLlama(LlamaForCausalLM):
+    def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+        hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+        logits = self.lm_head(hidden)
+        loss = None
+        if labels is not None:  # BartForCausalLM's way: its own cross-entropy, labels not shifted
+            loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+        return CausalLMOutputWithPast(loss=loss, logits=logits)
+
+
+def test_a_model_computing_its_own_loss_is_refused_with_the_cause_chained():
+    torch.manual_seed(0)
+    model = fl_hf.patch(_OwnLossLlama(CONFIGS["llama"]()).to(torch.float64), backend="torch")
+    input_ids, attention_mask, labels = batch(18)
+    with pytest.raises(RuntimeError, match="_OwnLossLlama computes its loss itself, not through "
+                                           "self.loss_function") as info:
+        model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert isinstance(info.value.__cause__, (ValueError, RuntimeError))  # the model's own error, chained
+
+
+class _ScaledHead(torch.nn.Linear):
+    """Dory's head: nn.Linear with a learned per-token scale of its own."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.logit_scale = torch.nn.Parameter(torch.ones(self.out_features))
+
+    def forward(self, x):
+        return super().forward(x) * self.logit_scale
+
+
+class _PlainSubclassHead(torch.nn.Linear):
+    pass
+
+
+def test_heads_that_are_not_one_linear_layer_are_refused_at_patch():
+    model = make_model("llama")
+    model.lm_head = _ScaledHead(32, V, bias=False, dtype=torch.float64)
+    with pytest.raises(ValueError, match="LM head class _ScaledHead has a forward of its own"):
+        fl_hf.patch(model)
+    model.lm_head = _PlainSubclassHead(32, V, bias=False, dtype=torch.float64)
+    model.lm_head.register_parameter("gain", torch.nn.Parameter(torch.ones(V, dtype=torch.float64)))
+    with pytest.raises(ValueError, match=r"parameters beyond weight and bias \(gain\)"):
+        fl_hf.patch(model)
+    model.lm_head = torch.nn.ModuleList([torch.nn.Linear(32, V), torch.nn.Linear(32, V)])  # MusicGen's codebooks
+    with pytest.raises(ValueError, match="LM head is a ModuleList, not one module with a"):
+        fl_hf.patch(model)
+    with pytest.raises(ValueError, match="LM head is a ModuleList"):
+        fl_hf.completion_logprobs(model, *batch(0)[0].split([5, 6], dim=1))
+
+
+def test_a_wrapped_model_is_refused_with_patch_before():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="patch before torch.compile"):
+        fl_hf.patch(torch.compile(model, backend="aot_eager"))
+    with pytest.raises(ValueError, match="patch before DataParallel"):
+        fl_hf.patch(torch.nn.DataParallel(model))
+    assert "forward" not in vars(model)
+
+
+def test_pre_shifted_labels_get_the_answer():
+    model = fl_hf.patch(make_model("llama"), backend="torch")
+    input_ids, attention_mask, labels = batch(19)
+    with pytest.raises(ValueError, match="labels are shifted for you: pass labels the length of input_ids"):
+        model(input_ids, attention_mask=attention_mask, labels=labels[:, 1:])

@@ -1,27 +1,34 @@
-"""Hugging Face ``transformers`` causal LMs as fusedloss inputs: the last hidden states and the LM head,
-never the ``[batch, seq, vocab]`` logits.
+"""Hugging Face ``transformers`` causal LMs as fusedloss inputs: the hidden states the LM head receives and the
+head, never the ``[batch, seq, vocab]`` logits.
 
-A causal LM computes ``logits = post(hidden @ lm_head.weight.T + lm_head.bias)``, where ``post`` is the
-model family's own logit processing. Every fusedloss op takes the same three pieces: ``hidden`` from the
-backbone, ``weight``/``bias`` from ``model.get_output_embeddings()``, and ``post`` as ``logit_scale`` and
-``softcap`` (scale, then soft-cap: docs/design.md, "The statistics problem"). ``lm_head(model)`` reads them
-the way the models apply them; ``last_hidden_state(model, ...)`` runs only the backbone;
-``causal_lm_logprobs`` and ``completion_logprobs`` put both together; ``patch(model)`` makes the model's own
-``model(input_ids, labels=labels).loss`` come from the hidden states (its logits are never formed).
+A causal LM computes ``logits = post(head_input @ lm_head.weight.T + lm_head.bias)``, where ``post`` is the
+model family's own logit processing. fusedloss reproduces ``post`` when it is a scale, a soft-cap and a cut of
+the vocabulary (``logit_scale``, ``softcap``, ``vocab_size``: docs/design.md, "The statistics problem"). No
+table of architectures says what ``post`` is: the model's own forward shows it. Every call runs the model's
+forward with its head tapped: the head records its input (the rows fusedloss scores) and returns its own output
+on a few probe rows only, the model post-processes those rows as it always does, and the integration compares
+what comes out with fusedloss's formula on the same rows, values and (once, with autograd on) the gradient with
+respect to the head's output and the parameters the post-processing reaches. A model whose ``post`` is not one
+the formula reproduces, or whose head is not a plain linear layer, is refused with the reason, never given a
+silent wrong number.
+
+``patch(model)`` makes the model's own ``model(input_ids, labels=labels).loss`` come from the head input (its
+logits are never formed); ``last_hidden_state``, ``causal_lm_logprobs`` and ``completion_logprobs`` run the
+model's forward the same way; ``lm_head(model)`` gives the head and the observed ``post``.
 
 Handled: tied embeddings (the head weight *is* the embedding parameter; its gradient collects both uses),
-PEFT-wrapped models (the backbone runs with its adapters; a LoRA on the head itself is folded into the head
-weight), FSDP2 (the head goes to fusedloss as the parameter it is: a sharded DTensor when the head is its
-own FSDP unit, which the core gathers once per forward and once per backward and whose gradient it
-reduce-scatters and averages as FSDP does, docs/design.md "Distributed"; the backbone runs inside the
-root's FSDP forward), ``device_map`` splits (hidden states move to the head's device). Not handled:
-DeepSpeed ZeRO-3 partitioned heads (gather them around the call), prompt-learning PEFT (virtual tokens live
-in the PEFT forward), a LoRA on an FSDP2-sharded head, models whose head multiplies by something other than
-the config fields below.
+PEFT-wrapped models (adapters run in the model's forward; a LoRA on the head itself is folded into the head
+weight), FSDP2 (the head goes to fusedloss as the parameter it is: a sharded DTensor when the head is its own
+FSDP unit, which the core gathers once per forward and once per backward and whose gradient it reduce-scatters
+and averages as FSDP does, docs/design.md "Distributed"), ``device_map`` splits (hidden states move to the
+head's device). Not handled: DeepSpeed ZeRO-3 partitioned heads (gather them around the call), prompt-learning
+PEFT (virtual tokens live in the PEFT forward), a LoRA on an FSDP2-sharded head.
 """
 
 from __future__ import annotations
 
+import math
+import weakref
 from typing import NamedTuple, Optional, Union
 
 import torch
@@ -33,31 +40,54 @@ __all__ = ["LMHead", "causal_lm_logprobs", "completion_logprobs", "last_hidden_s
 
 
 class LMHead(NamedTuple):
-    """The LM head as fusedloss consumes it: ``z = softcap(logit_scale * (h @ weight.T + bias))``."""
+    """The LM head as fusedloss consumes it: ``z = softcap(logit_scale * (h @ weight.T + bias))[..., :vocab_size]``
+    for ``h`` the head's input (``last_hidden_state``)."""
 
     weight: torch.Tensor  # [V, D], the parameter itself (an FSDP2 DTensor shard stays one), differentiable
     bias: Optional[torch.Tensor]  # [V] or None
     logit_scale: float
     softcap: Optional[float]
+    vocab_size: Optional[int] = None  # the logits the model keeps (its first rows); None: all V
 
     @property
     def options(self) -> dict:
-        """``bias``, ``logit_scale`` and ``softcap`` as keyword arguments of any fusedloss function:
-        ``fusedloss.cross_entropy(hidden, head.weight, labels, **head.options)``."""
-        return {"bias": self.bias, "logit_scale": self.logit_scale, "softcap": self.softcap}
+        """``bias``, ``logit_scale``, ``softcap`` and ``vocab_size`` as keyword arguments of any fusedloss
+        function: ``fusedloss.cross_entropy(hidden, head.weight, labels, **head.options)``."""
+        return {"bias": self.bias, "logit_scale": self.logit_scale, "softcap": self.softcap,
+                "vocab_size": self.vocab_size}
+
+
+# The config fields that name a soft-cap or a logit multiplier in transformers' models. They only propose
+# candidates: what the model's forward does on the probe rows decides (a field can be declared and not applied,
+# MPT's logit_scale, or applied to the head's input, MiniCPM3's logits_scaling, which the head input then holds).
+_SOFTCAP_FIELDS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+_MULTIPLIER_FIELDS = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling",
+                      "logits_mup_width_multiplier")
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _real_field(config, name) -> Optional[float]:
+    value = getattr(config, name, None)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
+        return None
+    return float(value)
 
 
 def logit_postprocessing(config) -> tuple[float, Optional[float]]:
-    """``(logit_scale, softcap)`` of a model config, in the spellings TRL 1.16 reads (``add_fused_lm_head``):
+    """``(logit_scale, softcap)`` a model config declares, in the spellings TRL 1.16 reads (``add_fused_lm_head``):
 
     - ``final_logit_softcapping``: Gemma 2 / Gemma 3 ``softcap * tanh(logits / softcap)``;
-    - ``logit_scale``: Cohere / Cohere 2 multiply the logits by it (``None`` means unscaled, e.g. MPT);
+    - ``logit_scale``: Cohere / Cohere 2 multiply the logits by it (``None`` means unscaled);
     - ``output_multiplier`` (Muse Glimmer) and ``lm_head_multiplier`` (Falcon-H1): multipliers;
-    - ``logits_scaling``: Granite and MiniCPM3 *divide* by it, HyperCLOVA X multiplies by it.
+    - ``logits_scaling``: Granite *divides* by it, HyperCLOVA X multiplies by it.
 
-    Multimodal models keep these on their text config, so it is read through ``get_text_config()``."""
-    if hasattr(config, "get_text_config"):
-        config = config.get_text_config()
+    Multimodal models keep these on their text config, so it is read through ``get_text_config()``. This is a
+    prediction from field names; ``lm_head`` and ``patch`` use it only as the first candidate and check it
+    against the model's own forward."""
+    config = _text_config(config)
     softcap = getattr(config, "final_logit_softcapping", None)
     scale = getattr(config, "logit_scale", None)
     for name in ("output_multiplier", "lm_head_multiplier"):
@@ -69,8 +99,59 @@ def logit_postprocessing(config) -> tuple[float, Optional[float]]:
     return (1.0 if scale is None else float(scale)), (None if softcap is None else float(softcap))
 
 
+class _Transform(NamedTuple):
+    """``post``: ``softcap(logit_scale * z)[..., :vocab_size]`` of the head's output ``z``."""
+
+    logit_scale: float
+    softcap: Optional[float]
+    vocab_size: Optional[int]
+
+    def __call__(self, z: torch.Tensor) -> torch.Tensor:
+        if self.vocab_size is not None:
+            z = z[..., :self.vocab_size]
+        z = z * self.logit_scale
+        return z if self.softcap is None else self.softcap * torch.tanh(z / self.softcap)
+
+    def vjp(self, z: torch.Tensor, cotangent: torch.Tensor) -> torch.Tensor:
+        """``cotangent`` (over the kept logits) pulled back to the head's output ``z``."""
+        kept = z[..., :cotangent.shape[-1]] * self.logit_scale
+        d = torch.full_like(kept, self.logit_scale)
+        if self.softcap is not None:
+            d = d * (1 - torch.tanh(kept / self.softcap) ** 2)
+        grad = torch.zeros_like(z)
+        grad[..., :cotangent.shape[-1]] = cotangent * d
+        return grad
+
+
+def _candidate_transforms(config, head_vocab: int, kept_vocab: int) -> list:
+    """Every ``post`` the config's fields allow, the documented reading first."""
+    text = _text_config(config)
+    try:
+        predicted = [logit_postprocessing(config)]
+    except (TypeError, ValueError):  # a non-numeric field (MPT's "inv_sqrt_d_model"): no prediction
+        predicted = []
+    scales = [1.0]
+    for name in _MULTIPLIER_FIELDS:
+        value = _real_field(text, name)
+        if value is not None:
+            scales += [value, 1.0 / value]
+    softcaps = [None] + [v for v in (_real_field(text, name) for name in _SOFTCAP_FIELDS) if v is not None and v > 0]
+    vocab = None if kept_vocab == head_vocab else kept_vocab
+    pairs = predicted + [(s, c) for c in softcaps for s in scales]
+    seen, out = set(), []
+    for scale, softcap in pairs:
+        if (scale, softcap) not in seen:
+            seen.add((scale, softcap))
+            out.append(_Transform(scale, softcap, vocab))
+    return out
+
+
 def _is_peft_model(model) -> bool:
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _is_peft_layer(head) -> bool:
+    return hasattr(head, "get_base_layer") and hasattr(head, "active_adapters")
 
 
 def _causal_lm(model):
@@ -106,77 +187,381 @@ def _peft_head(head) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     return weight, bias
 
 
-def lm_head(model) -> LMHead:
-    """The head of a causal LM (or a PEFT model wrapping one), read from ``get_output_embeddings()``.
+def _output_head(lm):
+    """``lm.get_output_embeddings()``, refused unless it is one linear layer fusedloss can stand in for: a
+    module whose ``weight`` is its ``[V, D]`` matrix, with ``nn.Linear``'s forward and no parameter beyond
+    ``weight`` and ``bias`` (a learned scale inside the head would otherwise get no gradient)."""
+    if not hasattr(lm, "get_output_embeddings"):
+        raise ValueError(f"{type(lm).__name__} is not a transformers causal LM with an LM head "
+                         "(get_output_embeddings() is needed)")
+    head = lm.get_output_embeddings()
+    name = type(lm).__name__
+    if head is None:
+        raise ValueError(f"{name} has no LM head (get_output_embeddings() returned None)")
+    base = head.get_base_layer() if _is_peft_layer(head) else head
+    weight = getattr(base, "weight", None)
+    if not isinstance(base, torch.nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"fusedloss: {name}'s LM head is a {type(base).__name__}, not one module with a "
+                         "[vocab, hidden] weight (e.g. one head per codebook): fusedloss.integrations.transformers "
+                         "does not support this architecture")
+    if type(base).forward is not torch.nn.Linear.forward:
+        raise ValueError(f"fusedloss: {name}'s LM head class {type(base).__name__} has a forward of its own, not "
+                         "nn.Linear's: fusedloss computes h @ weight.T + bias and would skip what it adds; "
+                         "fusedloss.integrations.transformers does not support this architecture")
+    extra = [n for n, _ in base.named_parameters() if n not in ("weight", "bias")]
+    if extra:
+        raise ValueError(f"fusedloss: {name}'s LM head has parameters beyond weight and bias ({', '.join(extra)}): "
+                         "they would get no gradient from fusedloss; fusedloss.integrations.transformers does not "
+                         "support this architecture")
+    return head
 
-    Pass its four fields to any fusedloss function, so that soft-capped (Gemma 2/3) and scaled (Cohere,
-    Granite, ...) heads give the model's own logits::
+
+def _head_tensors(head) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    if _is_peft_layer(head):
+        return _peft_head(head)
+    return head.weight, getattr(head, "bias", None)
+
+
+# The post-processing each head was last seen to apply (keyed by the head module: a copy.deepcopy of a model
+# has new head modules and is observed afresh).
+_OBSERVED: "weakref.WeakKeyDictionary[torch.nn.Module, _Transform]" = weakref.WeakKeyDictionary()
+
+
+def lm_head(model) -> LMHead:
+    """The head of a causal LM (or a PEFT model wrapping one) and the logit processing its forward applies.
+
+    Pass its fields to any fusedloss function, with the rows ``last_hidden_state`` returns, so that soft-capped
+    (Gemma 2/3, RecurrentGemma, xLSTM), scaled (Cohere, Granite, ...) and vocabulary-cut (Inkling) heads give
+    the model's own logits::
 
         head = lm_head(model)
-        loss = fusedloss.cross_entropy(hidden, head.weight, labels, bias=head.bias,
-                                       logit_scale=head.logit_scale, softcap=head.softcap)
+        loss = fusedloss.cross_entropy(hidden, head.weight, labels, **head.options)
+
+    The processing is the one observed on the model's forward: the last ``last_hidden_state`` /
+    ``causal_lm_logprobs`` / ``completion_logprobs`` / patched labelled call on this model, or, before any, a
+    one-sequence probe forward run here (under ``torch.no_grad``, the random state restored). A model whose
+    processing fusedloss cannot reproduce is refused with the reason.
 
     ``weight`` and ``bias`` are the head's parameters themselves, never gathered copies: under FSDP2, a head
     that is its own FSDP unit is read here as its sharded DTensor, and fusedloss gathers it and averages its
     gradient across ranks itself (docs/design.md, "Distributed"). Gathering it here with ``full_tensor()``
     would give each rank's shard only its own tokens' gradient, not the average FSDP takes."""
-    return _read_head(_causal_lm(model))
+    lm = _causal_lm(model)
+    head = _output_head(lm)
+    transform = _OBSERVED.get(head)
+    if transform is None:
+        transform = _probe_forward(lm)
+    return _as_lm_head(head, transform)
 
 
-def _read_head(lm) -> LMHead:
-    head = lm.get_output_embeddings()
-    if head is None:
-        raise ValueError(f"{type(lm).__name__} has no output embeddings (get_output_embeddings() returned None)")
-    if hasattr(head, "get_base_layer") and hasattr(head, "active_adapters"):
-        weight, bias = _peft_head(head)
-    else:
-        weight, bias = head.weight, getattr(head, "bias", None)
-    scale, softcap = logit_postprocessing(lm.config)
-    return LMHead(weight, bias, scale, softcap)
+def _as_lm_head(head, transform: _Transform) -> LMHead:
+    weight, bias = _head_tensors(head)
+    return LMHead(weight, bias, transform.logit_scale, transform.softcap, transform.vocab_size)
 
 
-def _backbone(lm):
-    # Before transformers 5, vision-language models expose their language backbone as `model` rather than
-    # through `base_model_prefix` (the same rule TRL's add_fused_lm_head follows).
-    import transformers
-    from packaging.version import Version
-
-    if lm.config.get_text_config() is not lm.config and Version(transformers.__version__) < Version("5.0.0"):
-        return lm.model
-    return lm.base_model
-
-
-_BACKBONE_METHOD = "_fusedloss_backbone_forward"
-
-
-def _backbone_forward(lm, **kwargs):
-    return _backbone(lm)(**kwargs)
-
-
-def _run_backbone(lm, **kwargs):
-    """The backbone, called so that an FSDP2 root (``fully_shard(model)``) gathers its own parameters
-    (embeddings, final norm, ...) around it, as it does around ``model.forward``: the call goes through a
-    method registered with ``register_fsdp_forward_method`` (once per model; a no-op without FSDP2)."""
+def _probe_forward(lm) -> _Transform:
+    """Run the model once on a two-token sequence to observe its logit processing (``lm_head`` before any
+    other call)."""
+    device = next((p.device for p in lm.parameters()), torch.device("cpu"))
+    ids = torch.zeros(1, 2, dtype=torch.long, device=device)
+    devices = [device] if device.type == "cuda" else []
     try:
-        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
-    except ImportError:  # torch without FSDP2
-        return _backbone(lm)(**kwargs)
-    if not isinstance(lm, FSDPModule):
-        return _backbone(lm)(**kwargs)
-    if _BACKBONE_METHOD not in lm.__dict__:
+        with torch.random.fork_rng(devices=devices), torch.no_grad():
+            _, transform = _observed_forward(lm, dict(input_ids=ids))
+    except _Refusal:
+        raise
+    except Exception as error:
+        raise RuntimeError(f"fusedloss: could not run {type(lm).__name__} on a probe sequence to observe its logit "
+                           "processing; call last_hidden_state(model, input_ids, ...) first (lm_head then "
+                           "reads what that call observed)") from error
+    return transform
+
+
+# ------------------------------------------------------------------------------------------------ the tap
+#
+# While armed, the head's forward records its input (the rows fusedloss scores, already sliced by
+# ``logits_to_keep``) and returns its own output on ``_PROBE_ROWS`` of them, ``[1, k, V]``: no ``[tokens, vocab]``
+# product runs. The model then does with those rows what it does with logits (scale, soft-cap, cut the
+# vocabulary, cast), and hands them to ``self.loss_function`` (the patch) or returns them (the helpers), where
+# ``_observe`` compares them with fusedloss's formula on the same rows.
+
+_PATCH_ATTR = "_fusedloss_patch"
+_PROBE_ROWS = 4
+
+
+class _Refusal(RuntimeError):
+    """A model the integration cannot give exact numbers for, with the reason."""
+
+
+class _Observation(NamedTuple):
+    hidden: torch.Tensor  # [k, D] the probe rows of the head's input (a leaf when autograd records)
+    z: torch.Tensor  # [k, V] the head's own output on them
+
+
+class _Tap:
+    """The head tap of one model: its state during one forward, and what was observed."""
+
+    def __init__(self, lm, head):
+        self.lm, self.head = lm, head
+        self.saved_head_forward = head.__dict__.get("forward")
+        self.armed = False
+        self.hidden = self.observation = None
+        self.head_calls = self.loss_calls = 0
+        self.in_loss = False
+        self.logits_to_keep = 0
+        self.transform: Optional[_Transform] = None  # the last observed post-processing
+        self.head_checked = self.grad_checked = False
+
+    def head_forward(self):
+        saved = self.saved_head_forward
+        return saved if saved is not None else type(self.head).forward.__get__(self.head)
+
+    def arm(self, logits_to_keep=0):
+        self.armed, self.hidden, self.observation = True, None, None
+        self.head_calls = self.loss_calls = 0
+        self.in_loss, self.logits_to_keep = False, logits_to_keep
+
+    def disarm(self):
+        self.armed, self.hidden, self.observation = False, None, None
+
+
+def _tapped_head_forward(head, hidden, *args, **kwargs):
+    """``head.forward`` of a tapped LM head (bound to the head)."""
+    state = head.__dict__[_PATCH_ATTR]
+    if not state.armed:
+        return state.head_forward()(hidden, *args, **kwargs)
+    state.head_calls += 1
+    if state.hidden is not None:
+        raise _Refusal(f"fusedloss: {type(state.lm).__name__} runs its LM head twice in one forward; "
+                       "fusedloss.integrations.transformers does not support this architecture")
+    state.hidden = hidden
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    k = min(_PROBE_ROWS, rows.shape[0])
+    index = torch.linspace(0, rows.shape[0] - 1, k).round().long().to(rows.device)
+    probe = rows.detach()[index]
+    if torch.is_grad_enabled():
+        probe.requires_grad_()
+    weight, bias = _head_tensors(head)
+    if _is_dtensor(weight):  # a head sharded outside FSDP's forward: its own forward cannot run on plain rows
+        z = torch.nn.functional.linear(probe, weight.full_tensor(), None if bias is None else bias.full_tensor())
+    else:
+        z = state.head_forward()(probe, *args, **kwargs)
+    state.observation = _Observation(probe, z)
+    return z.reshape((1,) * max(hidden.dim() - 2, 0) + tuple(z.shape))
+
+
+def _is_dtensor(t) -> bool:
+    return type(t).__name__ == "DTensor"
+
+
+class _Tapped:
+    """``with _Tapped(lm) as state``: the model's head tapped for one forward (the patch's tap when the model
+    is patched, else one installed for the block and removed after it)."""
+
+    def __init__(self, lm, head):
+        self.lm, self.head = lm, head
+        self.state = lm.__dict__.get(_PATCH_ATTR)
+        self.installed = self.state is None or self.state.head is not head
+        if self.installed and head.__dict__.get(_PATCH_ATTR) is not None:
+            raise RuntimeError("fusedloss: the LM head is already tapped (a helper called from inside another "
+                               "helper's forward?)")
+
+    def __enter__(self) -> _Tap:
         import types
 
-        lm.__dict__[_BACKBONE_METHOD] = types.MethodType(_backbone_forward, lm)
-        register_fsdp_forward_method(lm, _BACKBONE_METHOD)
-    return getattr(lm, _BACKBONE_METHOD)(**kwargs)
+        if self.installed:
+            self.state = _Tap(self.lm, self.head)
+            self.head.__dict__[_PATCH_ATTR] = self.state
+            self.head.forward = types.MethodType(_tapped_head_forward, self.head)
+        self.state.arm()
+        return self.state
+
+    def __exit__(self, *exc):
+        self.state.disarm()
+        if self.installed:
+            self.head.__dict__.pop(_PATCH_ATTR, None)
+            _restore(self.head, "forward", self.state.saved_head_forward)
+        return False
+
+
+def _restore(obj, attr, saved):
+    if saved is None:
+        obj.__dict__.pop(attr, None)
+    else:
+        obj.__dict__[attr] = saved
+
+
+def _close(expected: torch.Tensor, got: torch.Tensor, eps: float) -> bool:
+    """Equal up to a few roundings of ``eps`` (NaN where both are NaN, the same infinity)."""
+    same = (expected == got) | (expected.isnan() & got.isnan())
+    finite = expected.isfinite() & got.isfinite()
+    scale = expected[finite].abs().max() if finite.any() else expected.new_zeros(())
+    tolerance = 4 * eps * (expected.abs() + got.abs()) + eps * scale
+    return bool((same | (finite & ((expected - got).abs() <= tolerance))).all())
+
+
+def _refuse(lm, why: str):
+    raise _Refusal(f"fusedloss: {type(lm).__name__} {why}; fusedloss.integrations.transformers does not support "
+                   "this architecture (it gives no number it cannot reproduce exactly)")
+
+
+def _observe(state: _Tap, logits, *, gradient: bool = True) -> _Transform:
+    """The post-processing the model applied to the head's output on the probe rows (``logits``: what the
+    model made of them), checked against fusedloss's formula; refused with the reason when none fits.
+    ``gradient=False``: values only (the logits left the model's forward, where wrappers may have hooked a
+    backward on them)."""
+    lm, obs = state.lm, state.observation
+    if obs is None:
+        _refuse(lm, "did not call its LM head before computing its loss")
+    z = obs.z
+    k, vocab = z.shape
+    if k == 0:  # no rows: the loss does not depend on the processing
+        return state.transform or _candidate_transforms(lm.config, vocab, vocab)[0]
+    if not isinstance(logits, torch.Tensor) or logits.dim() == 0 or logits.shape[-1] > vocab \
+            or logits.numel() != k * logits.shape[-1]:
+        shape = tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__
+        _refuse(lm, f"does not turn its head's output rows into logits row by row (the head returned {k} rows "
+                    f"of {vocab}; the logits it computed from them have shape {shape})")
+    y = logits.reshape(k, -1)
+    eps = max(torch.finfo(z.dtype).eps, torch.finfo(y.dtype).eps) if y.is_floating_point() else 1.0
+    zd, yd = z.detach().double(), y.detach().double()
+    if not state.head_checked:
+        _check_head_product(state, zd)
+    candidates = _candidate_transforms(lm.config, vocab, y.shape[-1])
+    if state.transform is not None and state.transform.vocab_size == candidates[0].vocab_size:
+        candidates.insert(0, state.transform)  # the processing seen last time, checked first
+    chosen = next((t for t in candidates if _close(t(zd), yd, eps)), None)
+    if chosen is None:
+        kept = zd[:, :y.shape[-1]]
+        finite = kept.isfinite() & yd.isfinite()
+        ratio = (yd[finite] * kept[finite]).sum() / (kept[finite] ** 2).sum().clamp(min=1e-300)
+        cut = "" if y.shape[-1] == vocab else f" (its first {y.shape[-1]} of {vocab} entries)"
+        _refuse(lm, f"post-processes its head's output in a way fusedloss's scale / soft-cap / vocabulary cut does "
+                    f"not reproduce with any value its config declares: on {k} probe rows its logits are about "
+                    f"{ratio.item():.4g} x the head's output{cut}, but not exactly any candidate "
+                    f"({', '.join(_describe(t) for t in candidates)})")
+    if gradient and torch.is_grad_enabled() and y.requires_grad and z.requires_grad and not state.grad_checked:
+        _check_gradient(state, chosen, obs, y, eps)
+        state.grad_checked = True
+    state.transform = chosen
+    _OBSERVED[state.head] = chosen
+    return chosen
+
+
+def _describe(t: _Transform) -> str:
+    return f"logit_scale={t.logit_scale:.6g}" + ("" if t.softcap is None else f" softcap={t.softcap:.6g}")
+
+
+def _check_head_product(state: _Tap, z: torch.Tensor) -> None:
+    """Once per tap: the head's own output on the probe rows is ``h @ weight.T + bias`` (a LoRA on the head
+    folded into the weight as fusedloss receives it)."""
+    h = state.observation.hidden.detach().double()
+    weight, bias = _head_tensors(state.head)
+    with torch.no_grad():
+        if _is_dtensor(weight):
+            weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
+        eps = torch.finfo(state.observation.z.dtype).eps
+        for start in range(0, weight.shape[0], 8192):  # the head in float64 a slice at a time
+            w = weight[start:start + 8192].double()
+            b = None if bias is None else bias[start:start + 8192].double()
+            product = torch.nn.functional.linear(h, w, b)
+            bound = torch.nn.functional.linear(h.abs(), w.abs(), None if b is None else b.abs())
+            got = z[:, start:start + 8192]
+            ok = (got - product).abs() <= 16 * eps * bound + 1e-300
+            if not bool((ok | (got.isnan() & product.isnan())).all()):
+                _refuse(state.lm, "has an LM head whose output is not h @ weight.T + bias of the weight and bias "
+                                  "it exposes")
+    state.head_checked = True
+
+
+def _check_gradient(state: _Tap, t: _Transform, obs: _Observation, y: torch.Tensor, eps: float) -> None:
+    """Once, with autograd recording: the post-processing reaches no parameter beyond the head's (fusedloss
+    would give it no gradient), and its gradient with respect to the head's output is the formula's (a
+    transform can be the identity at one point and differ in its slope)."""
+    reached, stack, seen = [], [y.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node is obs.z.grad_fn or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None and variable is not obs.hidden:
+            reached.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    if reached:
+        names = {id(p): n for n, p in state.lm.named_parameters()}
+        what = ", ".join(names.get(id(p), f"a tensor of shape {tuple(p.shape)}") for p in reached)
+        _refuse(state.lm, f"applies learned parameters to its logits ({what}): fusedloss would give them no "
+                          "gradient")
+    cotangent = torch.linspace(-1.0, 1.0, y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape)
+    (got,) = torch.autograd.grad(y, obs.z, cotangent.reshape(y.shape), retain_graph=True)
+    expected = t.vjp(obs.z.detach().double(), cotangent.double().reshape(obs.z.shape[0], -1))
+    if not _close(expected, got.detach().double().reshape(expected.shape), eps):
+        _refuse(state.lm, "post-processes its head's output with a gradient that is not the one of "
+                          f"{_describe(t)} (the values agree on the probe rows, the slopes do not)")
+
+
+def _is_fsdp(module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without FSDP2
+        return False
+    return isinstance(module, FSDPModule)
+
+
+def _forward_accepts(lm, name: str) -> bool:
+    import inspect
+
+    parameters = inspect.signature(type(lm).forward).parameters
+    return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
+def _observed_forward(lm, kwargs: dict) -> tuple[torch.Tensor, _Transform]:
+    """The model's own forward on ``kwargs`` (no labels) with its head tapped: the head's input ``[..., D]``
+    and the observed post-processing."""
+    head = _output_head(lm)
+    if _forward_accepts(lm, "use_cache"):
+        kwargs.setdefault("use_cache", False)
+    with _Tapped(lm, head) as state:
+        try:
+            out = lm(**kwargs)
+        except _Refusal:
+            raise
+        except Exception as error:
+            if state.head_calls:
+                raise _Refusal(f"fusedloss: {type(lm).__name__} could not post-process its head's output on the "
+                               "probe rows (it raised); fusedloss.integrations.transformers does not support this "
+                               "architecture") from error
+            raise
+        hidden = state.hidden
+        if hidden is None:
+            _refuse(lm, "did not call its LM head in its forward")
+        logits = getattr(out, "logits", None) if not isinstance(out, tuple) else out[0]
+        # FSDP2 hooks its pre-backward on the root's outputs: a backward through them here, mid-step, would
+        # run it. Such a model's gradient check is the patch's (inside the forward, before the hooks).
+        transform = _observe(state, logits, gradient=not _is_fsdp(lm))
+    return hidden, transform
+
+
+def _hidden_and_head(model, input_ids, attention_mask, model_kwargs) -> tuple[torch.Tensor, LMHead]:
+    lm = _causal_lm(model)
+    kwargs = dict(model_kwargs, input_ids=input_ids)
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    hidden, transform = _observed_forward(lm, kwargs)
+    if tuple(hidden.shape[:-1]) != tuple(input_ids.shape):
+        _refuse(lm, f"feeds its LM head hidden states of shape {tuple(hidden.shape)}, not one row per input "
+                    f"position ({tuple(input_ids.shape)})")
+    return hidden, _as_lm_head(lm.get_output_embeddings(), transform)
 
 
 def last_hidden_state(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                       **model_kwargs) -> torch.Tensor:
-    """``[B, T, D]`` output of the model's backbone (the input of the LM head); no logits are formed."""
-    model_kwargs.setdefault("use_cache", False)
-    out = _run_backbone(_causal_lm(model), input_ids=input_ids, attention_mask=attention_mask, **model_kwargs)
-    return out.last_hidden_state
+    """``[B, T, D]``: the input of the LM head, from the model's own forward (whatever the model does between its
+    backbone and the head's weight, a BERT-style transform, a scaled input, is included). No logits are formed:
+    the head runs on a few probe rows only, which check ``lm_head(model)``'s logit processing against the
+    model's. Extra keyword arguments go to the model's forward (``position_ids``, ``pixel_values``, ...)."""
+    return _hidden_and_head(model, input_ids, attention_mask, model_kwargs)[0]
 
 
 def causal_lm_logprobs(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None, *,
@@ -184,30 +569,46 @@ def causal_lm_logprobs(model, input_ids: torch.Tensor, attention_mask: Optional[
                        return_entropy: bool = False, backend: str = "auto", **model_kwargs
                        ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Per-token log-probabilities ``[B, T-1]`` of the next tokens ``input_ids[:, 1:]`` under ``model``,
-    computed from the last hidden states and the head with ``fusedloss.token_logprobs``.
+    computed from the head's input and the head with ``fusedloss.token_logprobs``.
 
     Position ``t`` scores ``input_ids[:, t + 1]`` given the prefix, with the model's own logit processing
-    (``logit_scale``, ``final_logit_softcapping``) and then ``temperature``. Positions whose target is
-    padding (``attention_mask[:, t + 1] == 0``) or, when ``labels`` (``[B, T]``, unshifted, as for the
+    (observed on its forward: scales, soft-caps, a vocabulary cut) and then ``temperature``. Positions whose
+    target is padding (``attention_mask[:, t + 1] == 0``) or, when ``labels`` (``[B, T]``, unshifted, as for the
     model's own loss) is given, whose label is -100, are 0 in the outputs and carry no gradient.
     With ``return_entropy`` also returns the entropy of each next-token distribution (same shape, 0 at
     those positions). Differentiable with respect to the model's parameters. Extra keyword arguments go
-    to the backbone (``position_ids``, ``pixel_values``, ...).
+    to the model's forward (``position_ids``, ``pixel_values``, ...).
     """
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, seq_len], got shape {tuple(input_ids.shape)}")
-    hidden = last_hidden_state(model, input_ids, attention_mask, **model_kwargs)[:, :-1]
-    head = lm_head(model)
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq_len], got shape "
+                         f"{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids)}")
+    hidden, head = _hidden_and_head(model, input_ids, attention_mask, model_kwargs)
     targets = (input_ids if labels is None else labels)[:, 1:]
     if attention_mask is not None:
         targets = targets.masked_fill(attention_mask[:, 1:] == 0, -100)
-    # With a `device_map` split, the backbone can end on another device than the head.
-    hidden = hidden.to(head.weight.device)
-    targets = targets.to(head.weight.device)
-    return fusedloss.token_logprobs(
-        hidden, head.weight, targets, bias=head.bias, temperature=temperature, logit_scale=head.logit_scale,
-        softcap=head.softcap, ignore_index=-100, return_entropy=return_entropy, backend=backend,
-    )
+    return _token_logprobs(hidden[:, :-1], head, targets, temperature, return_entropy, backend)
+
+
+def _token_logprobs(hidden, head: LMHead, targets, temperature, return_entropy, backend):
+    # With a `device_map` split, the last layers can run on another device than the head.
+    device = head.weight.device
+    return fusedloss.token_logprobs(hidden.to(device), head.weight, targets.to(device), temperature=temperature,
+                                    ignore_index=-100, return_entropy=return_entropy, backend=backend,
+                                    **head.options)
+
+
+def _require_left_padding_masked(model, prompt_ids: torch.Tensor) -> None:
+    """Without ``prompt_mask``, a prompt that starts with the model's pad token is left padding the model would
+    attend to: refuse it rather than score the completion under a different context."""
+    config = _text_config(_causal_lm(model).config)
+    pad, bos = getattr(config, "pad_token_id", None), getattr(config, "bos_token_id", None)
+    if not isinstance(pad, int) or pad == bos or prompt_ids.shape[1] < 2:
+        return
+    padded = (prompt_ids[:, 0] == pad).nonzero().flatten()
+    if padded.numel():
+        raise ValueError(f"prompt_ids row {padded[0].item()} starts with the pad token ({pad}): left-padded prompts "
+                         "need prompt_mask (1 = real token), else the model attends to the padding and the "
+                         "log-probs are those of another context")
 
 
 def completion_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.Tensor, *,
@@ -215,16 +616,17 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.T
                         temperature: float = 1.0, return_entropy: bool = False, backend: str = "auto",
                         **model_kwargs) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """Log-probabilities ``[B, C]`` of ``completion_ids`` ``[B, C]`` given ``prompt_ids`` ``[B, P]``, aligned
-    for you: the hidden state at position ``P + t - 1`` scores completion token ``t``, so the first
-    completion token is scored by the prompt's last position and the completion's last hidden state is
+    for you: the head input at position ``P + t - 1`` scores completion token ``t``, so the first
+    completion token is scored by the prompt's last position and the completion's last position is
     not used (it predicts a token that was not sampled).
 
     ``prompt_mask`` / ``completion_mask`` (``[B, P]`` / ``[B, C]``, 1 = real token; e.g. left-padded
     prompts and right-padded completions, as TRL pads them) become the attention mask; completion
-    positions with mask 0 give 0 and no gradient. With ``return_entropy`` also returns the entropy of
-    each scored next-token distribution. This is what RL trainers call "per-token log-probs of the
+    positions with mask 0 give 0 and no gradient. Left-padded prompts need ``prompt_mask``: a prompt that
+    starts with the model's pad token without it is refused. With ``return_entropy`` also returns the
+    entropy of each scored next-token distribution. This is what RL trainers call "per-token log-probs of the
     completion"; ``fusedloss.grpo_loss(hidden, ...)`` wants the same rows, which are
-    ``last_hidden_state(model, cat(prompt, completion))[:, P - 1:-1]``."""
+    ``last_hidden_state(model, cat(prompt, completion))[:, P - 1:-1]`` with ``**lm_head(model).options``."""
     for name, t in (("prompt_ids", prompt_ids), ("completion_ids", completion_ids)):
         if not isinstance(t, torch.Tensor) or t.dim() != 2:
             raise ValueError(f"{name} must be a [batch, length] tensor, got "
@@ -235,6 +637,8 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.T
     if prompt_ids.shape[1] < 1:
         raise ValueError("prompt_ids must hold at least one token: the first completion token is scored by "
                          "the last prompt position")
+    if prompt_mask is None:
+        _require_left_padding_masked(model, prompt_ids)
     p = prompt_ids.shape[1]
     input_ids = torch.cat((prompt_ids, completion_ids), dim=1)
     attention_mask = None
@@ -242,16 +646,11 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.T
         pm = torch.ones_like(prompt_ids) if prompt_mask is None else prompt_mask.to(prompt_ids.dtype)
         cm = torch.ones_like(completion_ids) if completion_mask is None else completion_mask.to(prompt_ids.dtype)
         attention_mask = torch.cat((pm, cm), dim=1)
-    hidden = last_hidden_state(model, input_ids, attention_mask, **model_kwargs)[:, p - 1:-1]
-    head = lm_head(model)
+    hidden, head = _hidden_and_head(model, input_ids, attention_mask, model_kwargs)
     targets = completion_ids
     if completion_mask is not None:
         targets = targets.masked_fill(completion_mask == 0, -100)
-    return fusedloss.token_logprobs(
-        hidden.to(head.weight.device), head.weight, targets.to(head.weight.device), bias=head.bias,
-        temperature=temperature, logit_scale=head.logit_scale, softcap=head.softcap, ignore_index=-100,
-        return_entropy=return_entropy, backend=backend,
-    )
+    return _token_logprobs(hidden[:, p - 1:-1], head, targets, temperature, return_entropy, backend)
 
 
 # ------------------------------------------------------------------------------------------------ patch
@@ -259,53 +658,40 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.T
 # How the patch works (docs/design.md, "Configuration"): the model keeps its own forward. Three instance
 # attributes are set, and ``unpatch`` removes them:
 #
-#   * ``lm.forward``: with ``labels`` it arms a capture, calls the model's own forward, and returns its
-#     output with ``logits=None``; without labels it is the model's own forward, untouched.
-#   * ``head.forward``: while armed it records its input (the final hidden states, already sliced by
-#     ``logits_to_keep``) and returns an empty ``[..., 0]`` placeholder, so no ``[tokens, vocab]`` product
-#     runs; otherwise it is the head's own forward (generation, evaluation).
-#   * ``lm.loss_function`` (transformers' setter): the model calls it with ``labels``,
-#     ``num_items_in_batch``, ``shift_labels``, ``ignore_index`` exactly as it would call
-#     ``ForCausalLMLoss``; it computes that same loss from the recorded hidden states with
-#     ``fusedloss.cross_entropy``. Whatever the model does around its loss (an MoE router loss added to it,
-#     gradient checkpointing of its layers, accelerate's output casting) stays the model's own.
+#   * ``lm.forward``: with ``labels`` it arms the tap, calls the model's own forward, and returns its output
+#     with ``logits=None``; without labels it is the model's own forward, untouched.
+#   * ``head.forward``: the tap (above); unarmed, the head's own forward (generation, evaluation).
+#   * ``lm.loss_function`` (transformers' setter): the model calls it with the post-processed probe rows,
+#     ``labels``, ``num_items_in_batch``, ``shift_labels``, ``ignore_index`` exactly as it would call
+#     ``ForCausalLMLoss``; it checks the probe rows (``_observe``) and computes that same loss from the recorded
+#     head input with ``fusedloss.cross_entropy``. Whatever the model does around its loss (an MoE router loss
+#     added to it, gradient checkpointing of its layers, accelerate's output casting) stays the model's own.
 #
 # The three are methods bound to their module, and the patch state lives in the modules' ``__dict__``: a
 # ``copy.deepcopy`` of a patched model (TRL's reference models are made that way) is a patched copy that
-# runs its own parameters. Per-architecture code is not needed: every ``*ForCausalLM`` of transformers 5
-# calls ``self.lm_head`` once and ``self.loss_function`` once. A model that does not is refused at the
-# first labelled call, loudly.
-
-_PATCH_ATTR = "_fusedloss_patch"
+# runs its own parameters. A model that computes its loss any other way (its own cross-entropy on the probe
+# rows raises, or it never calls ``self.loss_function``) is refused at its first labelled call.
 
 
-class _Patch:
-    """What ``patch`` changed on one model, the capture of one labelled forward, and how to undo it."""
+class _Patch(_Tap):
+    """What ``patch`` changed on one model, on top of the tap, and how to undo it."""
 
     def __init__(self, lm, head, backend: str):
         import inspect
 
-        self.lm, self.head, self.backend = lm, head, backend
-        self.saved = {"lm.forward": lm.__dict__.get("forward"), "head.forward": head.__dict__.get("forward"),
-                      "lm._loss_function": lm.__dict__.get("_loss_function")}
+        super().__init__(lm, head)
+        self.backend = backend
+        self.saved = {"lm.forward": lm.__dict__.get("forward"), "lm._loss_function": lm.__dict__.get("_loss_function")}
         self.had_loss_function = "_loss_function" in lm.__dict__
         names = [q.name for q in inspect.signature(type(lm).forward).parameters.values()
                  if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]  # without self
         self.labels_at = names.index("labels") if "labels" in names else None
         self.keep_at = names.index("logits_to_keep") if "logits_to_keep" in names else None
-        self.armed = False
-        self.hidden = None
-        self.logits_to_keep = 0
-        self.loss_calls = 0
 
     def model_forward(self):
         """The forward the patch wraps: an earlier instance attribute (e.g. accelerate's), else the class's."""
         saved = self.saved["lm.forward"]
         return saved if saved is not None else type(self.lm).forward.__get__(self.lm)
-
-    def head_forward(self):
-        saved = self.saved["head.forward"]
-        return saved if saved is not None else type(self.head).forward.__get__(self.head)
 
 
 def _keep_positions(labels: torch.Tensor, logits_to_keep) -> torch.Tensor:
@@ -333,39 +719,36 @@ def _patched_forward(lm, *args, **kwargs):
     return_dict = kwargs.pop("return_dict", None)
     want_tuple = return_dict is False or (return_dict is None and getattr(lm.config, "return_dict", True) is False)
     if want_tuple or return_dict is not None:
-        kwargs["return_dict"] = True  # the placeholder logits must not reach a tuple
-    state.armed, state.hidden, state.logits_to_keep, state.loss_calls = True, None, keep, 0
+        kwargs["return_dict"] = True  # the probe rows must not reach a tuple
+    state.arm(keep)
     try:
         out = forward(*args, **kwargs)
+    except _Refusal:
+        raise
+    except Exception as error:
+        if state.head_calls and not state.in_loss:  # the model's own code failed on the probe rows
+            raise _Refusal(f"fusedloss patch: {type(lm).__name__} computes its loss itself, not through "
+                           "self.loss_function (its own loss code raised on the head's probe rows); "
+                           "integrations.transformers.patch does not support this architecture") from error
+        raise
     finally:
-        state.armed, state.hidden = False, None
+        state.disarm()
     if state.loss_calls != 1:
-        raise RuntimeError(f"fusedloss patch: {type(lm).__name__} did not compute its loss through "
-                           "self.loss_function; this architecture is not supported by "
-                           "integrations.transformers.patch")
+        raise _Refusal(f"fusedloss patch: {type(lm).__name__} computes its loss itself, not through "
+                       "self.loss_function; integrations.transformers.patch does not support this architecture")
     # A new output without the field: a ModelOutput keeps a key once set, even when set to None.
     out = type(out)(**{k: v for k, v in out.items() if k != "logits"})
     return out.to_tuple() if want_tuple else out
 
 
-def _patched_head_forward(head, hidden, *args, **kwargs):
-    """``head.forward`` of a patched model's LM head (bound to the head)."""
-    state = head.__dict__[_PATCH_ATTR]
-    if not state.armed:
-        return state.head_forward()(hidden, *args, **kwargs)
-    if state.hidden is not None:
-        raise RuntimeError("fusedloss patch: the LM head ran twice in one forward; this architecture is not "
-                           "supported by integrations.transformers.patch")
-    state.hidden = hidden
-    return hidden.new_empty(*hidden.shape[:-1], 0)
-
-
 def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_items_in_batch=None, ignore_index=-100,
                           shift_labels=None, **kwargs):
-    """transformers' ``ForCausalLMLoss`` computed from the hidden states the head received: the labels
-    shifted left by one (or ``shift_labels`` as given), ``ignore_index`` skipped, the mean over valid
-    tokens, or the sum / ``num_items_in_batch`` under gradient accumulation (bound to ``lm``)."""
+    """transformers' ``ForCausalLMLoss`` computed from the head's recorded input: the labels shifted left by
+    one (or ``shift_labels`` as given), ``ignore_index`` skipped, the mean over valid tokens, or the sum /
+    ``num_items_in_batch`` under gradient accumulation (bound to ``lm``). ``logits`` are the model's
+    post-processing of the probe rows: they decide the logit processing (``_observe``)."""
     state = lm.__dict__[_PATCH_ATTR]
+    state.in_loss = True
     hidden, state.hidden = state.hidden, None
     if hidden is None:
         raise RuntimeError("fusedloss patch: the model computed its loss without calling its patched LM head "
@@ -373,18 +756,22 @@ def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_ite
                            "patch(model) again, else this architecture is not supported by "
                            "integrations.transformers.patch")
     state.loss_calls += 1
+    transform = _observe(state, logits)
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = _keep_positions(shift_labels, state.logits_to_keep)
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
+        hint = ""
+        if labels is not None and labels.dim() == hidden.dim() - 1 and labels.shape[-1] == hidden.shape[-2] - 1:
+            hint = ("; labels are shifted for you: pass labels the length of input_ids (unshifted), or labels "
+                    "already shifted as shift_labels=")
         raise ValueError(f"fusedloss patch: the head scored positions of shape {tuple(hidden.shape[:-1])} "
-                         f"but the labels give {tuple(targets.shape)}")
-    head = _read_head(lm)  # a DTensor head goes to the core as it is
+                         f"but the labels give {tuple(targets.shape)}{hint}")
+    head = _as_lm_head(state.head, transform)  # a DTensor head goes to the core as it is
     hidden = hidden.to(head.weight.device)
     loss = fusedloss.cross_entropy(
-        hidden, head.weight, targets.to(hidden.device), bias=head.bias, ignore_index=ignore_index,
-        reduction="mean" if num_items_in_batch is None else "sum", logit_scale=head.logit_scale,
-        softcap=head.softcap, backend=state.backend)
+        hidden, head.weight, targets.to(hidden.device), ignore_index=ignore_index,
+        reduction="mean" if num_items_in_batch is None else "sum", backend=state.backend, **head.options)
     if num_items_in_batch is not None:
         # transformers divides the sum by num_items_in_batch as given (int or tensor) and never checks it:
         # cross_entropy(num_items_in_batch=) would refuse n <= 0 with a host sync, in a trainer's hot loop
@@ -394,20 +781,49 @@ def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_ite
     return loss
 
 
+def _refuse_wrapped(model) -> None:
+    """A wrapper around the model (torch.compile, DDP, FSDP1, DataParallel) hides the forward the patch wraps."""
+    wrappers = []
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        wrappers.append((OptimizedModule, "torch.compile"))
+    except ImportError:  # pragma: no cover - torch without dynamo
+        pass
+    wrappers.append((torch.nn.DataParallel, "DataParallel"))
+    wrappers.append((torch.nn.parallel.DistributedDataParallel, "DistributedDataParallel"))
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel
+
+        wrappers.append((FullyShardedDataParallel, "FullyShardedDataParallel"))
+    except ImportError:  # pragma: no cover - torch without distributed
+        pass
+    for cls, name in wrappers:
+        if isinstance(model, cls):
+            raise ValueError(f"patch before {name}: the model is already wrapped ({type(model).__name__}); call "
+                             f"patch(model) on the unwrapped model, then wrap it (fully_shard, FSDP2, is fine "
+                             "either side)")
+
+
 def patch(model, *, backend: str = "auto"):
-    """Make ``model(..., labels=labels).loss`` come from the hidden states, without the logits.
+    """Make ``model(..., labels=labels).loss`` come from the head's input, without the logits.
 
     ``model`` is a transformers causal LM (``*ForCausalLM``, or a PEFT model wrapping one). After
     ``patch(model)``, a forward with ``labels`` returns the model's own causal-LM loss (labels shifted by
     one, ``-100`` ignored, the mean over valid tokens; with ``num_items_in_batch``, as the ``Trainer``
     passes it under gradient accumulation, the sum divided by it; ``shift_labels`` used as given) computed by
-    ``fusedloss.cross_entropy`` from the final hidden states and the head (tied embeddings, a LoRA on the
-    head, ``final_logit_softcapping`` and logit scales included), and ``out.logits is None``. With
+    ``fusedloss.cross_entropy`` from the head's input and weight (tied embeddings, a LoRA on the head, the
+    model's logit scale, soft-cap and vocabulary cut included), and ``out.logits is None``. With
     ``logits_to_keep``, the loss covers the positions kept. A forward without labels (generation, evaluation
     that needs logits) is the model's own. Works with gradient checkpointing, ``torch.compile``, accelerate
     and the HF ``Trainer``; a ``copy.deepcopy`` of a patched model is patched too. Patch before wrapping the
-    model (``torch.compile``, DDP, FSDP). Returns ``model``; ``unpatch(model)`` restores it exactly.
-    ``backend`` is passed to ``fusedloss.cross_entropy``.
+    model (``torch.compile``, DDP, FSDP; a wrapped model is refused). Returns ``model``; ``unpatch(model)``
+    restores it exactly. ``backend`` is passed to ``fusedloss.cross_entropy``.
+
+    Every labelled call checks the model's own post-processing of its head's output on a few probe rows
+    against fusedloss's formula (the first one, with autograd on, its gradient too): an architecture whose
+    loss fusedloss cannot reproduce exactly is refused with the reason, at ``patch`` (a head that is not one
+    linear layer) or at its first labelled call.
 
     Example::
 
@@ -421,28 +837,28 @@ def patch(model, *, backend: str = "auto"):
 
     if backend not in _backends.BACKEND_NAMES:
         raise ValueError(f"backend must be one of {_backends.BACKEND_NAMES}, got {backend!r}")
+    _refuse_wrapped(model)
     lm = _causal_lm(model)
     if not (hasattr(lm, "get_output_embeddings") and hasattr(lm, "loss_function")):
         raise ValueError(f"{type(lm).__name__} is not a transformers causal LM with an LM head "
                          "(get_output_embeddings() and loss_function are needed)")
-    head = lm.get_output_embeddings()
+    head = _output_head(lm)
     if _PATCH_ATTR in lm.__dict__:
         if lm.__dict__[_PATCH_ATTR].head is head:
             lm.__dict__[_PATCH_ATTR].backend = backend  # idempotent: a second patch only changes the backend
             return model
         unpatch(model)  # the head was replaced since (resize_token_embeddings, ...): patch the new one
-    if head is None:
-        raise ValueError(f"{type(lm).__name__} has no LM head (get_output_embeddings() returned None)")
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     if lm.loss_function is not ForCausalLMLoss:
         raise ValueError(f"{type(lm).__name__} computes its loss with {getattr(lm.loss_function, '__name__', '?')}, "
                          "not transformers' ForCausalLMLoss: fusedloss only replaces the causal-LM loss")
-    _read_head(lm)  # unsupported heads (LoRA variants, ...) are refused now, not mid-training
+    _head_tensors(head)  # unsupported heads (LoRA variants, ...) are refused now, not mid-training
 
     state = _Patch(lm, head, backend)
     lm.__dict__[_PATCH_ATTR] = state
     head.__dict__[_PATCH_ATTR] = state
+
     def forward(self, *args, **kwargs):
         return _patched_forward(self, *args, **kwargs)
 
@@ -450,7 +866,7 @@ def patch(model, *, backend: str = "auto"):
     # the forward names, and passes num_items_in_batch when it takes **kwargs).
     functools.update_wrapper(forward, type(lm).forward)
     lm.forward = types.MethodType(forward, lm)
-    head.forward = types.MethodType(_patched_head_forward, head)
+    head.forward = types.MethodType(_tapped_head_forward, head)
     lm.loss_function = types.MethodType(_fused_causal_lm_loss, lm)
     return model
 
@@ -464,11 +880,8 @@ def unpatch(model):
     if state is None:
         return model
     state.head.__dict__.pop(_PATCH_ATTR, None)
-    for obj, attr, key in ((lm, "forward", "lm.forward"), (state.head, "forward", "head.forward")):
-        if state.saved[key] is None:
-            obj.__dict__.pop(attr, None)
-        else:
-            obj.__dict__[attr] = state.saved[key]
+    _restore(lm, "forward", state.saved["lm.forward"])
+    _restore(state.head, "forward", state.saved_head_forward)
     if state.had_loss_function:
         lm.__dict__["_loss_function"] = state.saved["lm._loss_function"]
     else:

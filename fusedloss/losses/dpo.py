@@ -156,7 +156,8 @@ def pair_losses(loss_type: str, p: _Pairs, *, beta: float, label_smoothing: floa
     delta = p.s_chosen - p.s_rejected
     logsig = F.logsigmoid
     if loss_type == "sigmoid":
-        return sequences.smoothed_sigmoid_loss(delta, beta, e)
+        # Without smoothing, TRL's -log sig(b Delta): 0 at an infinite margin, where the cDPO form's 0 * -inf is NaN.
+        return -logsig(beta * delta) if e == 0 else sequences.smoothed_sigmoid_loss(delta, beta, e)
     if loss_type == "hinge":
         return torch.relu(1 - beta * delta)
     if loss_type == "ipo":

@@ -361,7 +361,7 @@ class _Completions(NamedTuple):
 
         # TRL's [B, 1] advantages (given per completion, or per token with C == 1) are read as given by its
         # plain-mean clip metrics, masked entries included.
-        adv_seq = advantages.to(acc).reshape(b, -1) if advantages.dim() == 1 or c == 1 else None
+        adv_seq = advantages.to(acc).reshape(b, 1) if advantages.dim() == 1 or c == 1 else None
         return cls(ids=ids, valid=valid, m=mask.to(acc), adv=neutral(advantages), adv_seq=adv_seq,
                    old=neutral(old_logprobs), ref=neutral(ref_logprobs), sampling=neutral(sampling_logprobs),
                    weights=neutral(importance_weights, 1.0))
@@ -496,6 +496,8 @@ def _masked_quantile(x: torch.Tensor, valid: torch.Tensor, q: float) -> torch.Te
     shape of ``x[valid]``, so that it traces under torch.compile; +inf when nothing is valid (no token
     reaches it, as TRL keeps none)."""
     values = torch.sort(torch.where(valid, x, torch.full_like(x, torch.inf)).reshape(-1)).values
+    if values.numel() == 0:  # an empty batch (B or C = 0): nothing to gather from
+        return x.new_full((), torch.inf)
     count = valid.sum()
     position = q * (count - 1).clamp(min=0).to(x.dtype)
     below = position.floor()

@@ -75,7 +75,9 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
     if loss_type == "kto" and kl is None and not any(pairs_given):
         raise ValueError("loss_type='kto' needs the KL reference point: pass kl_hidden, kl_labels and ref_kl_logps "
                          "(TRL's mismatched pairs), or kl (kl=0.0 for none)")
-    if kl is not None and not isinstance(kl, torch.Tensor):
+    if isinstance(kl, torch.Tensor):
+        _require_kl_tensor(kl, used=loss_type == "kto")
+    elif kl is not None:
         v.require_real("kl", kl)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
                              softcap=softcap, backend=backend, **head)
@@ -100,6 +102,16 @@ def kto_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, p
     if not return_details:
         return loss
     return loss, KTODetails(logps=logps, rewards=(beta * u).detach(), kl=z0.detach())
+
+
+def _require_kl_tensor(kl: torch.Tensor, *, used: bool) -> None:
+    """``kl`` given as a tensor: one real value; finite where the loss uses it (``loss_type="kto"``)."""
+    if kl.is_complex() or kl.dtype == torch.bool:
+        raise TypeError(f"kl must be a real (floating-point or integer) tensor, got {kl.dtype}")
+    if kl.numel() != 1:
+        raise ValueError(f"kl must be a number or a 0-d tensor, got a tensor of shape {tuple(kl.shape)}")
+    if used and not bool(torch.isfinite(kl).all()):
+        raise ValueError(f"kl must be finite, got {kl.item()!r}")
 
 
 def _reference_point(kl, kl_hidden, kl_labels, ref_kl_logps, weight, bias, acc, ignore_index, head) -> torch.Tensor:
