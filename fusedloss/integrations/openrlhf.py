@@ -112,16 +112,15 @@ def fused_actor_forward(self, sequences: torch.LongTensor, action_mask: Optional
     def unpack(t):
         return gather_and_pad_tensor(t, ring_attn_group, ring_attn_pad_len, indices, batch, seqlen) if packing else t
 
-    backbone = _hf._run_backbone(lm, input_ids=sequences, attention_mask=forward_attention_mask,
-                                 position_ids=position_ids, use_cache=False)
-    head = _hf._read_head(lm)
-    scored = fusedloss.token_logprobs(backbone.last_hidden_state.to(head.weight.device), head.weight,
+    # The model's own forward with its head tapped: the head's input, and the logit processing observed on a
+    # few probe rows (docs/design.md, "Configuration"); no logits are formed.
+    hidden, head = _hf._hidden_and_head(lm, sequences, forward_attention_mask,
+                                        {"position_ids": position_ids, "use_cache": False})
+    scored = fusedloss.token_logprobs(hidden.to(head.weight.device), head.weight,
                                       rolled_sequences.to(head.weight.device), temperature=self.temperature,
                                       return_entropy=return_entropy, backend=_state["backend"], **head.options)
     log_probs, entropy = scored if return_entropy else (scored, None)
-    output = CausalLMOutputWithPast(past_key_values=getattr(backbone, "past_key_values", None),
-                                    hidden_states=getattr(backbone, "hidden_states", None),
-                                    attentions=getattr(backbone, "attentions", None))
+    output = CausalLMOutputWithPast()
     if return_entropy:
         assert return_output  # as OpenRLHF asserts
         output.entropy = unpack(entropy)[:, :-1]

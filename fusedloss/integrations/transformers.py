@@ -250,6 +250,7 @@ def lm_head(model) -> LMHead:
     head = _output_head(lm)
     transform = _OBSERVED.get(head)
     if transform is None:
+        _head_tensors(head)  # a head whose weight fusedloss cannot read (DoRA, ...) is refused with that reason
         transform = _probe_forward(lm)
     return _as_lm_head(head, transform)
 

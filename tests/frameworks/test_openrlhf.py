@@ -134,3 +134,32 @@ def test_enable_disable_exact_and_version_gate(monkeypatch):
     assert Actor.__dict__["forward"] is own
     with pytest.raises(ValueError, match="backend must be one of"):
         fl_openrlhf.enable(backend="gpu")
+
+
+def run_readme_block(key: str) -> dict:
+    """Runs the README's python block whose first line holds ``key``, as written, in a fresh namespace."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if key in b]
+    assert len(blocks) == 1, key
+    namespace: dict = {}
+    exec(compile(blocks[0], f"README.md:{key}", "exec"), namespace)
+    return namespace
+
+
+def test_the_readme_block():
+    """The README's OpenRLHF block, as written: Actor.forward is fusedloss's afterwards, and the float64 actor's
+    log-probs through it are the oracle's."""
+    own = Actor.__dict__["forward"]
+    done = run_readme_block("fusedloss_openrlhf.enable()")
+    assert Actor.forward is fl_openrlhf.fused_actor_forward
+    actor = _actor(tiny_causal_lm("softcap"), False)
+    batch = _rollout()
+    got = _step(actor, *batch)
+    fl_openrlhf.disable()
+    ref = _oracle(actor, *batch)
+    assert rel_err(got[0], ref[0]) <= EXACT
+    done["fusedloss_openrlhf"].disable()
+    assert Actor.__dict__["forward"] is own

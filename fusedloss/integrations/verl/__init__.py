@@ -141,19 +141,22 @@ enabled = _switch.scoped(enable, disable, _state)
 
 
 def _patch_forward_with_backends(model, use_fused_kernels: bool = False, fused_kernels_backend: str = None):
-    """verl's ``patch_forward_with_backends``, then remember the model, so that the swapped kernels can read its
-    head's logit processing; a head they cannot read is refused here, before training starts."""
+    """verl's ``patch_forward_with_backends``, after observing the model's head with the model's own forward
+    (``integrations.transformers.lm_head``: its logit processing, seen on probe rows, which the swapped kernels
+    then read; verl's fused forward, once in place, returns no logits to observe). A head fusedloss cannot read
+    is refused here, before training starts."""
+    fused = use_fused_kernels and fused_kernels_backend in ("triton", "torch", "liger")
+    if fused:
+        head_module = getattr(model, "lm_head", None)
+        if head_module is None or model.get_output_embeddings() is not head_module:
+            raise ValueError(f"fusedloss.integrations.verl: verl's fused forward scores {type(model).__name__}'s "
+                             "`lm_head`, which is not its output embedding; this model is not supported with "
+                             "use_fused_kernels")
+        _hf.lm_head(model)
     _originals[("verl.models.transformers.monkey_patch", "patch_forward_with_backends")](
         model, use_fused_kernels=use_fused_kernels, fused_kernels_backend=fused_kernels_backend)
-    if not use_fused_kernels or fused_kernels_backend not in ("triton", "torch", "liger"):
-        return  # verl left the model's own forward in place
-    head_module = getattr(model, "lm_head", None)
-    if head_module is None or model.get_output_embeddings() is not head_module:
-        raise ValueError(f"fusedloss.integrations.verl: verl's fused forward scores {type(model).__name__}'s "
-                         "`lm_head`, which is not its output embedding; this model is not supported with "
-                         "use_fused_kernels")
-    _hf._read_head(model)  # heads fusedloss cannot read (LoRA variants, ...) are refused now
-    _models.add(model)
+    if fused:
+        _models.add(model)
 
 
 def _head_of(weight: torch.Tensor) -> Optional[_hf.LMHead]:
@@ -162,7 +165,7 @@ def _head_of(weight: torch.Tensor) -> Optional[_hf.LMHead]:
     for model in list(_models):
         head_module = model.get_output_embeddings()
         if head_module is not None and getattr(head_module, "weight", None) is weight:
-            return _hf._read_head(model)
+            return _hf.lm_head(model)
     return None
 
 
