@@ -103,11 +103,17 @@ def main(argv: list[str]) -> int:
 
     reports = {v: compile_report(v) for v in PINNED}
     reports[triton.__version__] = compile_report(None)
+    for report in reports.values():  # ptxas's own log names temporary files: the parsed figures are what count
+        for r in report["results"]:
+            r.pop("log", None)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                            text=True).stdout.strip() or "unknown"
     out = Path(argv[1])
     out.write_text("# Triton kernels compiled for sm_90a, every launch variant, per Triton version\n\n"
-                   "`python tools/triton_versions.py table` (ptxas of each Triton wheel, no GPU). Cells: registers "
-                   "per thread / spill stores in bytes / shared memory in KiB.\n\n" + _table(reports))
-    out.with_suffix(".json").write_text(json.dumps(reports, indent=1))
+                   f"`python tools/triton_versions.py table` at commit {commit} (ptxas of each Triton wheel, no GPU). "
+                   "Cells: registers per thread / spill stores in bytes / shared memory in KiB. Rows that differ "
+                   "only in the row-alignment hint (D = 4096 and D = 1000) share a line.\n\n" + _table(reports))
+    out.with_suffix(".json").write_text(json.dumps({"commit": commit, "reports": reports}, indent=1))
     print(f"wrote {out}")
     return 0
 
