@@ -205,13 +205,13 @@ def _teacher_top_k(logits, teacher_ids, teacher_logprobs, loss_top_k, beta, scor
 
 
 def _require_finite(name: str, values: torch.Tensor, scored: torch.Tensor, why: str) -> None:
-    """TRL refuses a served log-prob missing at a scored position; so do we (outside torch.compile)."""
-    if torch.compiler.is_compiling() or values.device.type == "meta":
-        return
+    """TRL refuses a served log-prob missing at a scored position; so do we, without a host synchronisation on
+    a GPU (``_validation.refuse_values``)."""
     missing = scored & ~torch.isfinite(values)
-    if bool(missing.any()):
-        raise ValueError(f"{name} is missing (not finite) at {int(missing.sum())} of {int(scored.sum())} scored "
-                         f"positions; {why} needs it at every scored position")
+    v.refuse_values(missing.any(),
+                    lambda: f"{name} is missing (not finite) at {int(missing.sum())} of {int(scored.sum())} scored "
+                            f"positions; {why} needs it at every scored position",
+                    f"{name} is missing (not finite) at a scored position")
 
 
 def with_tail(log_probs: torch.Tensor, support: torch.Tensor):
