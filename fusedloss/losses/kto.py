@@ -110,8 +110,9 @@ def _require_kl_tensor(kl: torch.Tensor, *, used: bool) -> None:
         raise TypeError(f"kl must be a real (floating-point or integer) tensor, got {kl.dtype}")
     if kl.numel() != 1:
         raise ValueError(f"kl must be a number or a 0-d tensor, got a tensor of shape {tuple(kl.shape)}")
-    if used and not bool(torch.isfinite(kl).all()):
-        raise ValueError(f"kl must be finite, got {kl.item()!r}")
+    if used:  # without a host synchronisation on a GPU (_validation.refuse_values)
+        v.refuse_values(~torch.isfinite(kl).all(), lambda: f"kl must be finite, got {kl.item()!r}",
+                        "kl must be finite")
 
 
 def _reference_point(kl, kl_hidden, kl_labels, ref_kl_logps, weight, bias, acc, ignore_index, head) -> torch.Tensor:
