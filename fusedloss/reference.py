@@ -107,6 +107,17 @@ def _log_mixture(logq: torch.Tensor, logp: torch.Tensor, beta: float) -> torch.T
     return torch.where(dead, torch.full_like(logm, -math.inf), logm)
 
 
+def _generalized_jsd(logq: torch.Tensor, logp: torch.Tensor, beta: float) -> torch.Tensor:
+    """TRL's generalized JSD of student q and teacher p per row: KL(p || q) at beta = 0 (forward), KL(q || p)
+    at beta = 1 (reverse), else beta KL(p || m) + (1 - beta) KL(q || m) with m = (1 - beta) q + beta p."""
+    if beta == 0:
+        return _kl(logp, logq)
+    if beta == 1:
+        return _kl(logq, logp)
+    logm = _log_mixture(logq, logp, beta)
+    return beta * _kl(logp, logm) + (1.0 - beta) * _kl(logq, logm)
+
+
 def _as_float(x: Number) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
 
@@ -199,13 +210,7 @@ def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=No
         z_t = logits(teacher_hidden, teacher_weight, teacher_bias).to(z_s.dtype)
     logq = torch.log_softmax(z_s / temperature, dim=-1)
     logp = torch.log_softmax(z_t / temperature, dim=-1)
-    if beta == 0:
-        soft = _kl(logp, logq)
-    elif beta == 1:
-        soft = _kl(logq, logp)
-    else:
-        logm = _log_mixture(logq, logp, beta)
-        soft = beta * _kl(logp, logm) + (1.0 - beta) * _kl(logq, logm)
+    soft = _generalized_jsd(logq, logp, beta)
     per_token = soft_weight * soft * (temperature ** 2 if t_squared else 1.0)
     if targets is None:
         valid = torch.ones(per_token.shape, dtype=torch.bool, device=per_token.device)
@@ -265,13 +270,7 @@ def sparse_distillation_loss(hidden, weight, teacher_ids, teacher_logprobs, targ
         return torch.log_softmax(lp, dim=-1)
 
     student, teacher = spread(student), spread(teacher)
-    if beta == 0:
-        soft = _kl(teacher, student)
-    elif beta == 1:
-        soft = _kl(student, teacher)
-    else:
-        logm = _log_mixture(student, teacher, beta)
-        soft = beta * _kl(teacher, logm) + (1.0 - beta) * _kl(student, logm)
+    soft = _generalized_jsd(student, teacher, beta)
     if not renormalize:
         soft = soft.clamp(min=0.0)
     if loss_max_clamp is not None:
