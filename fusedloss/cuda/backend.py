@@ -37,7 +37,7 @@ The plan
       supports it on the device (probed once per device), else a product block and an add; a gradient that
       one product completes is written in its own dtype directly.
     * not done: running the fold and dx kernels on a second stream beside the products. They are ~7% of the
-      modelled time at N = 16384, V = 151936 on an H200 (6 of 92 ms), which a double-buffered workspace and
+      modelled time at N = 16384, V = 151936 on an H200 (6 of 91 ms), which a double-buffered workspace and
       cross-stream lifetimes could save at most; the first device run's timings decide whether it pays.
 
 Numerics
@@ -222,8 +222,9 @@ def availability() -> str:
 # ------------------------------------------------------------------------------------------------
 WORKSPACE_MIN_BYTES = 256 * 2**20
 # 4 GiB: beside a training step's own state, and one persistent buffer per device and stream. The model's price
-# of the cap against 8 GiB at N = 16384, V = 151936: ~+3% for cross-entropy (4 row chunks instead of 2: more
-# beta = 1 accumulations of d weight), +5-7% for reverse-KL distillation (docs/design.md, "Plans and the cost model").
+# of the cap against 8 GiB at N = 16384, V = 151936: ~+2% for cross-entropy (3 row chunks instead of 2: more
+# beta = 1 accumulations of d weight), ~+3% for reverse-KL distillation (5 instead of 3); none at N = 4096,
+# V = 128256 (one chunk either way) (docs/design.md, "Plans and the cost model").
 WORKSPACE_MAX_BYTES = 4 * 2**30
 WORKSPACE_FRACTION = 8  # of the memory free for torch when the backend first runs on a device
 ALIGN = 64  # elements: leading dimensions and vocabulary tile widths (256 B of fp32, 128 B of bf16)
