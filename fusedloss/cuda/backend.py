@@ -1150,7 +1150,6 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                 dw_acc = dw[v0:v1] if (dw_tile is None) else dw_tile[:cols]
             for r0 in range(0, n, shape.rows):
                 rows = slice(r0, min(n, r0 + shape.rows))
-                m = rows.stop - r0
                 x, xt = ws.logits(products, p, rows, v0, v1)
                 a = _tile_args(p, p.targets, r0, stats)
                 a.coeffs, a.coeff_stride = _ptr(coeffs, r0), n
