@@ -61,8 +61,30 @@ void host_jsd_t(const TileArgs& a) {
   }
 }
 
+// The lanes of a packed dx row on the host: kDxThreads of them, each with its registers, run one after
+// another between the barriers (a round's loads by every lane, then its stores), as the device block does.
+struct HostLanes {
+  std::vector<PackedLane> r = std::vector<PackedLane>(kDxThreads);
+  int64_t count() const { return kDxThreads; }
+  template <typename F>
+  void each(F&& f) {
+    for (int64_t lane = 0; lane < kDxThreads; ++lane) f(lane, r[size_t(lane)]);
+  }
+  void sync() {}
+};
+
 template <typename T, typename TO, bool kPlain>
 void host_dx_as(const TileArgs& a) {
+  if constexpr (std::is_same_v<T, float> && sizeof(TO) == 2) {
+    if (packed_dx(a)) {
+      HostLanes lanes;
+      for (int64_t row = 0; row < a.rows; ++row) {
+        if (a.xt != 0) dx_packed_row<TO, true, kPlain>(a, row, lanes);
+        else dx_packed_row<TO, false, kPlain>(a, row, lanes);
+      }
+      return;
+    }
+  }
   for (int64_t row = 0; row < a.rows; ++row) {
     if (a.xt != 0) dx_lane<T, TO, true, kPlain>(a, row, 0, 1);
     else dx_lane<T, TO, false, kPlain>(a, row, 0, 1);

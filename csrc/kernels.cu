@@ -6,7 +6,8 @@
 //               finalised into the per-row outputs (problem.Statistics) on the last vocabulary tile.
 //   jsd_tile    same shape: the second sweep of the generalized JSD (needs both normalisers).
 //   dx_tile     rows x column blocks: the raw-product tile -> d loss / d x, in place or into a
-//               half-precision copy that feeds the cuBLAS products.
+//               half-precision copy that feeds the cuBLAS products; or one block per row
+//               (dx_packed_kernel) writing the half-precision dx over the fp32 tile it reads.
 //
 // Tiles come from cuBLAS in fp32 (torch.mm with out_dtype=float32 for bf16/fp16 inputs), so logits are
 // never rounded to half precision before the softmax; bf16/fp16 tiles are accepted as well.
@@ -99,14 +100,27 @@ __global__ void __launch_bounds__(kFoldThreads) jsd_kernel(const TileArgs a) {
   if (threadIdx.x == 0) jsd_row_finish(a, row, kl_qm, kl_pm);
 }
 
-constexpr int kDxThreads = 256;
-
 template <typename T, typename TO, bool kTeacher, bool kPlain>
 __global__ void __launch_bounds__(kDxThreads) dx_kernel(const TileArgs a) {
   const int64_t row = blockIdx.x;
   const int64_t lane = int64_t(blockIdx.y) * blockDim.x + threadIdx.x;
   const int64_t nlanes = int64_t(gridDim.y) * blockDim.x;
   dx_lane<T, TO, kTeacher, kPlain>(a, row, lane, nlanes);
+}
+
+// The lanes of dx_packed_row on the device: this thread, its registers, the block's barrier.
+struct BlockLanes {
+  PackedLane r{};
+  __device__ int64_t count() const { return blockDim.x; }
+  template <typename F>
+  __device__ void each(F&& f) { f(int64_t(threadIdx.x), r); }
+  __device__ void sync() { __syncthreads(); }
+};
+
+template <typename TO, bool kTeacher, bool kPlain>
+__global__ void __launch_bounds__(kDxThreads) dx_packed_kernel(const TileArgs a) {
+  BlockLanes lanes;
+  dx_packed_row<TO, kTeacher, kPlain>(a, blockIdx.x, lanes);
 }
 
 // The kPlain instantiations exist for fp32 tiles only: the ones the backend launches (cuBLAS writes fp32).
@@ -130,6 +144,13 @@ void launch_fold(const TileArgs& a, cudaStream_t s) {
 
 template <typename T, typename TO, bool kPlain>
 void launch_dx_as(const TileArgs& a, cudaStream_t s) {
+  if constexpr (std::is_same_v<T, float> && sizeof(TO) == 2) {
+    if (packed_dx(a)) {  // one block per row: the row's rounds order its reads before its writes
+      if (a.xt != 0) dx_packed_kernel<TO, true, kPlain><<<unsigned(a.rows), kDxThreads, 0, s>>>(a);
+      else dx_packed_kernel<TO, false, kPlain><<<unsigned(a.rows), kDxThreads, 0, s>>>(a);
+      return;
+    }
+  }
   // Enough column blocks to fill the machine when there are few rows, each lane covering >= 4 groups.
   const int64_t per_block = int64_t(kDxThreads) * Vec<T>::kSize * 4;
   int64_t yblocks = (a.cols + per_block - 1) / per_block;

@@ -531,3 +531,131 @@ def test_public_api_edges_on_the_host_path(eager, monkeypatch):
     (lp.sum() + ent.sum()).backward()
     assert torch.isfinite(lp).all() and torch.isfinite(ent).all()
     assert torch.isfinite(ww.grad).all() and torch.isfinite(hh.grad).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# Packed dx: a bf16/fp16 dx written over the fp32 tile it is computed from (docs/design.md, "The logits
+# workspace"). The host twin runs a row's rounds with the device block's 256 lanes (every lane's loads,
+# then every lane's stores), so a round whose stores reached columns a later round reads would show here.
+# ------------------------------------------------------------------------------------------------
+def _dx_args(x, xt, out, coeffs, targets, *, rows, cols, ld, v0=0, vocab=None, bias=None, tf=None, teacher_tf=None,
+             want_kl_rev=False, want_entropy=False, want_mean_logit=False):
+    from fusedloss import _C
+
+    a = _C.TileArgs()
+    a.x, a.xt, a.dtype, a.ld, a.rows, a.cols, a.v0 = x.data_ptr(), 0 if xt is None else xt.data_ptr(), 0, ld, rows, \
+        cols, v0
+    a.vocab = vocab or v0 + cols
+    a.tf = tf or _C.Transform()
+    if xt is not None:
+        a.teacher_tf = teacher_tf or _C.Transform()
+        a.want_kl_rev = want_kl_rev
+    if bias is not None:
+        a.bias, a.bias_dtype = bias.data_ptr(), 0
+    a.targets = targets.data_ptr()
+    a.want_entropy, a.want_mean_logit = want_entropy, want_mean_logit
+    a.out, a.out_stride = out.data_ptr(), rows
+    a.coeffs, a.coeff_stride = coeffs.data_ptr(), rows
+    return a
+
+
+# (rows, cols, ld, offset): offset shifts the tile by that many fp32 elements inside its buffer, so rows
+# start off a 16-byte boundary (single columns before the first vector group); the teacher tile is shifted
+# by offset + 1 when `misaligned_teacher`, so that no column of the row is read as a vector group.
+PACKED_SHAPES = [
+    (1, 1, 1, 0), (1, 1, 64, 0), (3, 5, 5, 0), (2, 7, 64, 1), (5, 131, 192, 0), (4, 131, 131, 3),
+    (1, 2565, 2624, 0), (3, 2565, 2565, 2), (2, 4099, 4160, 1), (6, 64, 64, 0),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("teacher", [False, True])
+@pytest.mark.parametrize("rows,cols,ld,offset", PACKED_SHAPES)
+@pytest.mark.parametrize("plain", [True, False])
+def test_packed_dx_equals_the_copy_bit_for_bit(dtype, teacher, rows, cols, ld, offset, plain):
+    from fusedloss import _C
+
+    g = torch.Generator().manual_seed(rows * 7919 + cols)
+    buf = torch.randn(rows * ld + offset + 8, generator=g) * 3
+    tbuf = torch.randn(rows * ld + offset + 8, generator=g) * 3
+    x = buf[offset: offset + rows * ld]
+    xt = tbuf[offset + 1: offset + 1 + rows * ld] if teacher and offset % 2 else \
+        tbuf[offset: offset + rows * ld] if teacher else None
+    targets = torch.randint(0, cols, (rows,), generator=g)
+    if rows > 2:
+        targets[1] = -1  # ignored row: exact zeros
+    coeffs = torch.randn(NUM_COEFFS, rows, generator=g)
+    if not teacher:
+        coeffs[3:6] = 0
+    coeffs[5] = 0  # no JSD
+    if rows > 3:
+        coeffs[:, 3] = 0  # masked row: exact zeros
+    bias = None if plain else torch.randn(cols, generator=g)
+    tf = None if plain else _C.Transform(logit_scale=1.3, softcap=9.0, temperature=2.0, chain=1.3 / 2.0)
+    kw = dict(rows=rows, cols=cols, ld=ld, bias=bias, tf=tf, want_kl_rev=teacher, want_entropy=True,
+              want_mean_logit=True)
+    out = torch.zeros(len(Statistics._fields), rows)
+    _C.host_fold_tile(_dx_args(x, xt, out, coeffs, targets, **kw))
+    assert torch.isfinite(out[0][targets >= 0]).all()
+
+    copy = torch.full((rows, ld), float("nan"), dtype=dtype)
+    a = _dx_args(x, xt, out, coeffs, targets, **kw)
+    a.dx, a.dx_dtype, a.dx_ld = copy.data_ptr(), cuda._code(copy), ld
+    _C.host_dx_tile(a)
+
+    before = buf.clone()
+    a = _dx_args(x, xt, out, coeffs, targets, **kw)
+    a.dx, a.dx_dtype, a.dx_ld = x.data_ptr(), cuda._code(copy), 2 * ld
+    _C.host_dx_tile(a)
+    packed = x.view(dtype).view(rows, 2 * ld)
+    got, want = packed[:, :cols].view(torch.int16), copy[:, :cols].view(torch.int16)
+    assert torch.equal(got, want), (got != want).nonzero()[:5]
+    if rows > 2:
+        assert (packed[1, :cols] == 0).all()
+    # nothing else of the buffer moved: the rows' fp32 columns past the packed values, the padding, the ends
+    touched = torch.zeros(buf.numel(), dtype=torch.bool)
+    for r in range(rows):
+        start = offset + r * ld
+        touched[start: start + (cols + 1) // 2] = True
+    assert torch.equal(buf[~touched], before[~touched])
+
+
+def test_packed_dx_is_refused_where_it_cannot_be_laid_out():
+    from fusedloss import _C
+
+    x = torch.zeros(2, 8)
+    out, coeffs, targets = torch.zeros(len(Statistics._fields), 2), torch.zeros(NUM_COEFFS, 2), torch.zeros(2).long()
+    for dtype, dx_dtype, dx_ld in ((0, 1, 8), (0, 1, 17), (1, 2, 16)):
+        a = _dx_args(x, None, out, coeffs, targets, rows=2, cols=8, ld=8)
+        a.dtype = dtype
+        a.dx, a.dx_dtype, a.dx_ld = x.data_ptr(), dx_dtype, dx_ld
+        with pytest.raises(ValueError, match="dx_ld = 2 \\* ld"):
+            _C.host_dx_tile(a)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("teacher", [False, True])
+def test_packed_and_copied_dx_give_the_same_gradients(dtype, teacher):
+    """The backend's composable backward and (bf16) eager path with dx packed over the tile, against the same
+    tiles with a separate dx copy: every gradient bit for bit."""
+    p = make_problem(9, 261, d=16, seed=3, teacher=teacher, bias=True, ignored=(2,), want_kl_rev=teacher,
+                     want_entropy=True, want_mean_logit=True, dtype=dtype)
+    coeffs = random_coeffs(p, seed=4).float()
+    needs = GradientNeeds(True, True, True)
+    results = {}
+    for packed_min_rows in (1, 10**9):
+        with cuda.override_plan(tile_rows=4, tile_cols=100, eager_rows=4, packed_min_rows=packed_min_rows):
+            shape, chunk = cuda._shapes(p)
+            assert shape.packed == (packed_min_rows == 1)
+            assert chunk.packed == (packed_min_rows == 1 and dtype == torch.bfloat16)
+            saved = cuda.forward_statistics(p)
+            grads = cuda.backward_gradients(p, saved, coeffs, needs)
+            fn, _ = _chunk_fn_for(p, coeffs.double())
+            eager = cuda.eager_gradients(p, fn, needs)
+        results[packed_min_rows] = (saved, grads, eager)
+    (s1, g1, e1), (s2, g2, e2) = results[1], results[10**9]
+    assert all(torch.equal(a, b) for a, b in zip(s1, s2))
+    for a, b in zip((*g1, *e1[1]), (*g2, *e2[1])):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert torch.equal(e1[0], e2[0])
+    assert g1[0].abs().sum() > 0 and g1[1].abs().sum() > 0

@@ -6,7 +6,8 @@
 The cost model prices the fold, dx and JSD kernels at ``max(bytes / bandwidth, instructions / issue rate)``
 (``fusedloss/core/cost.py``; docs/design.md, "Plans and the cost model"). The instructions come from here:
 ``kernels.cu`` is compiled for sm_90a with the flags of setup.py, ``cuobjdump -sass`` disassembles it, and
-for every fp32-tile kernel (the ones the backend launches: cuBLAS writes the tiles in fp32) the script finds
+for every fp32-tile kernel (the ones the backend launches: cuBLAS writes the tiles in fp32; dx_packed_kernel
+reads fp32 tiles only) the script finds
 the vector loop (the innermost loop around the 16-byte tile loads; the longest one where a kernel has two,
 as dx has for rows outside the loss) and counts the instructions of its shortest path from the loop head to
 its back edge. The shortest path is the common one: the rare work (a new row maximum, a target column)
@@ -73,7 +74,7 @@ def compile_sass(csrc: Path = ROOT / "csrc") -> tuple[str, str]:
 
 
 _TYPES = {"f": "float", "NS_4bf16E": "bf16", "NS_4fp16E": "fp16"}
-_KERNEL = re.compile(r"(fold|dx|jsd)_kernelI(.*)EEvNS_8TileArgsE$")
+_KERNEL = re.compile(r"(fold|dx_packed|dx|jsd)_kernelI(.*)EEvNS_8TileArgsE$")
 _ARG = re.compile(r"f|NS_4bf16E|NS_4fp16E|S\d*_|Lb[01]E")
 
 
@@ -193,7 +194,8 @@ def table(sass: str) -> dict:
     out = {}
     for mangled, code in functions(sass).items():
         name = kernel_name(mangled)
-        if name is None or not name.split("<")[1].startswith("float"):
+        # the kernels of fp32 tiles: the first template argument, or dx_packed's (its tile is always fp32)
+        if name is None or not (name.startswith("dx_packed") or name.split("<")[1].startswith("float")):
             continue
         loop = hot_loop(code)
         teacher = name.startswith("jsd") or _teacher_flag(name)
@@ -209,6 +211,8 @@ def _teacher_flag(name: str) -> bool:
     args = [a.strip() for a in name.split("<")[1].rstrip(">").split(",")]
     if name.startswith("fold"):
         return args[2] == "true"  # fold_kernel<T, kEntropy, kTeacher, kPlain>
+    if name.startswith("dx_packed"):
+        return args[1] == "true"  # dx_packed_kernel<TO, kTeacher, kPlain>
     return args[2] == "true"  # dx_kernel<T, TO, kTeacher, kPlain>
 
 

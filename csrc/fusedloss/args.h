@@ -43,8 +43,8 @@ constexpr int kStateFields = kRowFields + 1;
   /* JSD second pass: beta in (0, 1); accumulators float [2, jsd_acc_stride] (kl_qm, kl_pm) */            \
   X(JsdConsts, jsd, JsdConsts()) X(bool, has_jsd, false) X(uint64_t, jsd_acc, 0)                          \
   X(int64_t, jsd_acc_stride, 0)                                                                           \
-  /* gradient: coefficients float [kNumCoeffs, coeff_stride]; dx output tile (may alias x when its       \
-     dtype and leading dimension are x's) */                                                              \
+  /* gradient: coefficients float [kNumCoeffs, coeff_stride]; dx output tile, which may alias x: in     \
+     place (x's dtype and ld), or packed (16-bit dx over an fp32 x, dx_ld = 2 * ld; tile.h) */            \
   X(uint64_t, coeffs, 0) X(int64_t, coeff_stride, 0) X(uint64_t, dx, 0) X(int, dx_dtype, kFloat32)        \
   X(int64_t, dx_ld, 0)                                                                                    \
   X(int, device, 0) /* the CUDA device the pointers live on (restored after the launch) */
@@ -76,5 +76,7 @@ void host_dx_tile(const TileArgs& a);
 
 // Lanes the device block reduction uses; the host loops split a row the same way.
 constexpr int kFoldThreads = 256;
+// Threads of a dx block; the host loop of packed dx runs a row's rounds with as many lanes.
+constexpr int kDxThreads = 256;
 
 }  // namespace fl

@@ -99,9 +99,14 @@ inline void validate(const TileArgs& a, Kernel k) {
       FL_CHECK_DTYPE(a, dx_dtype);
       FL_CHECK(a.dx_ld >= a.cols, "the gradient tile's leading dimension dx_ld = ", a.dx_ld,
                " is smaller than the tile's cols = ", a.cols);
-      if (a.dx == a.x)
-        FL_CHECK(a.dx_dtype == a.dtype && a.dx_ld == a.ld,
-                 "a gradient written in place over the tile must keep its dtype and leading dimension");
+      if (a.dx == a.x) {
+        const bool in_place = a.dx_dtype == a.dtype && a.dx_ld == a.ld;
+        const bool packed = a.dtype == kFloat32 && a.dx_dtype != kFloat32 && a.dx_ld == 2 * a.ld;
+        FL_CHECK(in_place || packed,
+                 "a gradient written over the tile must keep its dtype and leading dimension (in place), or pack "
+                 "bf16/fp16 values over an fp32 tile with dx_ld = 2 * ld; got dtype ", a.dtype, ", dx_dtype ",
+                 a.dx_dtype, ", ld ", a.ld, ", dx_ld ", a.dx_ld);
+      }
       break;
   }
 }

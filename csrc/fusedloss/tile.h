@@ -51,6 +51,24 @@ struct Count {
   static constexpr int value = K;
 };
 
+// How a lane walks a row: `prefix` single columns up to the row's first 16-byte boundary (all of them
+// when the student and teacher rows are not aligned alike), then `groups` vector groups of Vec<T>::kSize
+// columns, then single columns to `cols`.
+struct RowSplit {
+  int64_t prefix, groups;
+};
+
+template <typename T>
+FL_HD RowSplit row_split(const T* xr, const T* xtr, int64_t cols) {
+  constexpr int kN = Vec<T>::kSize;
+  const uintptr_t ax = reinterpret_cast<uintptr_t>(xr);
+  bool vec = ax % sizeof(T) == 0;
+  if (xtr != nullptr && ((ax - reinterpret_cast<uintptr_t>(xtr)) & 15u) != 0) vec = false;
+  int64_t prefix = vec ? int64_t(((16u - (ax & 15u)) & 15u) / sizeof(T)) : cols;
+  if (prefix > cols) prefix = cols;
+  return RowSplit{prefix, (cols - prefix) / kN};
+}
+
 // Calls f(col, Count<n>, v, vt) for the lane's columns of one row: n == Vec<T>::kSize for a vector
 // group starting at col, n == 1 for a single column. vt holds the teacher's values (xtr may be null).
 template <typename T, typename F>
@@ -58,12 +76,8 @@ FL_HD void for_lane_groups(const T* xr, const T* xtr, int64_t cols, int64_t lane
   constexpr int kN = Vec<T>::kSize;
   float v[kN], vt[kN];
   for (int k = 0; k < kN; ++k) vt[k] = 0.0f;
-  const uintptr_t ax = reinterpret_cast<uintptr_t>(xr);
-  bool vec = ax % sizeof(T) == 0;
-  if (xtr != nullptr && ((ax - reinterpret_cast<uintptr_t>(xtr)) & 15u) != 0) vec = false;
-  int64_t prefix = vec ? int64_t(((16u - (ax & 15u)) & 15u) / sizeof(T)) : cols;
-  if (prefix > cols) prefix = cols;
-  const int64_t groups = (cols - prefix) / kN;
+  const RowSplit split = row_split(xr, xtr, cols);
+  const int64_t prefix = split.prefix, groups = split.groups;
   for (int64_t c = lane; c < prefix; c += nlanes) {
     v[0] = to_float(xr[c]);
     if (xtr != nullptr) vt[0] = to_float(xtr[c]);
@@ -297,6 +311,30 @@ FL_HD bool row_inactive(const TileArgs& a, int64_t row, const RowCoeffs& k) {
   return true;
 }
 
+// d loss / d x of kCount columns of a row from their raw products v (vt: the teacher's), stored at dr + c.
+template <typename TO, bool kTeacher, bool kPlain, int kCount>
+FL_HD void dx_group(const TileArgs& a, const RowCoeffs& k, const DzTerms& terms, int64_t y, TO* dr, int64_t c,
+                    const float* v, const float* vt) {
+  float g[kCount];
+  FL_UNROLL
+  for (int j = 0; j < kCount; ++j) {
+    const int64_t col = a.v0 + c + j;
+    const Logit z = transform_logit<kPlain>(v[j], kPlain ? 0.0f : bias_at(a.bias, a.bias_dtype, col), a.tf);
+    float zt = 0.0f;
+    if (kTeacher) {
+      zt = transform_logit<kPlain>(vt[j], kPlain ? 0.0f : bias_at(a.teacher_bias, a.teacher_bias_dtype, col),
+                                   a.teacher_tf).z;
+    }
+    const float dz = dz_element<kTeacher>(z.z, zt, c + j == y, k, terms, a.jsd);
+    g[j] = dz * chain_factor<kPlain>(z.c, a.tf);
+  }
+  store_group<TO, kCount>(dr + c, g);
+}
+
+FL_HD int64_t target_column(const TileArgs& a, int64_t row) {
+  return a.targets != 0 ? reinterpret_cast<const int64_t*>(a.targets)[row] - a.v0 : -1;
+}
+
 template <typename T, typename TO, bool kTeacher, bool kPlain>
 FL_HD void dx_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes) {
   const RowCoeffs k = row_coeffs(a, row);
@@ -314,24 +352,98 @@ FL_HD void dx_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t nlanes)
     });
     return;
   }
-  const int64_t y = a.targets != 0 ? reinterpret_cast<const int64_t*>(a.targets)[row] - a.v0 : -1;
+  const int64_t y = target_column(a, row);
   for_lane_groups(xr, xtr, a.cols, lane, nlanes, [&](int64_t c, auto n, const float* v, const float* vt) {
-    constexpr int kCount = decltype(n)::value;
-    float g[kCount];
-    FL_UNROLL
-    for (int j = 0; j < kCount; ++j) {
-      const int64_t col = a.v0 + c + j;
-      const Logit z = transform_logit<kPlain>(v[j], kPlain ? 0.0f : bias_at(a.bias, a.bias_dtype, col), a.tf);
-      float zt = 0.0f;
-      if (kTeacher) {
-        zt = transform_logit<kPlain>(vt[j], kPlain ? 0.0f : bias_at(a.teacher_bias, a.teacher_bias_dtype, col),
-                                     a.teacher_tf).z;
-      }
-      const float dz = dz_element<kTeacher>(z.z, zt, c + j == y, k, terms, a.jsd);
-      g[j] = dz * chain_factor<kPlain>(z.c, a.tf);
-    }
-    store_group<TO, kCount>(dr + c, g);
+    dx_group<TO, kTeacher, kPlain, decltype(n)::value>(a, k, terms, y, dr, c, v, vt);
   });
 }
+
+// ---- dx, packed: a half-precision gradient written over the fp32 tile it is computed from -------------
+// (docs/design.md, "The logits workspace"). The tile viewed as 16-bit elements [rows, 2 * ld] holds dx(r, j)
+// at element r * 2 * ld + j (dx_ld = 2 * ld, a.dx == a.x), so storing dx(r, j) overwrites bytes of fp32
+// column j / 2 of the same row: columns that must have been read already. One block per row walks the row
+// in rounds of contiguous, increasing column ranges: every lane loads its columns of the round (student and
+// teacher) into registers, the block synchronises, then every lane stores the round's dx. A round's stores
+// land in fp32 columns below ceil(end / 2) <= end, all read in this round (ordered by the barrier) or an
+// earlier one, and no later round reads below its start >= end. Rows are disjoint (the same row base).
+// `Lanes` runs the lanes of one block: each(f) calls f(lane, registers) for the lanes it runs (the calling
+// thread on the device, all of them in order on the host), sync() is the block's barrier.
+struct PackedLane {
+  float v[4], vt[4];
+};
+
+// One round: lane l loads unit u0 + l (kCount columns from first + (u0 + l) * kCount) into its registers,
+// the block synchronises, lane l stores that unit's dx. kFull: every lane has a unit (no bounds test).
+template <typename TO, bool kTeacher, bool kPlain, int kCount, bool kFull, typename Lanes>
+FL_HD void dx_packed_round(const TileArgs& a, const RowCoeffs& k, const DzTerms& terms, int64_t y,
+                           const float* xr, const float* xtr, TO* dr, int64_t first, int64_t u0, int64_t units,
+                           Lanes& lanes) {
+  lanes.each([&](int64_t lane, PackedLane& r) {
+    const int64_t u = u0 + lane;
+    if (!kFull && u >= units) return;
+    const int64_t c = first + u * kCount;
+    if constexpr (kCount == 1) {
+      r.v[0] = xr[c];
+      if (kTeacher) r.vt[0] = xtr[c];
+    } else {
+      load_group(xr + c, r.v);
+      if (kTeacher) load_group(xtr + c, r.vt);
+    }
+  });
+  lanes.sync();
+  lanes.each([&](int64_t lane, PackedLane& r) {
+    const int64_t u = u0 + lane;
+    if (kFull || u < units) dx_group<TO, kTeacher, kPlain, kCount>(a, k, terms, y, dr, first + u * kCount, r.v, r.vt);
+  });
+}
+
+// The rounds over `units` units of kCount columns starting at column `first`: full ones, then the rest.
+// The loop bounds are the block's, so every lane reaches every sync().
+template <typename TO, bool kTeacher, bool kPlain, int kCount, typename Lanes>
+FL_HD void dx_packed_rounds(const TileArgs& a, const RowCoeffs& k, const DzTerms& terms, int64_t y,
+                            const float* xr, const float* xtr, TO* dr, int64_t first, int64_t units,
+                            Lanes& lanes) {
+  const int64_t nlanes = lanes.count();
+  int64_t u0 = 0;
+  for (; u0 + nlanes <= units; u0 += nlanes)
+    dx_packed_round<TO, kTeacher, kPlain, kCount, true>(a, k, terms, y, xr, xtr, dr, first, u0, units, lanes);
+  if (u0 < units)
+    dx_packed_round<TO, kTeacher, kPlain, kCount, false>(a, k, terms, y, xr, xtr, dr, first, u0, units, lanes);
+}
+
+template <typename TO, bool kTeacher, bool kPlain, typename Lanes>
+FL_HD void dx_packed_row(const TileArgs& a, int64_t row, Lanes& lanes) {
+  static_assert(sizeof(TO) == 2, "packed dx holds 16-bit values");
+  const RowCoeffs k = row_coeffs(a, row);
+  const float* xr = reinterpret_cast<const float*>(a.x) + row * a.ld;
+  const float* xtr = kTeacher ? reinterpret_cast<const float*>(a.xt) + row * a.ld : nullptr;
+  TO* dr = reinterpret_cast<TO*>(a.dx) + row * a.dx_ld;
+  const int64_t nlanes = lanes.count();
+  if (row_inactive(a, row, k)) {  // exact zeros; nothing is read, so nothing needs ordering
+    constexpr int kZ = 8;  // 16 bytes of 16-bit zeros
+    lanes.each([&](int64_t lane, PackedLane&) {
+      const float zeros[kZ] = {};
+      for (int64_t c = lane * kZ; c < a.cols; c += nlanes * kZ) {
+        if (c + kZ <= a.cols) {
+          store_group<TO, kZ>(dr + c, zeros);
+        } else {
+          for (int64_t j = c; j < a.cols; ++j) store_group<TO, 1>(dr + j, zeros);
+        }
+      }
+    });
+    return;
+  }
+  const DzTerms terms = dz_terms(a);
+  const int64_t y = target_column(a, row);
+  const RowSplit split = row_split(xr, xtr, a.cols);
+  constexpr int kN = Vec<float>::kSize;
+  const int64_t tail = split.prefix + split.groups * kN;
+  dx_packed_rounds<TO, kTeacher, kPlain, 1>(a, k, terms, y, xr, xtr, dr, 0, split.prefix, lanes);
+  dx_packed_rounds<TO, kTeacher, kPlain, kN>(a, k, terms, y, xr, xtr, dr, split.prefix, split.groups, lanes);
+  dx_packed_rounds<TO, kTeacher, kPlain, 1>(a, k, terms, y, xr, xtr, dr, tail, a.cols - tail, lanes);
+}
+
+// Whether a dx launch packs its gradient into the tile (validated by check.h).
+FL_HD bool packed_dx(const TileArgs& a) { return a.dx == a.x && a.dx_dtype != a.dtype; }
 
 }  // namespace fl

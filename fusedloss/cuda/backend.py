@@ -13,8 +13,10 @@ Design
                     vocabulary tile;
     ``jsd_tile``    the generalized JSD's second sweep;
     ``dx_tile``     turns the tile into d loss / d x from the per-row coefficients (problem.py's dz formula
-                    and the chain rule), in place for fp32 or into a bf16/fp16 copy that feeds the two
-                    gradient products; rows outside the loss get exact zeros.
+                    and the chain rule), in place for fp32; for bf16/fp16 packed over the fp32 tile it reads
+                    (one block per row, ``PACKED_MIN_ROWS``), or into a separate half copy for tiles of few
+                    rows and the fp16 eager path; that dx feeds the two gradient products. Rows outside the
+                    loss get exact zeros.
 
 The plan
     ``plan(workload, gpu, free_bytes)`` decides everything about a call (workspace, tile shape, eager or
@@ -35,7 +37,7 @@ The plan
       supports it on the device (probed once per device), else a product block and an add; a gradient that
       one product completes is written in its own dtype directly.
     * not done: running the fold and dx kernels on a second stream beside the products. They are ~7% of the
-      modelled time at N = 16384, V = 151936 on an H200 (6 of 92 ms), which a double-buffered workspace and
+      modelled time at N = 16384, V = 151936 on an H200 (6 of 91 ms), which a double-buffered workspace and
       cross-stream lifetimes could save at most; the first device run's timings decide whether it pays.
 
 Numerics
@@ -220,12 +222,20 @@ def availability() -> str:
 # ------------------------------------------------------------------------------------------------
 WORKSPACE_MIN_BYTES = 256 * 2**20
 # 4 GiB: beside a training step's own state, and one persistent buffer per device and stream. The model's price
-# of the cap against 8 GiB at N = 16384, V = 151936: ~+3% for cross-entropy (4 row chunks instead of 2: more
-# beta = 1 accumulations of d weight), +5-7% for reverse-KL distillation (docs/design.md, "Plans and the cost model").
+# of the cap against 8 GiB at N = 16384, V = 151936: ~+2% for cross-entropy (3 row chunks instead of 2: more
+# beta = 1 accumulations of d weight), ~+3% for reverse-KL distillation (5 instead of 3); none at N = 4096,
+# V = 128256 (one chunk either way) (docs/design.md, "Plans and the cost model").
 WORKSPACE_MAX_BYTES = 4 * 2**30
 WORKSPACE_FRACTION = 8  # of the memory free for torch when the backend first runs on a device
 ALIGN = 64  # elements: leading dimensions and vocabulary tile widths (256 B of fp32, 128 B of bf16)
 MIN_TILE_COLS = 4096  # below this many columns per row, square tiles instead of all rows
+# Packed dx (docs/design.md, "The logits workspace"): a bf16/fp16 dx written over the fp32 tile it is computed
+# from, by one block of 256 threads per row, frees the 2 bytes per logit of a separate copy. Taken when a tile
+# (or eager chunk) still has this many rows with it: two waves of 256-thread blocks (8 per SM) on the GPUs the
+# model lists (132-148 SMs). Fewer rows would leave the GPU underfilled by one block per row; such tiles keep
+# the separate copy and the (rows, column blocks) grid, and there the workspace does not limit the rows anyway
+# (few rows: N is small, or V so large that a packed tile holds fewer rows than two waves).
+PACKED_MIN_ROWS = 2048
 # Small kernels (aten ops that are neither views nor the GEMM-sized products) of the eager path: (per row
 # chunk, per call). Per chunk: the loss module's autograd on [rows] vectors, the dz coefficients, the masks;
 # per call: validation, the targets, the loss's reductions and the backward's scaling. As a trace of the aten
@@ -242,13 +252,14 @@ def small_launches(op: str) -> tuple[int, int]:
 
 
 _OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("fusedloss_cuda_plan_overrides", default=())
-_OVERRIDE_KEYS = ("tile_rows", "tile_cols", "eager_rows", "workspace_mb")
+_OVERRIDE_KEYS = ("tile_rows", "tile_cols", "eager_rows", "workspace_mb", "packed_min_rows")
 
 
 @contextlib.contextmanager
 def override_plan(**fields):
     """Cap parts of the plan inside a ``with`` block (this context only): ``tile_rows`` / ``tile_cols``
-    (the composable tile), ``eager_rows`` (rows per eager chunk), ``workspace_mb``. Tests use tiny tiles so
+    (the composable tile), ``eager_rows`` (rows per eager chunk), ``workspace_mb``, ``packed_min_rows`` (the
+    fewest rows of a tile that packs dx, ``PACKED_MIN_ROWS``). Tests use tiny tiles so
     that tiny shapes cross tile borders; keep forward and backward inside one block, since a backward must
     recompute the tiles its forward used."""
     unknown = set(fields) - set(_OVERRIDE_KEYS)
@@ -317,19 +328,35 @@ class _Shape(NamedTuple):
     cols: int
     vocab_tiles: int
     ld: int  # leading dimension of the fp32 tiles (and of the dx copy), padded to ALIGN
+    packed: bool = False  # a bf16/fp16 dx packed over the fp32 student tile (no copy in the workspace)
 
 
-def _bytes_per_element(w: cost.Workload) -> int:
-    """Workspace bytes per logit: the fp32 student tile, the fp32 teacher tile, the half-precision dx copy."""
-    return 4 + (4 if w.has_teacher else 0) + (0 if w.dtype == "float32" else w.operand_bytes)
+def _bytes_per_element(w: cost.Workload, packed: bool) -> int:
+    """Workspace bytes per logit: the fp32 student tile, the fp32 teacher tile, and the half-precision dx copy
+    unless dx is fp32 (in place) or packed over the student tile."""
+    return 4 + (4 if w.has_teacher else 0) + (0 if w.dtype == "float32" or packed else w.operand_bytes)
+
+
+def _with_packing(w: cost.Workload, budget: int, caps: dict, shape_fn, can_pack: bool) -> _Shape:
+    """``shape_fn(w, budget, caps, packed)`` packed where dx is half precision and the packed tile has at least
+    ``PACKED_MIN_ROWS`` rows, else with a separate dx copy."""
+    if can_pack and w.dtype != "float32":
+        shape = shape_fn(w, budget, caps, True)
+        if shape.rows >= caps.get("packed_min_rows", PACKED_MIN_ROWS):
+            return shape
+    return shape_fn(w, budget, caps, False)
 
 
 def _composable_shape(w: cost.Workload, budget: int, caps: dict) -> _Shape:
     """One tile shape for the forward and the recompute backward (rule: the backward recomputes exactly the
     forward's row blocks and GEMM shapes). All rows when that leaves >= MIN_TILE_COLS columns (one row chunk:
     d weight needs no accumulator and W is read once per pass), else a square tile (fewest accumulator
-    round trips for d hidden and d weight together)."""
-    elements = max(1, budget // _bytes_per_element(w))
+    round trips for d hidden and d weight together). Packs dx (bf16 and fp16) where the tile has the rows."""
+    return _with_packing(w, budget, caps, _composable_shape_as, True)
+
+
+def _composable_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool) -> _Shape:
+    elements = max(1, budget // _bytes_per_element(w, packed))
     v_pad = _round_up(w.v, ALIGN)
     if elements // w.n >= min(v_pad, MIN_TILE_COLS):
         rows_max, cols_max = w.n, min(v_pad, elements // w.n)
@@ -344,16 +371,22 @@ def _composable_shape(w: cost.Workload, budget: int, caps: dict) -> _Shape:
     if vocab_tiles > 1 and "tile_cols" not in caps:
         cols = min(cols_max, _round_up(cols, ALIGN))  # tiles start on 64-column boundaries of W
         vocab_tiles = -(-w.v // cols)
-    return _Shape(rows, row_chunks, cols, vocab_tiles, _round_up(cols, ALIGN))
+    return _Shape(rows, row_chunks, cols, vocab_tiles, _round_up(cols, ALIGN), packed)
 
 
 def _eager_shape(w: cost.Workload, budget: int, caps: dict) -> _Shape:
-    """Chunks of whole rows (all V columns), as many rows as the workspace holds, split evenly."""
+    """Chunks of whole rows (all V columns), as many rows as the workspace holds, split evenly. Packs a bf16 dx
+    where the chunk has the rows; never fp16's, which is formed in fp32 in place and pre-scaled into a copy by
+    torch ops (``_scaled_half_dx``: torch ops over overlapping memory are undefined)."""
+    return _with_packing(w, budget, caps, _eager_shape_as, w.dtype == "bfloat16")
+
+
+def _eager_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool) -> _Shape:
     ld = _round_up(w.v, ALIGN)
-    rows_max = max(1, budget // (ld * _bytes_per_element(w)))
+    rows_max = max(1, budget // (ld * _bytes_per_element(w, packed)))
     rows_max = min(rows_max, caps.get("eager_rows", rows_max))
     rows, chunks = _balanced(w.n, rows_max)
-    return _Shape(rows, chunks, w.v, 1, ld)
+    return _Shape(rows, chunks, w.v, 1, ld, packed)
 
 
 def _gemm(name, m, n, k, count, w, gpu, hbm_bytes, launches, epilogue_bytes) -> cost.Pass:
@@ -374,22 +407,24 @@ def _flag(b: bool) -> str:
     return "true" if b else "false"
 
 
-def kernel_name(kind: str, w: cost.Workload, dx_out: Optional[str] = None) -> str:
+def kernel_name(kind: str, w: cost.Workload, dx_out: Optional[str] = None, packed: bool = False) -> str:
     """The fp32-tile kernel instantiation a pass of ``w`` launches (kernels.cu), as sass_counts.py names it."""
     teacher, plain = _flag(w.has_teacher), _flag(w.plain)
     if kind == "fold":
         return f"fold_kernel<float, {_flag(w.op == 'token_logprobs_entropy')}, {teacher}, {plain}>"
     if kind == "dx":
         out = dx_out or {"bfloat16": "bf16", "float16": "fp16", "float32": "float"}[w.dtype]
+        if packed:
+            return f"dx_packed_kernel<{out}, {teacher}, {plain}>"
         return f"dx_kernel<float, {out}, {teacher}, {plain}>"
     return "jsd_kernel<float>"
 
 
 def _kernel(name: str, kind: str, w: cost.Workload, elements: float, bytes_per_element: float, launches: int,
-            extra_bytes: float = 0.0, dx_out: Optional[str] = None) -> cost.Pass:
+            extra_bytes: float = 0.0, dx_out: Optional[str] = None, packed: bool = False) -> cost.Pass:
     """An elementwise kernel over ``elements`` logits: its bytes, and the warp-instructions of its vector loop
     per logit as compiled (fusedloss/cuda/sass_counts.py, from tools/sass_counts.py)."""
-    counts = sass_counts.KERNELS[kernel_name(kind, w, dx_out)]
+    counts = sass_counts.KERNELS[kernel_name(kind, w, dx_out, packed)]
     return cost.Pass(name, hbm_bytes=float(elements) * bytes_per_element + extra_bytes, math="cuda_core",
                      fixed_us=launches * cost.LAUNCH_US, instructions=float(elements) * counts["per_column"] / 32,
                      mufu=float(elements) * counts["mufu_per_column"] / 32)
@@ -434,7 +469,8 @@ def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulat
     passes.append(logits("recompute", d))
     if teacher:
         passes.append(logits("teacher recompute", dt))
-    passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + dx_bytes, tiles))
+    # the same bytes packed or not: a packed dx is written over the tile instead of beside it
+    passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + dx_bytes, tiles, packed=s.packed))
     if w.hidden_grad:
         # d hidden [rows, D] over the vocabulary tiles: one product when one tile covers V, else fp32
         # accumulation (beta = 1: the accumulator read and written by each later tile's product)
@@ -482,7 +518,7 @@ def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bo
         passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + 4, c, dx_out="float"))
         passes.append(_sweep("dx pre-scale", nv, 4 + 4 + 2, 2, 3 * c))
     else:
-        passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + dx_bytes, c))
+        passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + dx_bytes, c, packed=s.packed))
     if w.hidden_grad:
         passes.append(_gemm("d hidden", s.rows, d, v, c, w, gpu, nv * dx_bytes + v * d * b * c + n * d * 4, c,
                             n * d * 4))
@@ -521,8 +557,13 @@ def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
     if path == "composable" and w.op == "distill_jsd" and shape.row_chunks * shape.vocab_tiles > 1:
         products += 1
         teacher_products += 1
-    dx = {"float32": "fp32, in place in the logits tile", "bfloat16": "bf16 copy",
-          "float16": "fp16 copy" + (", power-of-two pre-scaled per chunk" if path == "eager" else "")}[w.dtype]
+    half = {"bfloat16": "bf16", "float16": "fp16"}.get(w.dtype)
+    if half is None:
+        dx = "fp32, in place in the logits tile"
+    elif shape.packed:
+        dx = f"{half} packed over the fp32 logits tile"
+    else:
+        dx = f"{half} copy" + (", power-of-two pre-scaled per chunk" if path == "eager" and half == "fp16" else "")
     if path == "eager":
         d_weight = ("written once in the weight's dtype" if shape.row_chunks == 1 and w.dtype == "bfloat16"
                     else "fp32 accumulator [V, D]")
@@ -532,7 +573,8 @@ def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
                     else "fp32 accumulator per vocabulary tile [cols, D]")
         params = {"tile_rows": shape.rows, "tile_cols": shape.cols, "row_chunks": shape.row_chunks,
                   "vocab_tiles": shape.vocab_tiles, "ld": shape.ld}
-    params.update(workspace_bytes=budget, teacher_products=teacher_products, dx=dx, d_weight=d_weight,
+    params.update(workspace_bytes=budget, teacher_products=teacher_products, dx=dx, dx_packed=shape.packed,
+                  d_weight=d_weight,
                   accumulate=("inside the GEMM (beta=1 into fp32)" if accumulate else "product block, then add"),
                   fp32_products=("ieee" if _fp32_precision() == "ieee" else "tf32") if w.dtype == "float32" else None,
                   overlap=False)
@@ -920,11 +962,14 @@ def _workspace_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
 
 class _Workspace:
     """The tiles of one call (student logits, teacher logits, dx copy) with padded rows, carved out of the
-    stream's persistent buffer (``_workspace_buffer``)."""
+    stream's persistent buffer (``_workspace_buffer``). ``packed``: a half-precision dx goes over the student
+    tile (``dx_of``; docs/design.md, "The logits workspace"), so there is no copy."""
 
-    def __init__(self, rows: int, ld: int, p: StatsProblem, dx_copy: bool):
+    def __init__(self, rows: int, ld: int, p: StatsProblem, dx_copy: bool, packed: bool = False):
         dev = p.hidden.device
         self.ld = ld
+        self.packed = packed
+        dx_copy = dx_copy and not packed
         tile = rows * ld
         dx_bytes = tile * p.hidden.element_size() if dx_copy else 0
         nbytes = tile * 4 * (2 if p.has_teacher else 1) + dx_bytes
@@ -937,6 +982,17 @@ class _Workspace:
     def view(self, buf: Optional[torch.Tensor], rows: int, cols: int) -> Optional[torch.Tensor]:
         return None if buf is None else buf[: rows * self.ld].view(rows, self.ld)[:, :cols]
 
+    def dx_of(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Where dx_tile writes the gradient of the tile ``x`` (a view of the student tile): ``x`` itself for
+        fp32; packed, the student tile's memory as ``dtype`` elements [rows, 2 ld] (row r's dx where its fp32
+        logits were, read by the products with leading dimension 2 ld); else the copy."""
+        rows, cols = x.shape
+        if dtype == torch.float32:
+            return x
+        if self.packed:
+            return self.x.view(dtype)[: rows * 2 * self.ld].view(rows, 2 * self.ld)[:, :cols]
+        return self.view(self.dx, rows, cols)
+
     def logits(self, products: _Products, p: StatsProblem, rows: slice, v0: int, v1: int):
         n = rows.stop - rows.start
         x = products.into(self.view(self.x, n, v1 - v0), p.hidden[rows], p.weight[v0:v1].T)
@@ -947,7 +1003,8 @@ class _Workspace:
 
 
 def _dx_into(ex: _Exec, a, dx: torch.Tensor) -> torch.Tensor:
-    """Runs dx_tile on the tile in ``a``, writing ``dx`` (the tile itself, or a half copy)."""
+    """Runs dx_tile on the tile in ``a``, writing ``dx`` (the tile itself, a half copy, or packed over the tile:
+    ``_Workspace.dx_of``). Nothing reads the tile's logits after it: fold and JSD ran before."""
     a.dx, a.dx_dtype, a.dx_ld = _ptr(dx), _code(dx), dx.stride(0)
     ex.dx(a)
     return dx
@@ -1083,7 +1140,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         dw_tile = torch.empty((shape.cols, w.shape[1]), device=dev, dtype=torch.float32)
     db_tile = torch.empty(shape.cols, device=dev, dtype=torch.float32) if needs.bias else None
 
-    ws = _Workspace(shape.rows, shape.ld, p, dx_copy=h_all.dtype != torch.float32)
+    ws = _Workspace(shape.rows, shape.ld, p, dx_copy=h_all.dtype != torch.float32, packed=shape.packed)
     with _fp32_products(dev, h_all.dtype):
         for v0 in range(0, v, shape.cols):
             v1 = min(v, v0 + shape.cols)
@@ -1093,12 +1150,11 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                 dw_acc = dw[v0:v1] if (dw_tile is None) else dw_tile[:cols]
             for r0 in range(0, n, shape.rows):
                 rows = slice(r0, min(n, r0 + shape.rows))
-                m = rows.stop - r0
                 x, xt = ws.logits(products, p, rows, v0, v1)
                 a = _tile_args(p, p.targets, r0, stats)
                 a.coeffs, a.coeff_stride = _ptr(coeffs, r0), n
                 _set_tile(a, x, xt, v0)
-                dx = _dx_into(ex, a, x if ws.dx is None else ws.view(ws.dx, m, cols))
+                dx = _dx_into(ex, a, ws.dx_of(x, h_all.dtype))
                 if dh is not None:
                     if one_vocab_tile:
                         (products.into if dh_acc.dtype == torch.float32 else products.direct)(dh[rows], dx, w)
@@ -1171,7 +1227,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         dw = (torch.zeros if n == 0 else torch.empty)(w.shape, device=dev,
                                                       dtype=w.dtype if direct_dw else torch.float32)
     loss = torch.zeros((), device=dev, dtype=torch.float32)
-    ws = _Workspace(step, chunk.ld, p, dx_copy=h_all.dtype != torch.float32)
+    ws = _Workspace(step, chunk.ld, p, dx_copy=h_all.dtype != torch.float32, packed=chunk.packed)
     out_chunk = torch.empty((_NUM_OUTPUTS, step), device=dev, dtype=torch.float32)
     dw_scale = None  # fp16: the power of two d weight's accumulator currently carries
     with _fp32_products(dev, h_all.dtype):
@@ -1199,7 +1255,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
                 dx = ws.view(ws.dx, m, v)
                 unscale = _scaled_half_dx(x, dx)
             else:
-                dx = _dx_into(ex, a, x if ws.dx is None else ws.view(ws.dx, m, v))
+                dx = _dx_into(ex, a, ws.dx_of(x, h_all.dtype))
             if dh is not None:
                 products.into(dh[rows], dx, w)
                 if unscale is not None:

@@ -31,6 +31,22 @@ KERNELS = {
         {'loop_instructions': 236, 'loop_mufu': 4, 'columns': 4, 'per_column': 59.0, 'mufu_per_column': 1.0},
     'dx_kernel<float, fp16, true, true>':
         {'loop_instructions': 147, 'loop_mufu': 4, 'columns': 4, 'per_column': 36.75, 'mufu_per_column': 1.0},
+    'dx_packed_kernel<bf16, false, false>':
+        {'loop_instructions': 170, 'loop_mufu': 4, 'columns': 4, 'per_column': 42.5, 'mufu_per_column': 1.0},
+    'dx_packed_kernel<bf16, false, true>':
+        {'loop_instructions': 108, 'loop_mufu': 4, 'columns': 4, 'per_column': 27.0, 'mufu_per_column': 1.0},
+    'dx_packed_kernel<bf16, true, false>':
+        {'loop_instructions': 259, 'loop_mufu': 4, 'columns': 4, 'per_column': 64.75, 'mufu_per_column': 1.0},
+    'dx_packed_kernel<bf16, true, true>':
+        {'loop_instructions': 140, 'loop_mufu': 4, 'columns': 4, 'per_column': 35.0, 'mufu_per_column': 1.0},
+    'dx_packed_kernel<fp16, false, false>':
+        {'loop_instructions': 170, 'loop_mufu': 4, 'columns': 4, 'per_column': 42.5, 'mufu_per_column': 1.0},
+    'dx_packed_kernel<fp16, false, true>':
+        {'loop_instructions': 108, 'loop_mufu': 4, 'columns': 4, 'per_column': 27.0, 'mufu_per_column': 1.0},
+    'dx_packed_kernel<fp16, true, false>':
+        {'loop_instructions': 259, 'loop_mufu': 4, 'columns': 4, 'per_column': 64.75, 'mufu_per_column': 1.0},
+    'dx_packed_kernel<fp16, true, true>':
+        {'loop_instructions': 140, 'loop_mufu': 4, 'columns': 4, 'per_column': 35.0, 'mufu_per_column': 1.0},
     'fold_kernel<float, false, false, false>':
         {'loop_instructions': 140, 'loop_mufu': 4, 'columns': 4, 'per_column': 35.0, 'mufu_per_column': 1.0},
     'fold_kernel<float, false, false, true>':
