@@ -169,10 +169,15 @@ GPU_CANDIDATES = {
     ("fp64", "teacher"): (TileConfig(32, 32, 32, 4, 1),),
 }
 # The eager path's forward also stores each capped logits tile for the gradient pass: that store holds a tile
-# more in registers, so it runs on tiles with more headroom (and, forming the logits once, shares its tile with
-# no other kernel). Not tuned: one configuration per class.
+# more in registers, so it runs on tiles with more headroom where the epilogue needs it (and, forming the logits
+# once, shares its tile with no other kernel). The lean half forward keeps the 128 x 128 tile with its store
+# (255 registers, no spill on Triton 3.4.0, 3.6.0 and 3.9.0, with and without a bias). The teacher's stays at
+# 64 x 64: its statistics hold z, z_t and their exponentials at once, and with 32 values per thread per tile
+# (64 x 128, 128 x 64, or 128 x 128 on 16 warps) the forward spills 0.5-6 KB per thread on every supported
+# Triton, whether the teacher's tile is a second product or read back from a cuBLAS product (docs/design.md,
+# "Triton versions"). Not tuned: one configuration per class.
 EAGER_TILES = {
-    ("half", "lean"): TileConfig(64, 128, 64, 8, 4),
+    ("half", "lean"): TileConfig(128, 128, 64, 8, 4),
     ("half", "heavy"): TileConfig(64, 64, 64, 8, 4),
     ("half", "teacher"): TileConfig(64, 64, 64, 8, 3),
     ("fp32", "lean"): TileConfig(128, 64, 16, 8, 3),
