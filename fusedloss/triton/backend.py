@@ -57,7 +57,7 @@ import dataclasses
 import math
 from functools import lru_cache
 from types import SimpleNamespace
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -406,9 +406,37 @@ def eager_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: Tile
     return max(cfg.block_m, min(rows, _cdiv(n, cfg.block_m) * cfg.block_m))
 
 
-# Small launches per step: the split merge and finalisation (~25 torch ops), per eager chunk the merge, the
-# loss's per-token math and the masks (~50), per backward block the gradient kernel, two products, a sum.
-MERGE_LAUNCHES, EAGER_CHUNK_LAUNCHES, BACKWARD_BLOCK_LAUNCHES = 25, 50, 5
+class SmallLaunches(NamedTuple):
+    """Small launches the model charges ``cost.LAUNCH_US`` each for. ``merge``: per statistics forward, the
+    splits merged and finalised (torch ops on the [fields, splits, rows] partials); ``chunk``: per eager
+    chunk besides its statistics kernel and merge (the loss's per-token math, the dz coefficients, the
+    normalisers, the masks, the gradient kernel); ``call``: per call (validation, the targets, the
+    reductions, the gradients' scaling; on the composable path the backward's own small ops)."""
+
+    merge: int
+    chunk: int
+    call: int
+
+
+# As a trace of the aten ops and kernel launches of one forward and backward counts them with the losses'
+# defaults (tests/test_triton_launches.py); other ops take the largest. Per composable backward block: the
+# gradient kernel (its two cuBLAS products are priced as products).
+_SMALL_LAUNCHES = {
+    "cross_entropy": SmallLaunches(50, 46, 42),
+    "grpo": SmallLaunches(50, 70, 35),
+    "distill_reverse_kl": SmallLaunches(106, 48, 16),
+    "distill_forward_kl": SmallLaunches(90, 46, 16),
+    "distill_jsd": SmallLaunches(75, 42, 34),
+    "token_logprobs": SmallLaunches(14, 46, 35),
+    "token_logprobs_entropy": SmallLaunches(14, 46, 35),
+}
+_SMALL_LAUNCHES_DEFAULT = SmallLaunches(106, 70, 42)
+BACKWARD_BLOCK_LAUNCHES = 1
+
+
+def small_launches(op: str) -> SmallLaunches:
+    """The small launches of an op's call (``SmallLaunches``)."""
+    return _SMALL_LAUNCHES.get(op, _SMALL_LAUNCHES_DEFAULT)
 
 
 def _pass(name: str, flops: float, hbm_bytes: float, math: str, *, efficiency: float = 1.0,
@@ -446,10 +474,11 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
     passes = [_pass(f"{prefix}: logits and statistics", flops, traffic, math_key, efficiency=tile, launches=1),
               _pass(f"{prefix}: idle in the last wave", flops * (capacity / busy - 1.0), 0.0, math_key,
                     efficiency=tile),
-              _pass(f"{prefix}: split merge", 0.0, 4 * partials_bytes, "cuda_core", launches=MERGE_LAUNCHES)]
+              _pass(f"{prefix}: split merge", 0.0, 4 * partials_bytes, "cuda_core",
+                    launches=small_launches(w.op).merge)]
     if w.op == "distill_jsd":  # the mixture's second sweep
         passes.append(_pass(f"{prefix}: JSD pass", 0.0 if store_bytes else flops,
-                            2 * n * w.v * acc if store_bytes else traffic, math_key, efficiency=tile, launches=2))
+                            2 * n * w.v * acc if store_bytes else traffic, math_key, efficiency=tile, launches=1))
     return passes
 
 
@@ -521,17 +550,20 @@ def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int
                             + chunks_v * 2 * w.n * w.d * acc, math,
                             efficiency=cost.gemm_efficiency(rows, w.d, cols, gpu)))
         if e != acc:
-            passes.append(_pass("d hidden: round to the input dtype", 0.0, w.n * w.d * (acc + e), "cuda_core",
-                                launches=1))
+            passes.append(_pass("d hidden: round to the input dtype", 0.0, w.n * w.d * (acc + e), "cuda_core"))
     if w.weight_grad:
         direct = direct_weight and chunks_r == 1
         cast = w.v * w.d * (acc + e) if e != acc and not direct else 0
         out_bytes = w.v * w.d * e if direct else (2 * chunks_r - 1) * w.v * w.d * acc
         passes.append(_pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e + out_bytes + cast, math,
                             efficiency=cost.gemm_efficiency(cols, w.d, rows, gpu)))
-        passes.append(_pass("d weight: rows without gradient masked", 0.0, 2 * w.n * w.d * e, "cuda_core",
-                            launches=1))
+        passes.append(_pass("d weight: rows without gradient masked", 0.0, 2 * w.n * w.d * e, "cuda_core"))
     return passes
+
+
+def _call_ops(w: cost.Workload) -> cost.Pass:
+    """The call's own small ops (``SmallLaunches.call``): [tokens] vectors, ~1 KB per token in all."""
+    return _pass("small ops of the call", 0.0, 1024.0 * w.n, "cuda_core", launches=small_launches(w.op).call)
 
 
 def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
@@ -555,6 +587,7 @@ def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, preci
                             launches=chunks_r * chunks_v * BACKWARD_BLOCK_LAUNCHES))
         passes += _gradient_products(w, gpu, rows, cols, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes,
                                      direct_weight=True)
+        passes.append(_call_ops(w))
     return cost.Plan(backend="triton", path="composable", products=1.0 + (1.0 + grads if grads else 0.0),
                      passes=passes, params=params)
 
@@ -573,8 +606,9 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
     dx_bytes = w.n * w.v * e_dx
     # dx: the kept logits read back, dx written (in place over them for fp32 / float64)
     passes.append(_pass("eager dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",
-                        launches=chunks * EAGER_CHUNK_LAUNCHES))
+                        launches=chunks * small_launches(w.op).chunk))
     passes += _gradient_products(w, gpu, rows, w.v, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
+    passes.append(_call_ops(w))
     return cost.Plan(backend="triton", path="eager", products=1.0 + int(w.hidden_grad) + int(w.weight_grad),
                      passes=passes, params=params)
 
