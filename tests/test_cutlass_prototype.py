@@ -1,0 +1,113 @@
+"""The CUTLASS 3 epilogue prototype (csrc/prototypes/, docs/design.md "Beyond the bound of this design") compiles
+for sm_90a into the kernel it claims to be: warpgroup MMA fed by TMA, the fold's exponentials in the epilogue, no
+spills, within its launch bound. Compile-only: no GPU has run it. tools/cutlass_prototype.py does the work."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("cutlass_prototype_tool", ROOT / "tools" / "cutlass_prototype.py")
+tool = importlib.util.module_from_spec(spec)
+sys.modules["cutlass_prototype_tool"] = tool
+spec.loader.exec_module(tool)
+
+MISSING = tool.toolchain_missing()
+# sm_90's opt-in limit of shared memory per block (227 KiB)
+SM90_MAX_DYNAMIC_SHARED = 232448
+
+
+@pytest.fixture(scope="module")
+def report():
+    return tool.build()  # about a minute of nvcc on two cores
+
+
+@pytest.mark.skipif(bool(MISSING), reason=f"cannot compile the CUTLASS prototype: {MISSING}")
+def test_prototype_compiles_into_a_tma_wgmma_kernel_without_spills(report):
+    info, usage, ptxas, sass = report["info"], report["resources"], report["ptxas"], report["sass"]
+    # the kernel is CUTLASS's device_kernel around a GemmUniversal whose epilogue holds the prototype's EVT node
+    assert report["kernel"].startswith("_ZN7cutlass13device_kernel") and tool.KERNEL_MARK in report["kernel"]
+    assert "GemmUniversal" in report["kernel"] and "Sm90TreeVisitor" in report["kernel"]
+    # no spills, no local memory
+    assert ptxas["spill_stores"] == 0 and ptxas["spill_loads"] == 0, ptxas
+    assert usage["local"] == 0 and usage["stack"] == 0 and sass["STL"] == 0 and sass["LDL"] == 0, (usage, sass)
+    # registers within the launch bound (384 threads, 1 CTA per SM: 168), and ptxas and cuobjdump agree
+    assert info["threads"] == 384 and info["min_blocks_per_sm"] == 1, info
+    assert report["register_bound"] == 168
+    assert 0 < usage["reg"] <= report["register_bound"] and ptxas["ptxas_registers"] == usage["reg"]
+    # warpgroup MMA, TMA loads (one of them multicast across the 2 x 1 cluster), setmaxnreg's warp specialisation
+    assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["multicast_tma_loads"] > 0, sass
+    assert sass["USETMAXREG"] >= 2, sass
+    # ptxas did not serialise the WGMMAs (its C7510 warning: a call between them, e.g. an assert)
+    assert not any("C7510" in w or "serialized" in w for w in report["warnings"]), report["warnings"]
+    # the fold is there: at least one exponential per logit a consumer thread holds (128 x 256 over 256
+    # threads), and the lane merge's shuffles
+    consumers = info["threads"] - 128  # one producer warpgroup
+    assert sass["MUFU.EX2"] >= info["tile_m"] * info["tile_n"] // consumers, sass
+    assert sass["SHFL"] > 0
+    # it fits: the mainloop keeps at least 3 stages in the shared memory sm_90 grants
+    assert info["dynamic_shared_bytes"] + usage["shared"] <= SM90_MAX_DYNAMIC_SHARED and info["stages"] >= 3, info
+
+
+@pytest.mark.skipif(bool(MISSING), reason=f"cannot compile the CUTLASS prototype: {MISSING}")
+def test_checked_in_report_is_the_kernel_as_built(report):
+    """benchmarks/results/cutlass-prototype-sm90.json describes this source: with the same nvcc and CUTLASS,
+    the same kernel, resources and instruction counts (the compile time and commit may differ)."""
+    saved = json.loads((ROOT / "benchmarks" / "results" / f"{tool.STEM}.json").read_text())
+    if (saved["nvcc"], saved["cutlass_headers"]) != (report["nvcc"], report["cutlass_headers"]):
+        pytest.skip(f"checked-in report is from {saved['nvcc']}, CUTLASS {saved['cutlass_headers']}")
+    for key in ("kernel", "info", "register_bound", "resources", "ptxas", "sass", "flags"):
+        assert saved[key] == report[key], f"{key} differs: run python tools/cutlass_prototype.py and commit"
+
+
+def test_the_prototype_is_not_part_of_the_library_or_its_build():
+    """Never called, never built into the extension, never shipped."""
+    for path in list((ROOT / "fusedloss").rglob("*.py")) + [ROOT / "setup.py"]:
+        text = path.read_text()
+        assert "prototypes" not in text and "fusedloss_proto" not in text, path
+    assert re.search(r"^prune csrc/prototypes$", (ROOT / "MANIFEST.in").read_text(), re.M)
+    deps = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[0]
+    assert "cutlass" not in deps  # only the test extra has it
+
+
+def test_parsers_on_hand_written_tool_output():
+    """The readers of ptxas -v, cuobjdump --dump-resource-usage and -sass, on text in their formats."""
+    mark = tool.KERNEL_MARK
+    log = (
+        "ptxas info    : Compiling entry function '_Z5otherv' for 'sm_90a'\n"
+        "ptxas info    : Function properties for _Z5otherv\n"
+        "    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads\n"
+        "ptxas info    : Used 40 registers\n"
+        f"ptxas info    : Compiling entry function '_Z3k{mark}v' for 'sm_90a'\n"
+        f"ptxas info    : Function properties for _Z3k{mark}v\n"
+        "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 168 registers, used 1 barriers, 1024 bytes smem\n"
+    )
+    assert tool.parse_ptxas(log) == {"stack_frame": 0, "spill_stores": 0, "spill_loads": 0, "ptxas_registers": 168}
+    usage = (
+        "Resource usage:\n Common:\n  GLOBAL:0\n"
+        " Function _Z5otherv:\n  REG:40 STACK:8 SHARED:0 LOCAL:8 CONSTANT[0]:100\n"
+        f" Function _Z3k{mark}v:\n  REG:168 STACK:0 SHARED:1024 LOCAL:0 CONSTANT[0]:2432 TEXTURE:0\n"
+    )
+    assert tool.parse_resource_usage(usage) == (f"_Z3k{mark}v", {"reg": 168, "stack": 0, "shared": 1024, "local": 0})
+    sass = (
+        "\t\tFunction : _Z5otherv\n"
+        "        /*0000*/                   HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ ;\n"
+        f"\t\tFunction : _Z3k{mark}v\n"
+        "        /*0000*/                   UTMALDG.3D.MULTICAST [UR8], [UR4], UR10 ;\n"
+        "        /*0010*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;\n"
+        "        /*0020*/              @!P0 MUFU.EX2 R5, R4 ;\n"
+        "        /*0030*/                   STL [R1], R2 ;\n"
+        "        /*0040*/                   NOP ;\n"
+    )
+    counts = tool.sass_counts(sass)
+    assert (counts["HGMMA"], counts["UTMALDG"], counts["multicast_tma_loads"], counts["MUFU.EX2"]) == (1, 1, 1, 1)
+    assert (counts["STL"], counts["LDL"], counts["instructions"]) == (1, 0, 4)
+    with pytest.raises(ValueError, match=mark):
+        tool.sass_counts(sass.split(f"\t\tFunction : _Z3k{mark}v")[0])
