@@ -44,6 +44,10 @@ def test_prototype_compiles_into_a_tma_wgmma_kernel_without_spills(report):
     # warpgroup MMA, TMA loads (one of them multicast across the 2 x 1 cluster), setmaxnreg's warp specialisation
     assert sass["HGMMA"] > 0 and sass["UTMALDG"] > 0 and sass["multicast_tma_loads"] > 0, sass
     assert sass["USETMAXREG"] >= 2, sass
+    # the code's own registers fit the consumer warpgroups' setmaxnreg budget, and the budgets fit the register
+    # file: two consumer warpgroups at their allocation and the producer warpgroup at its release
+    assert 0 < sass["registers_named"] <= sass["setmaxnreg_try_alloc"], sass
+    assert 2 * 128 * sass["setmaxnreg_try_alloc"] + 128 * sass["setmaxnreg_dealloc"] <= 65536, sass
     # ptxas did not serialise the WGMMAs (its C7510 warning: a call between them, e.g. an assert)
     assert not any("C7510" in w or "serialized" in w for w in report["warnings"]), report["warnings"]
     # the fold is there: at least one exponential per logit a consumer thread holds (128 x 256 over 256
@@ -103,11 +107,14 @@ def test_parsers_on_hand_written_tool_output():
         "        /*0000*/                   UTMALDG.3D.MULTICAST [UR8], [UR4], UR10 ;\n"
         "        /*0010*/                   HGMMA.64x256x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT ;\n"
         "        /*0020*/              @!P0 MUFU.EX2 R5, R4 ;\n"
+        "        /*0028*/                   USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe8 ;\n"
+        "        /*002c*/                   USETMAXREG.DEALLOC.CTAPOOL 0x28 ;\n"
         "        /*0030*/                   STL [R1], R2 ;\n"
         "        /*0040*/                   NOP ;\n"
     )
     counts = tool.sass_counts(sass)
     assert (counts["HGMMA"], counts["UTMALDG"], counts["multicast_tma_loads"], counts["MUFU.EX2"]) == (1, 1, 1, 1)
-    assert (counts["STL"], counts["LDL"], counts["instructions"]) == (1, 0, 4)
+    assert (counts["STL"], counts["LDL"], counts["instructions"]) == (1, 0, 6)
+    assert (counts["registers_named"], counts["setmaxnreg_try_alloc"], counts["setmaxnreg_dealloc"]) == (25, 232, 40)
     with pytest.raises(ValueError, match=mark):
         tool.sass_counts(sass.split(f"\t\tFunction : _Z3k{mark}v")[0])

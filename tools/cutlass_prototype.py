@@ -146,6 +146,14 @@ def sass_counts(sass: str, mark: str = KERNEL_MARK) -> dict:
     counts = {name: sum(op.startswith(prefix) for op in ops) for name, prefix in SASS_OPS.items()}
     counts["instructions"] = sum(op != "NOP" for op in ops)
     counts["multicast_tma_loads"] = sum(op.startswith("UTMALDG") and ".MULTICAST" in op for op in ops)
+    # What the code really uses: the highest general register named, + 1 (RZ is not one), and the per-thread
+    # budgets setmaxnreg sets (the consumer warpgroups' allocation, the producer's release).
+    regs = [int(r) for _, text in code for r in re.findall(r"\bR(\d+)\b", text)]
+    counts["registers_named"] = max(regs) + 1 if regs else 0
+    for kind in ("TRY_ALLOC", "DEALLOC"):
+        values = [int(m.group(1), 16) for _, text in code
+                  for m in [re.search(rf"USETMAXREG\.{kind}\S*\s+(?:UP\d,\s*)?0x([0-9a-f]+)", text)] if m]
+        counts[f"setmaxnreg_{kind.lower()}"] = max(values) if values else None
     return counts
 
 
@@ -209,7 +217,10 @@ def render(report: dict) -> str:
         ("static shared memory (bytes)", f"{u['shared']}"),
         ("SASS: HGMMA / UTMALDG (multicast)", f"{s['HGMMA']} / {s['UTMALDG']} ({s['multicast_tma_loads']})"),
         ("SASS: MUFU.EX2 / SHFL / STG", f"{s['MUFU.EX2']} / {s['SHFL']} / {s['STG']}"),
-        ("SASS: STL / LDL / USETMAXREG", f"{s['STL']} / {s['LDL']} / {s['USETMAXREG']}"),
+        ("SASS: STL / LDL", f"{s['STL']} / {s['LDL']}"),
+        ("highest register named + 1", f"{s['registers_named']}"),
+        ("setmaxnreg: consumer alloc / producer dealloc", f"{s['setmaxnreg_try_alloc']} / "
+                                                          f"{s['setmaxnreg_dealloc']}"),
         ("SASS instructions", f"{s['instructions']}"),
         ("compile time (s)", f"{report['compile_seconds']}"),
     ]
@@ -227,6 +238,13 @@ def render(report: dict) -> str:
         "| what | value |",
         "|---|---|",
         *[f"| {k} | {v} |" for k, v in rows],
+        "",
+    ]
+    lines += [
+        "ptxas compiles the kernel for its launch bound (64 K registers over the threads of one CTA, in units of 8),",
+        "so the first register row is the budget of the launch; the code's own need is the highest register it",
+        "names, and the consumer warpgroups raise their budget at run time (setmaxnreg). Spills and local memory",
+        "are the signal of pressure.",
         "",
     ]
     if report["warnings"]:
