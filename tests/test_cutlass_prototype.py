@@ -4,12 +4,17 @@ spills, within its launch bound. Compile-only: no GPU has run it. tools/cutlass_
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
 import json
+import os
 import re
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -118,3 +123,74 @@ def test_parsers_on_hand_written_tool_output():
     assert (counts["registers_named"], counts["setmaxnreg_try_alloc"], counts["setmaxnreg_dealloc"]) == (25, 232, 40)
     with pytest.raises(ValueError, match=mark):
         tool.sass_counts(sass.split(f"\t\tFunction : _Z3k{mark}v")[0])
+
+
+# --------------------------------------------------------------------------------------------------
+# The fold's math on the host: csrc/prototypes/softmax_partials.h compiled by the host compiler, driven in the
+# kernel's lane order by softmax_partials_host.cpp, against float64.
+
+CXX = next((c for c in (os.environ.get("CXX"), shutil.which("c++"), shutil.which("g++")) if c), None)
+
+
+@pytest.fixture(scope="module")
+def fold_tile(tmp_path_factory):
+    lib = tmp_path_factory.mktemp("proto") / "softmax_partials_host.so"
+    subprocess.run([CXX, "-O2", "-std=c++17", "-shared", "-fPIC", f"-I{ROOT / 'csrc'}", "-o", str(lib),
+                    str(ROOT / "csrc" / "prototypes" / "softmax_partials_host.cpp")], check=True)
+    fn = ctypes.CDLL(str(lib)).fl_proto_fold_tile
+    fn.restype = None
+
+    def run(z: np.ndarray, valid: int | None = None):
+        z = np.ascontiguousarray(z, dtype=np.float32)
+        rows, cols = z.shape
+        m, t = np.empty(rows, np.float32), np.empty(rows, np.float32)
+        ptr = lambda a: a.ctypes.data_as(ctypes.POINTER(ctypes.c_float))
+        fn(ptr(z), rows, cols, cols if valid is None else valid, ptr(m), ptr(t))
+        return m, t
+
+    return run
+
+
+def _reference(z: np.ndarray):
+    """(max, sum e^(z - max) - 1) in float64, the latter without the maximum's own 1 subtracted."""
+    z = z.astype(np.float64)
+    m = z.max(axis=1)
+    e = np.exp(z - m[:, None])
+    first = z.argmax(axis=1)
+    e[np.arange(len(z)), first] = 0.0  # t: every column but the (first) maximum's own e^0 = 1
+    return m, e.sum(axis=1)
+
+
+@pytest.mark.skipif(CXX is None, reason="no host C++ compiler (c++ / g++ / $CXX)")
+def test_host_fold_of_a_tile_matches_float64(fold_tile):
+    rng = np.random.default_rng(0)
+    z = rng.standard_normal((64, 256)).astype(np.float32) * 3
+    z[1] += 1e4  # extreme logits: t relative to the maximum keeps its digits
+    z[2, 17] = 30.0  # a confident row: t ~ 1e-11, which s = 1 + t in fp32 could not hold
+    z[3] = -1e4
+    z[3, [5, 200]] = 2.0  # a tie and nothing else: t is the twin's 1 exactly
+    m, t = fold_tile(z)
+    m_ref, t_ref = _reference(z)
+    assert np.array_equal(m, m_ref.astype(np.float32))
+    np.testing.assert_allclose(t, t_ref, rtol=2e-5)
+    assert 0 < t[2] < 1e-9 and t[3] == 1.0
+
+
+@pytest.mark.skipif(CXX is None, reason="no host C++ compiler (c++ / g++ / $CXX)")
+def test_host_fold_skips_the_zero_fill_and_merges_empty_lanes(fold_tile):
+    rng = np.random.default_rng(1)
+    z = rng.standard_normal((4, 256)).astype(np.float32)
+    z[:, 100:] = 1e3  # beyond V: must not count
+    m, t = fold_tile(z, valid=100)
+    m_ref, t_ref = _reference(z[:, :100])
+    assert np.array_equal(m, m_ref.astype(np.float32))
+    np.testing.assert_allclose(t, t_ref, rtol=2e-5)
+    # three columns: lanes 2 and 3 hold nothing and merge in as empty sides (m = -inf), not as NaN
+    m, t = fold_tile(z, valid=3)
+    m_ref, t_ref = _reference(z[:, :3])
+    assert np.array_equal(m, m_ref.astype(np.float32)) and np.all(np.isfinite(t))
+    np.testing.assert_allclose(t, t_ref, rtol=2e-6)
+    # a NaN logit reaches t
+    z[0, 7] = np.nan
+    m, t = fold_tile(z, valid=100)
+    assert np.isnan(t[0]) and np.all(np.isfinite(t[1:]))

@@ -28,7 +28,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
 
-#include "fusedloss/math.h"  // fast_exp, rescale_factor: the fold's own exponentials and merge rule
+#include "softmax_partials.h"  // add_logit, merge_partial: the fold's step and merge, host-tested
 
 namespace fl_proto {
 
@@ -40,17 +40,6 @@ using cutlass::epilogue::fusion::detail::EmptyConsumerStoreCallbacks;
 using cutlass::epilogue::fusion::detail::EmptyProducerLoadCallbacks;
 using cutlass::epilogue::fusion::detail::ProducerLoadArgs;
 using cutlass::epilogue::fusion::detail::sm90_partition_for_epilogue;
-
-// (m, t) <- merge((m, t), (pm, pt)): math.h's state_merge restricted to the two fields. The side holding the
-// maximum keeps its t, the other adds all of its columns (1 + t) rescaled; an empty side (m = -inf) adds 0.
-CUTLASS_DEVICE void merge_partial(float& m, float& t, float pm, float pt) {
-  const float mo = fmaxf(m, pm);
-  float fr, dr, fp, dp;
-  fl::rescale_factor(m, mo, fr, dr);
-  fl::rescale_factor(pm, mo, fp, dp);
-  t = m >= pm ? t + fp * (1.0f + pt) : pt + fr * (1.0f + t);
-  m = mo;
-}
 
 // EVT node: consumes its child's fragment (the fp32 logits; Sm90AccFetch here, a softcap or bias node would sit
 // between), returns it unchanged (the collective stores nothing: D is void), and writes the row partials.
@@ -137,9 +126,7 @@ struct Sm90RowSoftmaxPartials {
       }
     }
 
-    // One exponential per logit, no branch: e = e^-|z - m| is e^(z - m) when z <= m (add it to t) and
-    // e^(m - z) when z is a new maximum (the old sum, 1 + t, is rescaled by it). From the empty state
-    // (m = -inf, t = 0) the first logit gives e = 0 and t = 0, i.e. s = 1.
+    // One exponential per logit (add_logit, softmax_partials.h).
     template <class ElementAccumulator, class ElementInput, int FragmentSize>
     CUTLASS_DEVICE cutlass::Array<ElementInput, FragmentSize> visit(
         cutlass::Array<ElementAccumulator, FragmentSize> const&,
@@ -156,12 +143,7 @@ struct Sm90RowSoftmaxPartials {
         // Columns beyond V hold TMA's zero fill and must not count; rows beyond N only fill padding rows.
         if (get<1>(c) < get<1>(residue)) {
           const float z = float(frg_z[i]);
-          float& m = m_mn(idx);
-          float& t = t_mn(idx);
-          const float e = fl::fast_exp(-fabsf(z - m));
-          const bool grow = z > m;
-          t = grow ? (t + 1.0f) * e : t + e;
-          m = grow ? z : m;
+          add_logit(m_mn(idx), t_mn(idx), z);
           if (int(get<1>(c)) == tgt_mn(idx)) {  // rare: one element per row in the whole grid
             params.ptr_target_logit[row0 + int(get<0>(c))] = z;
           }
