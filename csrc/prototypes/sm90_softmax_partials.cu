@@ -96,10 +96,11 @@ struct Sm90RowSoftmaxPartials {
   struct ConsumerStoreCallbacks : EmptyConsumerStoreCallbacks {
     CUTLASS_DEVICE ConsumerStoreCallbacks(RState tCrM_, RState tCrT_, RTarget tCrTgt_, GTarget tCgTgt_, GBuf tCgM_,
                                           GBuf tCgT_, CCoord tCcD_, Residue residue_, LaneLayout lane_layout_MN_,
-                                          LaneCoord lane_mn_, int row0_, int col0_, Params const& params_)
+                                          LaneCoord lane_mn_, int row0_, int col0_, bool tile_in_problem_,
+                                          Params const& params_)
         : tCrM(tCrM_), tCrT(tCrT_), tCrTgt(tCrTgt_), tCgTgt(tCgTgt_), tCgM(tCgM_), tCgT(tCgT_), tCcD(tCcD_),
           residue(residue_), lane_layout_MN(lane_layout_MN_), lane_mn(lane_mn_), row0(row0_), col0(col0_),
-          params(params_) {}
+          tile_in_problem(tile_in_problem_), params(params_) {}
 
     RState tCrM, tCrT;  // running maximum and t of each row this thread holds
     RTarget tCrTgt;     // each row's target column relative to col0 (-1: not in this tile)
@@ -110,6 +111,9 @@ struct Sm90RowSoftmaxPartials {
     LaneLayout lane_layout_MN;
     LaneCoord lane_mn;
     int row0, col0;  // global coordinates of this thread's first element
+    // false for the tiles wholly outside (N, V) that the persistent scheduler still hands out to fill a cluster
+    // (the grid's tiles are rounded up to the 2 x 1 cluster): their rows lie past the padded buffers' end
+    bool tile_in_problem;
     Params const& params;
 
     CUTLASS_DEVICE void begin() {
@@ -157,7 +161,7 @@ struct Sm90RowSoftmaxPartials {
     // only, asserted below), so no cross-warp shared-memory step is needed, unlike Sm90ColReduction.
     template <class STensor, class SyncFn, class VTensor>
     CUTLASS_DEVICE void reduce(STensor&&, SyncFn const&, int, int, bool is_last_iteration, VTensor) {
-      if (!is_last_iteration) return;
+      if (!is_last_iteration || !tile_in_problem) return;  // uniform across the CTA: the shuffles stay full
       Tensor m_rows = filter_zeros(tCrM);
       Tensor t_rows = filter_zeros(tCrT);
       CUTLASS_PRAGMA_UNROLL
@@ -231,10 +235,12 @@ struct Sm90RowSoftmaxPartials {
     // The epilogue's coordinates are relative to the thread's first element; residue = (N, V) - that element.
     const int row0 = int(M) - int(get<0>(args.residue_tCcD));
     const int col0 = int(N) - int(get<1>(args.residue_tCcD));
+    const bool tile_in_problem = m * size<0>(cta_mn) < M && n * size<1>(cta_mn) < N;
     return ConsumerStoreCallbacks<decltype(tCrM), decltype(tCrTgt), decltype(tCgTgt), decltype(tCgM),
                                   decltype(args.tCcD), decltype(args.residue_tCcD), decltype(lane_layout_MN),
                                   decltype(lane_mn)>(tCrM, tCrT, tCrTgt, tCgTgt, tCgM, tCgT, args.tCcD,
-                                                     args.residue_tCcD, lane_layout_MN, lane_mn, row0, col0, params);
+                                                     args.residue_tCcD, lane_layout_MN, lane_mn, row0, col0,
+                                                     tile_in_problem, params);
   }
 };
 
