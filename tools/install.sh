@@ -48,6 +48,11 @@ pip_install setuptools wheel "pybind11>=2.12" ninja
 pip_install --no-build-isolation -e ".[test,bench,integrations]"
 "$PYTHON" -c "import fusedloss; print('fusedloss install: backends:', fusedloss.backend_status())"
 
+# The CUTLASS 3 headers (a 6 MB wheel; its Python interface and dependencies are not needed): the compile-only
+# epilogue prototype of csrc/prototypes/ is built with them (tests/test_cutlass_prototype.py). The library never
+# uses them.
+pip_install --no-deps "nvidia-cutlass==4.2.0.0"
+
 # The oldest supported Triton and the H200 images' version (about 170 MB each), beside the newest installed
 # above: the compile check builds every Triton kernel variant for sm_90a with each (tools/triton_versions.py).
 "$PYTHON" tools/triton_versions.py install
