@@ -497,7 +497,7 @@ def test_kernels_compile_for_sm90(version):
     results = report["results"]
     assert {r["dtype"] for r in results} == {"bfloat16", "float16", "float32"}
     assert {r["kernel"] for r in results} == {"statistics_forward_kernel", "jsd_forward_kernel",
-                                              "logits_gradient_kernel"}
+                                              "logits_gradient_kernel", "packed_gradient_kernel"}
     for r in results:
         what = f"{r['dtype']} {r['kernel']} {r['config']} {r['flags']}"
         assert r["ok"], what + r["log"]
@@ -507,3 +507,5 @@ def test_kernels_compile_for_sm90(version):
         assert r["vector_loads"], what
         if "LOAD_LOGITS" not in (r["flags"] or []):
             assert r["wgmma"], what
+        if r["kernel"] == "packed_gradient_kernel":  # its block barrier orders a tile's loads before its stores
+            assert r["barrier"], what

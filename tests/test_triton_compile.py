@@ -187,6 +187,7 @@ def _compile_one(i: int) -> dict:
                 flags=None if flags is None else [k for k, v in flags._asdict().items() if v],
                 shared=kernel.metadata.shared, wgmma="wgmma.mma_async" in ptx,
                 vector_loads=("cp.async" in ptx) or ("ld.global.v4" in ptx) or ("ld.global.v2" in ptx),
+                barrier=("bar.sync" in ptx) or ("barrier.sync" in ptx),
                 **_ptxas_report(ptx))
 
 

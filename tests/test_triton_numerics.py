@@ -308,3 +308,33 @@ def test_eager_path_rows_per_chunk_follow_the_workspace():
     per_row = triton_backend.eager_row_bytes(131, "float32", True)
     assert rows == cfg.block_m or rows * per_row <= 0.05 * 2**20
     assert triton_backend._plan_of(p, needs, "eager").params["eager_rows"] >= p.hidden.shape[0]
+
+
+@pytest.mark.parametrize("case", ["cross_entropy", "softcap_entropy", "teacher"])
+@pytest.mark.parametrize("workspace_mb", [None, 0.05])
+def test_eager_half_precision_dx_packed_over_its_tile(case, workspace_mb):
+    """fp16: the eager path writes dx over the fp32 tile it reads (``packed_gradient_kernel``, one program per
+    row block walking the columns in order). The gradients must be those of the composable path, whose dx
+    has a buffer of its own and whose recomputed tiles are the forward's bit for bit: exactly equal in one
+    chunk (the same products of the same dx), within fp32 rounding in several (d weight summed by chunk)."""
+    p = _problem(case, torch.float16)
+    p = StatsProblem(**{**p.__dict__, "workspace_mb": workspace_mb})
+    weights = _weights(p)
+    needs = GradientNeeds(True, True, True)
+    launched = []
+    real = triton_backend._packed_gradient
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(triton_backend, "_packed_gradient", lambda *a: launched.append(1) or real(*a))
+        _, grads = triton_backend.eager_gradients(p, _chunk_fn(p, weights), needs)
+    chunks = -(-p.hidden.shape[0] // triton_backend._plan_of(p, needs, "eager").params["eager_rows"])
+    assert len(launched) == chunks and (chunks > 1) == (workspace_mb is not None)
+    stats = triton_backend.forward_statistics(p)
+    stacked = torch.stack(tuple(stats))
+    coeffs = dz_coefficients(weights.to(stacked), stacked, p.jsd_beta, p.targets, p.weight.shape[0])
+    composable = triton_backend.backward_gradients(p, stats, coeffs, needs)
+    for name, got, want in zip(("d hidden", "d weight", "d bias"), grads, composable):
+        got = got.to(want.dtype)  # the eager path returns its fp32 sums (the caller scales, then rounds)
+        if chunks == 1:
+            assert torch.equal(got, want), name
+        else:
+            assert rel_err(got, want) <= 1e-3, name  # fp16 rounding of sums taken in another order

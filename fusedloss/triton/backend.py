@@ -99,14 +99,15 @@ def _kernels() -> SimpleNamespace:
             _interpreter_numpy_compat()
         from . import tile_math
         from .jsd_forward import jsd_forward_kernel
-        from .logits_gradient import logits_gradient_kernel
+        from .logits_gradient import logits_gradient_kernel, packed_gradient_kernel
         from .statistics_forward import statistics_forward_kernel
 
         if tile_math.STATE_FIELDS != partials.FIELDS:  # the kernels write the partials in this order
             raise ImportError(f"triton/tile_math.py keeps {tile_math.STATE_FIELDS}, core/partials.py merges "
                               f"{partials.FIELDS}: update the kernels' state")
         _KERNELS = SimpleNamespace(forward=statistics_forward_kernel, jsd=jsd_forward_kernel,
-                                   gradient=logits_gradient_kernel, tm=tile_math,
+                                   gradient=logits_gradient_kernel, packed_gradient=packed_gradient_kernel,
+                                   tm=tile_math,
                                    interpreted=_interpret_requested())
     return _KERNELS
 
@@ -396,10 +397,11 @@ def _eager_row_align(cfg: TileConfig, elementwise: TileConfig) -> int:
 
 def eager_row_bytes(v: int, dtype: str, teacher: bool) -> int:
     """Workspace bytes per row of an eager chunk: the capped logits (and the teacher's) in the accumulation
-    dtype, plus dx in the input dtype for bf16/fp16 (in place otherwise), rows padded to whole tiles."""
+    dtype, rows padded to whole tiles. dx takes no bytes of its own: in place for fp32 / float64, and for
+    bf16 / fp16 packed over the fp32 tile it is computed from (``packed_gradient_kernel``)."""
     e, acc, e_dx = _sizes(dtype)
     ld = _cdiv(v, ELEMENTWISE_TILES.block_v) * ELEMENTWISE_TILES.block_v
-    return ld * (acc * (2 if teacher else 1) + (e_dx if e_dx != acc else 0))
+    return ld * acc * (2 if teacher else 1)
 
 
 def eager_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: TileConfig) -> int:
@@ -610,7 +612,7 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
         passes += _forward_passes(w, min(rows, w.n - r0), gpu, cfg, precision, "eager logits", store_bytes=logits
                                   * min(rows, w.n - r0) / w.n)
     dx_bytes = w.n * w.v * e_dx
-    # dx: the kept logits read back, dx written (in place over them for fp32 / float64)
+    # dx: the kept logits read back, dx written over them (in place for fp32 / float64, packed for bf16 / fp16)
     passes.append(_pass("eager dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",
                         launches=chunks * small_launches(w.op).chunk))
     passes += _gradient_products(w, gpu, rows, w.v, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
@@ -1028,6 +1030,17 @@ def _gradient_block(lc: _Launch, p: StatsProblem, coeffs: torch.Tensor, norm: to
            flags=_gradient_flags(p, store is not None))
 
 
+def _packed_gradient(lc: _Launch, p: StatsProblem, coeffs: torch.Tensor, norm: torch.Tensor, norm_t: torch.Tensor,
+                     dx: torch.Tensor, store: tuple) -> None:
+    """The eager chunk's half-precision dx over its kept fp32 tile (``dx``: the tile's 16-bit view, ``[rows,
+    V]`` with row stride 2 ld): one program per row block, walking the columns in order."""
+    n = p.hidden.shape[0]
+    tgt = p.targets if p.targets is not None else lc.dummy
+    lc.run(_kernels().packed_gradient, _cdiv(n, lc.cfg.block_m), lc.student, lc.teacher, lc.workspace(*store), tgt,
+           lc.params, coeffs, norm, norm_t, dx, n, p.weight.shape[0], p.hidden.shape[1],
+           p.teacher_hidden.shape[1] if p.has_teacher else 0, dx.stride(0), flags=_gradient_flags(p, True))
+
+
 def _dx_dtype(p: StatsProblem) -> torch.dtype:
     return p.hidden.dtype if p.hidden.dtype in (torch.bfloat16, torch.float16) else p.acc_dtype
 
@@ -1148,7 +1161,10 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
         m_max = min(step, n)
         c_ws = _alloc((m_max, ld), acc, dev, zero=False)
         zt_ws = _alloc((m_max, ld), acc, dev, zero=False) if p.has_teacher else None
-        dx_ws = c_ws if _dx_dtype(p) == acc else _alloc((m_max, ld), _dx_dtype(p), dev, zero=False)
+        # dx in place (fp32, float64), or packed over the student's tile: its 16-bit view [rows, 2 ld], whose row
+        # r starts where the tile's does (docs/design.md, "The logits workspace")
+        packed = _dx_dtype(p) != acc
+        dx_ws = c_ws.view(_dx_dtype(p)) if packed else c_ws
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             m = r1 - r0
@@ -1162,7 +1178,10 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
             coeffs = coeffs.to(acc).contiguous()
             norm, norm_t = _normalisers(Statistics(**stats), acc, p.has_teacher)
             dx = dx_ws[:m, :v]
-            _gradient_block(_launch(part, elementwise), part, coeffs, norm, norm_t, 0, v, dx, store)
+            if packed:
+                _packed_gradient(_launch(part, elementwise), part, coeffs, norm, norm_t, dx, store)
+            else:
+                _gradient_block(_launch(part, elementwise), part, coeffs, norm, norm_t, 0, v, dx, store)
             if dh is not None:
                 _product(dh[r0:r1], dx, w, accumulate=False)
             if dw is not None:
