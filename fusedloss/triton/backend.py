@@ -101,12 +101,13 @@ def _kernels() -> SimpleNamespace:
         from .jsd_forward import jsd_forward_kernel
         from .logits_gradient import logits_gradient_kernel
         from .statistics_forward import statistics_forward_kernel
+        from .teacher_fold import teacher_fold_kernel
 
         if tile_math.STATE_FIELDS != partials.FIELDS:  # the kernels write the partials in this order
             raise ImportError(f"triton/tile_math.py keeps {tile_math.STATE_FIELDS}, core/partials.py merges "
                               f"{partials.FIELDS}: update the kernels' state")
         _KERNELS = SimpleNamespace(forward=statistics_forward_kernel, jsd=jsd_forward_kernel,
-                                   gradient=logits_gradient_kernel, tm=tile_math,
+                                   gradient=logits_gradient_kernel, fold=teacher_fold_kernel, tm=tile_math,
                                    interpreted=_interpret_requested())
     return _KERNELS
 
@@ -171,21 +172,19 @@ GPU_CANDIDATES = {
 # The eager path's forward also stores each capped logits tile for the gradient pass: that store holds a tile
 # more in registers, so it runs on tiles with more headroom where the epilogue needs it (and, forming the logits
 # once, shares its tile with no other kernel). The lean half forward keeps the 128 x 128 tile with its store
-# (255 registers, no spill on Triton 3.4.0, 3.6.0 and 3.9.0, with and without a bias). The teacher's stays at
-# 64 x 64: its statistics hold z, z_t and their exponentials at once, and with 32 values per thread per tile
-# (64 x 128, 128 x 64, or 128 x 128 on 16 warps) the forward spills 0.5-6 KB per thread on every supported
-# Triton, whether the teacher's tile is a second product or read back from a cuBLAS product (docs/design.md,
-# "Triton versions"). Not tuned: one configuration per class.
+# (255 registers, no spill on Triton 3.6.0 and 3.9.0, with and without a bias). A teacher is no product of the
+# eager forward: cuBLAS forms its raw logits into the workspace, the student's forward (the lean or heavy
+# epilogue of its own features) reads from them only the teacher's logit at its maximum column, and the teacher
+# fold forms the teacher's statistics from the kept tiles (docs/design.md, "The Triton teacher on the eager
+# path"); a 64 x 64 tile forming both products, or 32 values per thread of z, z_t and their exponentials at
+# once, spilled on every supported Triton. Not tuned: one configuration per class.
 EAGER_TILES = {
     ("half", "lean"): TileConfig(128, 128, 64, 8, 4),
     ("half", "heavy"): TileConfig(64, 64, 64, 8, 4),
-    ("half", "teacher"): TileConfig(64, 64, 64, 8, 3),
     ("fp32", "lean"): TileConfig(128, 64, 16, 8, 3),
     ("fp32", "heavy"): TileConfig(64, 64, 16, 8, 3),
-    ("fp32", "teacher"): TileConfig(64, 64, 16, 8, 3),
     ("fp64", "lean"): TileConfig(32, 32, 32, 4, 1),
     ("fp64", "heavy"): TileConfig(32, 32, 32, 4, 1),
-    ("fp64", "teacher"): TileConfig(32, 32, 32, 4, 1),
 }
 # The eager path's gradient pass reads the kept logits back: no product, so no reason to share the forward's
 # tile. Loaded tiles are laid out one row per thread and warp-wide along the vocabulary, so every thread
@@ -201,9 +200,10 @@ def _dtype_class(dtype: torch.dtype) -> str:
     return {torch.float64: "fp64", torch.float32: "fp32"}.get(dtype, "half")
 
 
-def epilogue(p: StatsProblem) -> str:
-    """"teacher", "heavy" or "lean": which candidates' registers hold the problem's per-element terms."""
-    if p.has_teacher:
+def epilogue(p: StatsProblem, path: str = "composable") -> str:
+    """"teacher", "heavy" or "lean": which candidates' registers hold the problem's per-element terms (on the
+    eager path the teacher is no product of the forward: its student's)."""
+    if p.has_teacher and path != "eager":
         return "teacher"
     heavy = p.want_entropy or p.want_extras or p.want_mean_logit or p.transform.softcap is not None
     return "heavy" if heavy else "lean"
@@ -244,11 +244,11 @@ def tiles_for(p: StatsProblem, path: str = "composable", tune: bool = True) -> T
     dev = p.hidden.device
     if dev.type == "cpu":
         return INTERPRETER_TILES
-    configs = candidates(p.hidden.dtype, epilogue(p), path)
+    configs = candidates(p.hidden.dtype, epilogue(p, path), path)
     if dev.type != "cuda" or len(configs) == 1 or deterministic():
         return configs[0]
     key = (dev.index if dev.index is not None else torch.cuda.current_device(), p.hidden.dtype,
-           d_bucket(p.hidden.shape[1]), epilogue(p))
+           d_bucket(p.hidden.shape[1]), epilogue(p, path))
     if not tune or torch.cuda.is_current_stream_capturing():
         return _TUNED.get(key, configs[0])
 
@@ -334,6 +334,12 @@ def grid_of(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec, dtype: str) -> t
                         weight_stream_steps(v, cfg, gpu, dtype))
 
 
+def elementwise_grid(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec) -> tuple:
+    """``forward_grid`` of an elementwise sweep over the eager workspace (the teacher fold, the JSD's second
+    sweep): the same whole waves of (row block, split) programs, no weight to stream."""
+    return forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count, 0.0)
+
+
 GRADIENT_GROUP = 8  # row blocks per group of the gradient kernel's one-tile programs (the matmul swizzle)
 
 # Bounds of the workspace when its size comes from the free memory: a share of it, at least enough for
@@ -407,8 +413,11 @@ def eager_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: Tile
 
 
 # Small launches per step: the split merge and finalisation (~25 torch ops), per eager chunk the merge, the
-# loss's per-token math and the masks (~50), per backward block the gradient kernel, two products, a sum.
+# loss's per-token math and the masks (~50), per backward block the gradient kernel, two products, a sum; the
+# teacher fold's split merge (partials.merge_teacher_sweep and the frame: ~15 torch ops).
 MERGE_LAUNCHES, EAGER_CHUNK_LAUNCHES, BACKWARD_BLOCK_LAUNCHES = 25, 50, 5
+TEACHER_FOLD_MERGE_LAUNCHES = 15
+TEACHER_FOLD_FIELDS = 4  # the fold's partials: mt, st, a, b
 
 
 def _pass(name: str, flops: float, hbm_bytes: float, math: str, *, efficiency: float = 1.0,
@@ -428,14 +437,15 @@ def _product_math(dtype: str, precision: str, gpu: Optional[cost.GPUSpec] = None
 
 
 def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, prefix: str,
-                    store_bytes: float = 0.0) -> list:
+                    store_bytes: float = 0.0, teacher_product: bool = True) -> list:
     """The statistics kernel over ``n`` rows: products, operand traffic (the weight once per group of row
-    blocks, which share it through L2), the programs the last wave leaves idle, and the split merge."""
+    blocks, which share it through L2), the programs the last wave leaves idle, and the split merge.
+    ``teacher_product``: the teacher's product is formed in the tile (the eager path's comes from cuBLAS)."""
     e, acc, _ = _sizes(w.dtype)
     math_key, factor = _product_math(w.dtype, precision, gpu)
     slots = cfg.slots or gpu.sm_count
     row_blocks, per, splits, group = grid_of(n, w.v, cfg, gpu, w.dtype)
-    d_all = w.d + _teacher_d(w)
+    d_all = w.d + (_teacher_d(w) if teacher_product else 0)
     flops = 2.0 * n * w.v * d_all * factor
     groups = _cdiv(row_blocks, group)
     partials_bytes = len(partials.FIELDS) * splits * n * acc
@@ -447,9 +457,8 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
               _pass(f"{prefix}: idle in the last wave", flops * (capacity / busy - 1.0), 0.0, math_key,
                     efficiency=tile),
               _pass(f"{prefix}: split merge", 0.0, 4 * partials_bytes, "cuda_core", launches=MERGE_LAUNCHES)]
-    if w.op == "distill_jsd":  # the mixture's second sweep
-        passes.append(_pass(f"{prefix}: JSD pass", 0.0 if store_bytes else flops,
-                            2 * n * w.v * acc if store_bytes else traffic, math_key, efficiency=tile, launches=2))
+    if w.op == "distill_jsd" and teacher_product:  # the mixture's second sweep (the eager path's: _eager_plan)
+        passes.append(_pass(f"{prefix}: JSD pass", flops, traffic, math_key, efficiency=tile, launches=2))
     return passes
 
 
@@ -476,10 +485,11 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     ``workspace_bytes`` (``workspace``, in bytes, or ``workspace_mb`` fix it; else the free memory sizes it).
     ``tiles`` / ``eager_tiles`` (the composable and the eager path's) default to the first candidates (what the
     autotuner starts from); ``path`` ("eager" or "composable") asks for one path instead of the cheaper."""
-    kind = "teacher" if workload.has_teacher else "heavy" if workload.op == "token_logprobs_entropy" else "lean"
+    student = "heavy" if workload.op == "token_logprobs_entropy" else "lean"
+    kind = "teacher" if workload.has_teacher else student
     dtype = getattr(torch, workload.dtype)
     cfg = tiles or candidates(dtype, kind)[0]
-    eager_cfg = eager_tiles or candidates(dtype, kind, "eager")[0]
+    eager_cfg = eager_tiles or candidates(dtype, student, "eager")[0]
     precision = precision or ("tf32" if allow_tf32 else "tf32x3")
     if path not in (None, "eager", "composable"):
         raise ValueError(f"path must be None, 'eager' or 'composable', got {path!r}")
@@ -561,20 +571,44 @@ def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, preci
 
 def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
                 budget: int) -> cost.Plan:
+    """Per row chunk: the teacher's raw logits through cuBLAS into the workspace (a fp32-output product whose
+    C write is its epilogue), the student's forward keeping its tiles (and reading the teacher's logit at its
+    maximum column, one value per row and tile), the teacher fold over both kept tiles (and the JSD's second
+    sweep); then dx from the kept tiles and the two cuBLAS gradient products (``eager_gradients``)."""
     e, acc, e_dx = _sizes(w.dtype)
     params = _common_params(w, gpu, cfg, precision, budget)
     rows = params["eager_rows"]
     chunks = _cdiv(w.n, rows)
     logits = w.n * w.v * acc * (2 if w.has_teacher else 1)
+    cublas = _cublas_math(w.dtype, allow_tf32, gpu)
+    dt = _teacher_d(w)
     passes = []
     for r0 in range(0, w.n, rows):
-        passes += _forward_passes(w, min(rows, w.n - r0), gpu, cfg, precision, "eager logits", store_bytes=logits
-                                  * min(rows, w.n - r0) / w.n)
+        m = min(rows, w.n - r0)
+        if w.has_teacher:
+            out = m * w.v * acc
+            passes.append(cost.Pass("eager teacher logits (cuBLAS)", flops=2.0 * m * w.v * dt,
+                                    hbm_bytes=(m + w.v) * dt * e + out, math=cublas,
+                                    efficiency=cost.gemm_efficiency(m, w.v, dt, gpu), fixed_us=cost.LAUNCH_US,
+                                    epilogue_bytes=out))
+        passes += _forward_passes(w, m, gpu, cfg, precision, "eager logits", store_bytes=m * w.v * acc,
+                                  teacher_product=False)
+        if w.has_teacher:
+            # ztm: a 4-byte read per row and tile, a 32-byte sector each (at most: only where the tile holds
+            # a new maximum); then the fold reads both kept tiles once, and the JSD's second sweep again
+            passes.append(_pass("eager logits: teacher at the maximum column", 0.0,
+                                32.0 * m * _cdiv(w.v, cfg.block_v), "cuda_core"))
+            fold_splits = elementwise_grid(m, w.v, ELEMENTWISE_TILES, gpu)[2]
+            fold_partials = TEACHER_FOLD_FIELDS * fold_splits * m * acc
+            passes.append(_pass("eager teacher fold", 0.0, 2 * m * w.v * acc + 5 * fold_partials, "cuda_core",
+                                launches=1 + TEACHER_FOLD_MERGE_LAUNCHES))
+            if w.op == "distill_jsd":
+                passes.append(_pass("eager JSD pass", 0.0, 2 * m * w.v * acc, "cuda_core", launches=2))
     dx_bytes = w.n * w.v * e_dx
     # dx: the kept logits read back, dx written (in place over them for fp32 / float64)
     passes.append(_pass("eager dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",
                         launches=chunks * EAGER_CHUNK_LAUNCHES))
-    passes += _gradient_products(w, gpu, rows, w.v, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
+    passes += _gradient_products(w, gpu, rows, w.v, cublas, dx_bytes)
     return cost.Plan(backend="triton", path="eager", products=1.0 + int(w.hidden_grad) + int(w.weight_grad),
                      passes=passes, params=params)
 
@@ -781,19 +815,33 @@ def _rows(p: StatsProblem, r0: int, r1: int) -> StatsProblem:
 
 
 def _forward_flags(p: StatsProblem, store: bool):
+    """With ``store`` (the eager path) the teacher is no product of the forward: only its logit at the maximum
+    column is read, for a reverse KL, from the raw product cuBLAS kept (``TEACHER_AT_MAX``)."""
     tm = _kernels().tm
+    in_tile = p.has_teacher and not store
+    at_max = p.has_teacher and store and p.want_kl_rev
+    teacher = in_tile or at_max
     return tm.Flags(HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.transform.softcap is not None,
-                    HAS_TEACHER=p.has_teacher, HAS_TEACHER_BIAS=p.has_teacher and p.teacher_bias is not None,
-                    HAS_TEACHER_SOFTCAP=p.has_teacher and p.teacher_transform.softcap is not None,
+                    HAS_TEACHER=in_tile, HAS_TEACHER_BIAS=teacher and p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=teacher and p.teacher_transform.softcap is not None,
                     HAS_TARGETS=p.targets is not None, WANT_E=p.want_entropy, WANT_S2=p.want_extras,
                     WANT_SZ=p.want_mean_logit, WANT_TOP1=p.want_extras and p.targets is not None,
-                    STORE_LOGITS=store)
+                    STORE_LOGITS=store, TEACHER_AT_MAX=at_max)
+
+
+def _fold_flags(p: StatsProblem):
+    tm = _kernels().tm
+    return tm.Flags(HAS_TEACHER_BIAS=p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=p.teacher_transform.softcap is not None, HAS_TARGETS=p.targets is not None,
+                    HAS_KL_REV=p.want_kl_rev, HAS_KL_FWD=p.want_kl_fwd, LOAD_LOGITS=True)
 
 
 def _jsd_flags(p: StatsProblem, load: bool):
     tm = _kernels().tm
-    if load:  # the kept tiles are c and z_t: only the student's temperature is applied again
-        return tm.Flags(HAS_TEACHER=True, HAS_TARGETS=p.targets is not None, LOAD_LOGITS=True)
+    if load:  # the kept tiles are c and the teacher's raw x_t: the temperature, and the teacher's transform
+        return tm.Flags(HAS_TEACHER=True, HAS_TEACHER_BIAS=p.teacher_bias is not None,
+                        HAS_TEACHER_SOFTCAP=p.teacher_transform.softcap is not None,
+                        HAS_TARGETS=p.targets is not None, LOAD_LOGITS=True)
     return tm.Flags(HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.transform.softcap is not None, HAS_TEACHER=True,
                     HAS_TEACHER_BIAS=p.teacher_bias is not None,
                     HAS_TEACHER_SOFTCAP=p.teacher_transform.softcap is not None, HAS_TARGETS=p.targets is not None)
@@ -807,9 +855,10 @@ def _gradient_flags(p: StatsProblem, load: bool):
     t = p.has_teacher
     kl_rev, kl_fwd, jsd = t and p.want_kl_rev, t and p.want_kl_fwd, t and p.jsd_beta is not None
     teacher = t and (kl_rev or kl_fwd or jsd)
+    # the kept teacher tile is the raw product (eager path): its transform is applied as it is loaded
     return tm.Flags(HAS_BIAS=p.bias is not None and not load, HAS_SOFTCAP=p.transform.softcap is not None,
-                    HAS_TEACHER=teacher, HAS_TEACHER_BIAS=teacher and not load and p.teacher_bias is not None,
-                    HAS_TEACHER_SOFTCAP=teacher and not load and p.teacher_transform.softcap is not None,
+                    HAS_TEACHER=teacher, HAS_TEACHER_BIAS=teacher and p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=teacher and p.teacher_transform.softcap is not None,
                     HAS_TARGETS=p.targets is not None,
                     HAS_LOG_TERMS=p.want_entropy or jsd,
                     HAS_KL_REV=kl_rev, HAS_KL_FWD=kl_fwd, HAS_JSD=jsd, HAS_MEAN_LOGIT=p.want_mean_logit,
@@ -857,6 +906,40 @@ def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None)
     return out
 
 
+_TEACHER_SWEEP = ("mt", "st", "a", "b")  # the teacher fold's partials (teacher_fold.py), in its order
+
+
+def _eager_statistics(p: StatsProblem, cfg: TileConfig, elementwise: TileConfig, store: tuple) -> dict:
+    """``_statistics`` of an eager row chunk whose tiles the forward keeps in ``store`` (c, x_t): with a teacher,
+    ``store[1]`` already holds its raw logits (cuBLAS); the student's forward gives the student's partials and
+    ztm, the teacher fold (``elementwise`` tiles) the teacher's relative to the student's final (m, ztm), and
+    both are finalised together as ``_finalized`` does (docs/design.md, "The Triton teacher on the eager
+    path")."""
+    if not p.has_teacher:
+        return _statistics(p, cfg, store)
+    lc = _launch(p, cfg)
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    part, _ = _forward_partials(p, cfg, store, lc)
+    student = [name for name in merged_fields(p) if name not in _TEACHER_SWEEP]
+    state = partials.merge({name: part[partials.FIELDS.index(name)] for name in student})
+    ztm = state["ztm"] if p.want_kl_rev else torch.zeros_like(state["m"])
+    frame = torch.stack((state["m"], ztm)).contiguous()
+    ew = _launch(p, elementwise)
+    row_blocks, per, splits, group = elementwise_grid(n, v, elementwise, gpu_of(p.hidden.device))
+    fold = _alloc((len(_TEACHER_SWEEP), splits, n), lc.acc, p.hidden.device, zero=False)
+    tgt = p.targets if p.targets is not None else lc.dummy
+    ew.run(_kernels().fold, row_blocks * splits, ew.teacher, ew.workspace(*store), tgt, ew.params, frame, fold, n,
+           v, per, splits, group, flags=_fold_flags(p))
+    sweep = {name: fold[i] for i, name in enumerate(_TEACHER_SWEEP) if name in merged_fields(p)}
+    state.update(partials.merge_teacher_sweep(sweep, state["m"], ztm))
+    out = _finalized_state(state, p, v)
+    if p.jsd_beta is not None:
+        qm, pm = _jsd_pass(ew, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
+                           (row_blocks, per, splits, group), store)
+        out.update(_on_valid_rows(dict(kl_qm=qm, jsd=p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm), p))
+    return out
+
+
 def merged_fields(p: StatsProblem) -> tuple:
     """The partials (``core/partials.FIELDS``) that ``p``'s statistics are finalised from: only these are
     merged across the splits (each field merged is a few small kernels more per call)."""
@@ -870,11 +953,16 @@ def merged_fields(p: StatsProblem) -> tuple:
 def _finalized(part: torch.Tensor, p: StatsProblem, v: int) -> dict:
     """Every statistic, ``{name: [N]}``, from the ``[F, splits, N]`` partials: the splits merged exactly
     (``partials.merge``, only the fields ``p`` needs), finalised, zero on ignored rows and where not asked."""
-    n = part.shape[-1]
-    stats = partials.finalize(partials.merge({name: part[partials.FIELDS.index(name)] for name in merged_fields(p)}),
-                              p, v)
-    out = dict(zip(Statistics._fields, torch.zeros((len(Statistics._fields), n), dtype=part.dtype,
-                                                   device=part.device).unbind(0)))
+    return _finalized_state(partials.merge({name: part[partials.FIELDS.index(name)] for name in merged_fields(p)}),
+                            p, v)
+
+
+def _finalized_state(state: dict, p: StatsProblem, v: int) -> dict:
+    """``_finalized`` of merged partials."""
+    m = state["m"]
+    stats = partials.finalize(state, p, v)
+    out = dict(zip(Statistics._fields, torch.zeros((len(Statistics._fields), m.shape[-1]), dtype=m.dtype,
+                                                   device=m.device).unbind(0)))
     out.update(_on_valid_rows(stats, p))
     return out
 
@@ -1109,12 +1197,16 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
         c_ws = _alloc((m_max, ld), acc, dev, zero=False)
         zt_ws = _alloc((m_max, ld), acc, dev, zero=False) if p.has_teacher else None
         dx_ws = c_ws if _dx_dtype(p) == acc else _alloc((m_max, ld), _dx_dtype(p), dev, zero=False)
+        teacher_weight = _teacher_tensors(p, acc)[1] if p.has_teacher else None
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             m = r1 - r0
             part = _rows(p, r0, r1)
             store = (c_ws[:m], None if zt_ws is None else zt_ws[:m])
-            stats = _statistics(part, cfg, store)
+            if p.has_teacher:  # the teacher's raw logits, fp32 (float64) out of cuBLAS, beside the student's
+                th = _teacher_tensors(part, acc)[0]
+                _product(zt_ws[:m, :v], th, teacher_weight.T, accumulate=False)
+            stats = _eager_statistics(part, cfg, elementwise, store)
             chunk_loss, coeffs = chunk_fn(Statistics(**stats), slice(r0, r1))
             if tuple(coeffs.shape) != (7, m):
                 raise ValueError(f"chunk_fn must return coefficients of shape [7, {m}], got {tuple(coeffs.shape)}")

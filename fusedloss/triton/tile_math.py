@@ -82,10 +82,14 @@ class Flags(NamedTuple):
     HAS_KL_FWD: bool = False
     HAS_JSD: bool = False
     HAS_MEAN_LOGIT: bool = False
-    # eager path: the forward stores the capped logits c (and the teacher's z_t) in a workspace, the JSD
-    # pass and the gradient read them back instead of forming the products again
+    # eager path: the forward stores the capped logits c in a workspace beside the teacher's raw product x_t
+    # (cuBLAS); the teacher fold, the JSD pass and the gradient read both back instead of forming the products
+    # again, and apply the teacher's bias, scale, soft-cap and temperature to x_t as they load it
     STORE_LOGITS: bool = False
     LOAD_LOGITS: bool = False
+    # eager forward of a reverse KL: the teacher's logit at the student's first maximum column (ztm), one value
+    # per row and tile read from the kept x_t, instead of the teacher's product and statistics in the tile
+    TEACHER_AT_MAX: bool = False
 
 
 class Tiles(NamedTuple):
@@ -238,12 +242,21 @@ def logits_tile(head: Head, D, params_ptr, rows, row_mask, cols, col_mask, P_OFF
 
 
 @triton.jit
+def teacher_of_raw(x, teacher: Head, params_ptr, cols, col_mask, F: tl.constexpr):
+    """z_t of a tile from the teacher's raw product x_t (the eager workspace's cuBLAS product): its bias,
+    logit_scale, soft-cap and temperature, -inf on padded columns (``logits_tile``'s formula)."""
+    c = capped(x, teacher, params_ptr, cols, col_mask, P_T_SCALE, F.HAS_TEACHER_BIAS, F.HAS_TEACHER_SOFTCAP)
+    return tempered(c, params_ptr, col_mask, P_T_SCALE)
+
+
+@triton.jit
 def both_tiles(student: Head, teacher: Head, ws: Head, D, DT, params_ptr, rows, row_mask, cols, col_mask,
                WANT_TEACHER: tl.constexpr, F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr):
     """(z, c, z_t) of a tile: formed from the products, or (``F.LOAD_LOGITS``) read back from the workspace
-    ``ws`` that the forward filled (``store_tiles``). z_t is z unless ``WANT_TEACHER``. Workspace rows hold a
-    whole number of tiles (the backend pads them), so the columns need no mask and move 16 bytes at a time;
-    what lies past V is never used (z = -inf there)."""
+    ``ws``: c that the forward kept (``store_tiles``) and the teacher's raw product x_t that cuBLAS wrote, its
+    transform applied here (``teacher_of_raw``). z_t is z unless ``WANT_TEACHER``. Workspace rows hold a whole
+    number of tiles (the backend pads them), so the columns need no mask and move 16 bytes at a time; what
+    lies past V is never used (z = z_t = -inf there)."""
     if F.LOAD_LOGITS:
         offs = rows.to(tl.int64)[:, None] * ws.stride_h + cols[None, :]
         mask = row_mask[:, None]
@@ -255,8 +268,8 @@ def both_tiles(student: Head, teacher: Head, ws: Head, D, DT, params_ptr, rows, 
     zt = z
     if WANT_TEACHER:
         if F.LOAD_LOGITS:
-            zt = tl.load(ws.weight + offs, mask=mask, other=0.0)
-            zt = tl.where(col_mask[None, :], zt, float("-inf"))
+            zt = teacher_of_raw(tl.load(ws.weight + offs, mask=mask, other=0.0), teacher, params_ptr, cols, col_mask,
+                                F)
         else:
             zt, ct = logits_tile(teacher, DT, params_ptr, rows, row_mask, cols, col_mask, P_T_SCALE,
                                  F.HAS_TEACHER_BIAS, F.HAS_TEACHER_SOFTCAP, T, ACC)
@@ -264,15 +277,31 @@ def both_tiles(student: Head, teacher: Head, ws: Head, D, DT, params_ptr, rows, 
 
 
 @triton.jit
-def store_tiles(c, zt, ws: Head, rows, row_mask, cols, col_mask, WANT_TEACHER: tl.constexpr):
-    """Keep a tile for the eager path: c in ``ws.hidden``, z_t in ``ws.weight`` (row stride ``ws.stride_h``).
-    c rather than z: z = c / temperature is recomputed bit for bit, and the
-    soft-cap's chain rule needs c."""
+def store_tiles(c, ws: Head, rows, row_mask, cols, col_mask):
+    """Keep a tile for the eager path: c in ``ws.hidden`` (row stride ``ws.stride_h``). c rather than z:
+    z = c / temperature is recomputed bit for bit, and the soft-cap's chain rule needs c."""
     offs = rows.to(tl.int64)[:, None] * ws.stride_h + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]  # (without the column mask the 128 x 128 tile spills)
     tl.store(ws.hidden + offs, c, mask=mask)
-    if WANT_TEACHER:
-        tl.store(ws.weight + offs, zt, mask=mask)
+
+
+@triton.jit
+def teacher_at_first_max(m, ztm, z, ws: Head, teacher: Head, params_ptr, rows, row_mask, cols, F: tl.constexpr):
+    """The running ztm after this tile (``online_update``'s rule without the teacher's tile): where the tile
+    holds a new (strictly larger) maximum, the teacher's z_t at the tile's first maximum column, read as one
+    value per row from the kept raw product x_t and transformed as ``teacher_of_raw`` does; else ztm."""
+    tile_max = tl.max(z, axis=1)
+    moved = (tile_max > m) & row_mask
+    first = tl.min(tl.where(z == tile_max[:, None], cols[None, :], NO_COLUMN), axis=1)
+    x = tl.load(ws.weight + rows.to(tl.int64) * ws.stride_h + first, mask=moved, other=0.0)
+    if F.HAS_TEACHER_BIAS:
+        x += tl.load(teacher.bias + first, mask=moved, other=0.0).to(x.dtype)
+    u = x * tl.load(params_ptr + P_T_SCALE + P_SCALE)
+    if F.HAS_TEACHER_SOFTCAP:
+        cap = tl.load(params_ptr + P_T_SCALE + P_CAP)
+        u = cap * tanh(u / cap)
+    zt_first = u / tl.load(params_ptr + P_T_SCALE + P_TEMP)
+    return tl.where(moved, zt_first, ztm)
 
 
 @triton.jit

@@ -1,0 +1,84 @@
+"""Eager path: the teacher's statistics from the kept tiles, once the student's are final.
+
+On the eager path the teacher's raw logits x_t come from cuBLAS (one fp32-output product per row chunk) into
+the workspace beside the student's capped logits c, which the student's forward kept. This elementwise kernel
+sweeps both, a grouped (row block, vocabulary split) grid over the tiles of the gradient pass's layout, and
+forms per row the teacher's partial statistics of ``core/partials.py``::
+
+    mt = max z_t                st = sum e^(z_t - mt)
+    a  = sum e^(z - m) ((z - m) - (z_t - ztm))         (the reverse KL's, with a reverse KL)
+    b  = sum e^(z_t - mt) ((z_t - mt) - (z - m))       (the forward KL's, with a forward KL)
+
+relative to the student's *final* maximum m and ztm, the teacher's logit at the student's first maximum column
+(``frame``, ``[2, N]``; the forward found both). a is then one plain sum in one frame (its holder column adds
+exactly 0); mt, st and b run online in the split's own teacher maximum and merge across splits as
+``core/partials.merge_teacher_sweep`` does. Rule G as in ``tile_math.online_update``: a column adds +inf to a
+where its z is finite and its z_t -inf, to b where its z_t is finite and its z -inf. Rows that carry no loss
+(ignored targets; their tiles may never have been written) are not read and give the empty state.
+"""
+
+import triton
+import triton.language as tl
+
+from .tile_math import (
+    Head,
+    finite,
+    keep_inf,
+    rebase,
+    split_program,
+    split_tile,
+    teacher_of_raw,
+    tempered,
+)
+
+
+@triton.jit(do_not_specialize=["N", "V", "tiles_per_split", "num_splits", "group_m"])
+def teacher_fold_kernel(
+    teacher: Head, ws: Head, tgt_ptr, params_ptr, frame_ptr, part_ptr,
+    N, V, tiles_per_split, num_splits, group_m,
+    F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
+):
+    BLOCK_M: tl.constexpr = tl.constexpr(T.BLOCK_M)  # a constexpr on every Triton (tile_math.raw_product)
+    split, rows, row_mask, tgt, active = split_program(N, num_splits, group_m, tgt_ptr, F.HAS_TARGETS, BLOCK_M)
+    m = tl.load(frame_ptr + rows, mask=active, other=float("-inf"))
+    m_sub = tl.where(m == float("-inf"), 0.0, m)
+    ztm = tl.load(frame_ptr + N + rows, mask=active, other=0.0)
+    ztm_sub = tl.where(ztm == float("-inf"), 0.0, ztm)
+    mt = tl.full((BLOCK_M,), float("-inf"), ACC)
+    st = tl.zeros((BLOCK_M,), ACC)
+    a = tl.zeros((BLOCK_M,), ACC)
+    b = tl.zeros((BLOCK_M,), ACC)
+    if tl.max(active.to(tl.int32), axis=0) > 0:
+        for i in range(tiles_per_split):
+            v0, cols, col_mask = split_tile(split, tiles_per_split, i, V, T.BLOCK_V)
+            if v0 < V:
+                offs = rows.to(tl.int64)[:, None] * ws.stride_h + cols[None, :]
+                mask = active[:, None]
+                zt = teacher_of_raw(tl.load(ws.weight + offs, mask=mask, other=0.0), teacher, params_ptr, cols,
+                                    col_mask, F)
+                zt = tl.where(mask, zt, float("-inf"))
+                mt_new, g, dmt, mt_sub = rebase(mt, tl.max(zt, axis=1))
+                ztc = zt - mt_sub[:, None]
+                ezt = tl.exp(ztc)
+                st_old = st
+                st = g * st + tl.sum(ezt, axis=1)
+                if F.HAS_KL_REV or F.HAS_KL_FWD:
+                    z = tempered(tl.load(ws.hidden + offs, mask=mask, other=0.0), params_ptr, col_mask, 0)
+                    z = tl.where(mask, z, float("-inf"))
+                    zc = z - m_sub[:, None]
+                if F.HAS_KL_REV:
+                    ez = tl.exp(zc)
+                    a_cols = tl.where(finite(z) & (zt == float("-inf")), float("inf"),
+                                      tl.where(ez == 0.0, 0.0, ez * (zc - (zt - ztm_sub[:, None]))))
+                    a += tl.sum(a_cols, axis=1)
+                if F.HAS_KL_FWD:
+                    b_cols = tl.where(finite(zt) & (z == float("-inf")), float("inf"),
+                                      tl.where(ezt == 0.0, 0.0, ezt * (ztc - zc)))
+                    b = keep_inf(b, g * (b + st_old * dmt)) + tl.sum(b_cols, axis=1)
+                mt = mt_new
+    out = part_ptr + split.to(tl.int64) * N + rows
+    plane = num_splits.to(tl.int64) * N
+    tl.store(out, mt, mask=row_mask)
+    tl.store(out + plane, st, mask=row_mask)
+    tl.store(out + 2 * plane, a, mask=row_mask)
+    tl.store(out + 3 * plane, b, mask=row_mask)
