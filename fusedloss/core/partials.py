@@ -117,16 +117,17 @@ def merge(pieces: dict) -> dict:
     return out
 
 
-def merge_teacher_sweep(pieces: dict, m: torch.Tensor, ztm: torch.Tensor) -> dict:
-    """The teacher's partials (``mt``, ``st``; ``a`` and ``b`` where present) of pieces swept after the
-    student's statistics were final (the Triton eager path's teacher fold), stacked along dim 0: every piece's
-    a and b are relative to the same final (m, ztm), so a adds as it is and b rebases with the teacher's
-    maxima only (``merge``'s rules with every student shift 0); a is +inf where ztm is -inf (``reverse_kl_
-    infinite``)."""
+def merge_teacher_sweep(pieces: dict, m: torch.Tensor) -> dict:
+    """The teacher's partials (``mt``, ``st``; ``a``, ``b`` and ``ztm`` where present) of pieces swept after
+    the student's statistics were final (the Triton eager path's teacher fold), stacked along dim 0: every
+    piece's a and b are relative to the same final (m, ztm), and every piece found the same ztm, so a adds as
+    it is and b rebases with the teacher's maxima only (``merge``'s rules with every student shift 0); a is
+    +inf where ztm is -inf (``reverse_kl_infinite``)."""
     mt, g, dmt = _rebase(pieces["mt"])
     out = dict(mt=mt, st=(g * pieces["st"]).sum(0))
     if "a" in pieces:
-        out["a"] = reverse_kl_infinite(pieces["a"].sum(0), m, ztm)
+        out["ztm"] = pieces["ztm"][0]
+        out["a"] = reverse_kl_infinite(pieces["a"].sum(0), m, out["ztm"])
     if "b" in pieces:
         out["b"] = _keep_inf(pieces["b"], g * (pieces["b"] + pieces["st"] * dmt)).sum(0)
     return out

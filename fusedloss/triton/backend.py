@@ -417,7 +417,7 @@ def eager_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: Tile
 # teacher fold's split merge (partials.merge_teacher_sweep and the frame: ~15 torch ops).
 MERGE_LAUNCHES, EAGER_CHUNK_LAUNCHES, BACKWARD_BLOCK_LAUNCHES = 25, 50, 5
 TEACHER_FOLD_MERGE_LAUNCHES = 15
-TEACHER_FOLD_FIELDS = 4  # the fold's partials: mt, st, a, b
+TEACHER_FOLD_FIELDS = 5  # the fold's partials: mt, st, a, b, ztm
 
 
 def _pass(name: str, flops: float, hbm_bytes: float, math: str, *, efficiency: float = 1.0,
@@ -571,10 +571,10 @@ def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, preci
 
 def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
                 budget: int) -> cost.Plan:
-    """Per row chunk: the teacher's raw logits through cuBLAS into the workspace (a fp32-output product whose
-    C write is its epilogue), the student's forward keeping its tiles (and reading the teacher's logit at its
-    maximum column, one value per row and tile), the teacher fold over both kept tiles (and the JSD's second
-    sweep); then dx from the kept tiles and the two cuBLAS gradient products (``eager_gradients``)."""
+    """Per row chunk: the teacher's raw logits through cuBLAS into the workspace (an fp32-output product whose
+    C write is its epilogue), the student's forward keeping its tiles (with no teacher product), the teacher
+    fold over the kept tiles (and the JSD's second sweep); then dx from the kept tiles and the two cuBLAS
+    gradient products (``eager_gradients``)."""
     e, acc, e_dx = _sizes(w.dtype)
     params = _common_params(w, gpu, cfg, precision, budget)
     rows = params["eager_rows"]
@@ -594,14 +594,15 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
         passes += _forward_passes(w, m, gpu, cfg, precision, "eager logits", store_bytes=m * w.v * acc,
                                   teacher_product=False)
         if w.has_teacher:
-            # ztm: a 4-byte read per row and tile, a 32-byte sector each (at most: only where the tile holds
-            # a new maximum); then the fold reads both kept tiles once, and the JSD's second sweep again
-            passes.append(_pass("eager logits: teacher at the maximum column", 0.0,
-                                32.0 * m * _cdiv(w.v, cfg.block_v), "cuda_core"))
+            # the fold reads the teacher's kept tile once (and the student's, for a KL); for a reverse KL each of
+            # its programs first reads, per row, the forward tile holding the student's maximum and x_t at the
+            # first maximum column (ztm; a 32-byte sector); its partials are written, then merged (~4 passes)
             fold_splits = elementwise_grid(m, w.v, ELEMENTWISE_TILES, gpu)[2]
             fold_partials = TEACHER_FOLD_FIELDS * fold_splits * m * acc
-            passes.append(_pass("eager teacher fold", 0.0, 2 * m * w.v * acc + 5 * fold_partials, "cuda_core",
-                                launches=1 + TEACHER_FOLD_MERGE_LAUNCHES))
+            tiles_read = 1 if w.op == "distill_jsd" else 2
+            ztm = fold_splits * m * (cfg.block_v * acc + 32) if w.op == "distill_reverse_kl" else 0
+            passes.append(_pass("eager teacher fold", 0.0, tiles_read * m * w.v * acc + ztm + 5 * fold_partials,
+                                "cuda_core", launches=1 + TEACHER_FOLD_MERGE_LAUNCHES))
             if w.op == "distill_jsd":
                 passes.append(_pass("eager JSD pass", 0.0, 2 * m * w.v * acc, "cuda_core", launches=2))
     dx_bytes = w.n * w.v * e_dx
@@ -756,11 +757,11 @@ class _Launch:
     tiles: tuple
     dummy: torch.Tensor
 
-    def run(self, kernel, programs: int, *args, flags) -> None:
+    def run(self, kernel, programs: int, *args, flags, **constexprs) -> None:
         import triton.language as tl
 
         kernel[(programs,)](*args, F=flags, T=self.tiles, ACC=tl.float64 if self.acc == torch.float64 else tl.float32,
-                            num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
+                            num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages, **constexprs)
 
     def workspace(self, c: Optional[torch.Tensor], zt: Optional[torch.Tensor]) -> tuple:
         """The eager path's kept tiles as a Head (c, z_t, row stride); the student head when unused."""
@@ -815,15 +816,14 @@ def _rows(p: StatsProblem, r0: int, r1: int) -> StatsProblem:
 
 
 def _forward_flags(p: StatsProblem, store: bool):
-    """With ``store`` (the eager path) the teacher is no product of the forward: only its logit at the maximum
-    column is read, for a reverse KL, from the raw product cuBLAS kept (``TEACHER_AT_MAX``)."""
+    """With ``store`` (the eager path) the teacher is no product of the forward: for a reverse KL it only keeps
+    where the teacher fold is to read ztm (``TEACHER_AT_MAX``)."""
     tm = _kernels().tm
     in_tile = p.has_teacher and not store
     at_max = p.has_teacher and store and p.want_kl_rev
-    teacher = in_tile or at_max
     return tm.Flags(HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.transform.softcap is not None,
-                    HAS_TEACHER=in_tile, HAS_TEACHER_BIAS=teacher and p.teacher_bias is not None,
-                    HAS_TEACHER_SOFTCAP=teacher and p.teacher_transform.softcap is not None,
+                    HAS_TEACHER=in_tile, HAS_TEACHER_BIAS=in_tile and p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=in_tile and p.teacher_transform.softcap is not None,
                     HAS_TARGETS=p.targets is not None, WANT_E=p.want_entropy, WANT_S2=p.want_extras,
                     WANT_SZ=p.want_mean_logit, WANT_TOP1=p.want_extras and p.targets is not None,
                     STORE_LOGITS=store, TEACHER_AT_MAX=at_max)
@@ -906,32 +906,32 @@ def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None)
     return out
 
 
-_TEACHER_SWEEP = ("mt", "st", "a", "b")  # the teacher fold's partials (teacher_fold.py), in its order
+_TEACHER_SWEEP = ("mt", "st", "a", "b", "ztm")  # the teacher fold's partials (teacher_fold.py), in its order
 
 
 def _eager_statistics(p: StatsProblem, cfg: TileConfig, elementwise: TileConfig, store: tuple) -> dict:
     """``_statistics`` of an eager row chunk whose tiles the forward keeps in ``store`` (c, x_t): with a teacher,
-    ``store[1]`` already holds its raw logits (cuBLAS); the student's forward gives the student's partials and
-    ztm, the teacher fold (``elementwise`` tiles) the teacher's relative to the student's final (m, ztm), and
-    both are finalised together as ``_finalized`` does (docs/design.md, "The Triton teacher on the eager
-    path")."""
+    ``store[1]`` already holds its raw logits (cuBLAS); the student's forward gives the student's partials (and,
+    in ztm's slot, the first column of the tile holding the first maximum), the teacher fold (``elementwise``
+    tiles) ztm and the teacher's partials relative to the student's final (m, ztm), and both are finalised
+    together as ``_finalized`` does (docs/design.md, "The Triton teacher on the eager path")."""
     if not p.has_teacher:
         return _statistics(p, cfg, store)
     lc = _launch(p, cfg)
     n, v = p.hidden.shape[0], p.weight.shape[0]
     part, _ = _forward_partials(p, cfg, store, lc)
-    student = [name for name in merged_fields(p) if name not in _TEACHER_SWEEP]
+    student = [name for name in merged_fields(p) if name not in _TEACHER_SWEEP[:4]]  # ztm's slot: where it is
     state = partials.merge({name: part[partials.FIELDS.index(name)] for name in student})
-    ztm = state["ztm"] if p.want_kl_rev else torch.zeros_like(state["m"])
-    frame = torch.stack((state["m"], ztm)).contiguous()
+    where = state.pop("ztm") if p.want_kl_rev else torch.zeros_like(state["m"])
+    frame = torch.stack((state["m"], where)).contiguous()
     ew = _launch(p, elementwise)
     row_blocks, per, splits, group = elementwise_grid(n, v, elementwise, gpu_of(p.hidden.device))
     fold = _alloc((len(_TEACHER_SWEEP), splits, n), lc.acc, p.hidden.device, zero=False)
     tgt = p.targets if p.targets is not None else lc.dummy
     ew.run(_kernels().fold, row_blocks * splits, ew.teacher, ew.workspace(*store), tgt, ew.params, frame, fold, n,
-           v, per, splits, group, flags=_fold_flags(p))
+           v, per, splits, group, flags=_fold_flags(p), SEARCH_V=cfg.block_v)
     sweep = {name: fold[i] for i, name in enumerate(_TEACHER_SWEEP) if name in merged_fields(p)}
-    state.update(partials.merge_teacher_sweep(sweep, state["m"], ztm))
+    state.update(partials.merge_teacher_sweep(sweep, state["m"]))
     out = _finalized_state(state, p, v)
     if p.jsd_beta is not None:
         qm, pm = _jsd_pass(ew, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),

@@ -32,7 +32,6 @@ from .tile_math import (
     split_tile,
     store_state,
     store_tiles,
-    teacher_at_first_max,
 )
 
 
@@ -52,12 +51,5 @@ def statistics_forward_kernel(
                                       F.HAS_TEACHER, F, T, ACC)
                 if F.STORE_LOGITS:
                     store_tiles(c, ws, rows, row_mask, cols, col_mask)
-                if F.TEACHER_AT_MAX:  # before the update: the running maximum the tile is compared with
-                    ztm = teacher_at_first_max(state[0], state[12], z, ws, teacher, params_ptr, rows, row_mask,
-                                               cols, F)
-                    m, s, t, e, s2, sz, mt, st, a, b, zy, mb, _ = online_update(state, z, zt, tgt, cols, col_mask,
-                                                                                 F)
-                    state = (m, s, t, e, s2, sz, mt, st, a, b, zy, mb, ztm)
-                else:
-                    state = online_update(state, z, zt, tgt, cols, col_mask, F)
+                state = online_update(state, z, zt, tgt, v0, cols, col_mask, F)
     store_state(state, part_ptr, split, num_splits, N, rows, row_mask)

@@ -9,24 +9,30 @@ forms per row the teacher's partial statistics of ``core/partials.py``::
     a  = sum e^(z - m) ((z - m) - (z_t - ztm))         (the reverse KL's, with a reverse KL)
     b  = sum e^(z_t - mt) ((z_t - mt) - (z - m))       (the forward KL's, with a forward KL)
 
-relative to the student's *final* maximum m and ztm, the teacher's logit at the student's first maximum column
-(``frame``, ``[2, N]``; the forward found both). a is then one plain sum in one frame (its holder column adds
-exactly 0); mt, st and b run online in the split's own teacher maximum and merge across splits as
-``core/partials.merge_teacher_sweep`` does. Rule G as in ``tile_math.online_update``: a column adds +inf to a
-where its z is finite and its z_t -inf, to b where its z_t is finite and its z -inf. Rows that carry no loss
-(ignored targets; their tiles may never have been written) are not read and give the empty state.
+relative to the student's *final* maximum m (``frame[0]``) and ztm, the teacher's logit at the student's first
+maximum column. The forward kept, in ztm's slot, the first column of the forward tile that holds that maximum
+(``frame[1]``; ``tile_math.online_update`` with ``TEACHER_AT_MAX``): each program first reads that tile of c for
+its rows (``SEARCH_V`` columns), takes the first column where z == m, and reads x_t there (``teacher_at``). a is
+then one plain sum in one frame (its holder column adds exactly 0); mt, st and b run online in the split's own
+teacher maximum and merge across splits as ``core/partials.merge_teacher_sweep`` does; every split writes the
+same ztm. Rule G as in ``online_update``: a column adds +inf to a where its z is finite and its z_t -inf, to b
+where its z_t is finite and its z -inf. Rows that carry no loss (ignored targets; their tiles may never have
+been written) are not read and give the empty state.
 """
 
 import triton
 import triton.language as tl
 
 from .tile_math import (
+    NO_COLUMN,
+    P_TEMP,
     Head,
     finite,
     keep_inf,
     rebase,
     split_program,
     split_tile,
+    teacher_at,
     teacher_of_raw,
     tempered,
 )
@@ -36,13 +42,22 @@ from .tile_math import (
 def teacher_fold_kernel(
     teacher: Head, ws: Head, tgt_ptr, params_ptr, frame_ptr, part_ptr,
     N, V, tiles_per_split, num_splits, group_m,
-    F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
+    F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr, SEARCH_V: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = tl.constexpr(T.BLOCK_M)  # a constexpr on every Triton (tile_math.raw_product)
     split, rows, row_mask, tgt, active = split_program(N, num_splits, group_m, tgt_ptr, F.HAS_TARGETS, BLOCK_M)
     m = tl.load(frame_ptr + rows, mask=active, other=float("-inf"))
     m_sub = tl.where(m == float("-inf"), 0.0, m)
-    ztm = tl.load(frame_ptr + N + rows, mask=active, other=0.0)
+    ztm = tl.zeros((BLOCK_M,), ACC)
+    if F.HAS_KL_REV:  # the first column where z == m, in the forward tile that holds it, and x_t there
+        loc = tl.load(frame_ptr + N + rows, mask=active, other=0.0).to(tl.int64)
+        search = loc[:, None] + tl.arange(0, SEARCH_V)[None, :]
+        in_row = active[:, None] & (search < V)
+        c = tl.load(ws.hidden + rows.to(tl.int64)[:, None] * ws.stride_h + search, mask=in_row, other=0.0)
+        z = tl.where(in_row, c / tl.load(params_ptr + P_TEMP), float("-inf"))
+        first = tl.min(tl.where(z == m[:, None], search, NO_COLUMN), axis=1)
+        found = active & (first < V) & (m != float("-inf"))
+        ztm = tl.where(found, teacher_at(ws, teacher, params_ptr, rows, first, found, F), 0.0)
     ztm_sub = tl.where(ztm == float("-inf"), 0.0, ztm)
     mt = tl.full((BLOCK_M,), float("-inf"), ACC)
     st = tl.zeros((BLOCK_M,), ACC)
@@ -82,3 +97,4 @@ def teacher_fold_kernel(
     tl.store(out + plane, st, mask=row_mask)
     tl.store(out + 2 * plane, a, mask=row_mask)
     tl.store(out + 3 * plane, b, mask=row_mask)
+    tl.store(out + 4 * plane, ztm, mask=row_mask)

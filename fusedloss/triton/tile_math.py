@@ -87,8 +87,8 @@ class Flags(NamedTuple):
     # again, and apply the teacher's bias, scale, soft-cap and temperature to x_t as they load it
     STORE_LOGITS: bool = False
     LOAD_LOGITS: bool = False
-    # eager forward of a reverse KL: the teacher's logit at the student's first maximum column (ztm), one value
-    # per row and tile read from the kept x_t, instead of the teacher's product and statistics in the tile
+    # eager forward of a reverse KL: no teacher in the tile, but where the teacher's logit at the student's first
+    # maximum column (ztm) is to be read: the first column of the tile holding that maximum, in ztm's slot
     TEACHER_AT_MAX: bool = False
 
 
@@ -286,22 +286,17 @@ def store_tiles(c, ws: Head, rows, row_mask, cols, col_mask):
 
 
 @triton.jit
-def teacher_at_first_max(m, ztm, z, ws: Head, teacher: Head, params_ptr, rows, row_mask, cols, F: tl.constexpr):
-    """The running ztm after this tile (``online_update``'s rule without the teacher's tile): where the tile
-    holds a new (strictly larger) maximum, the teacher's z_t at the tile's first maximum column, read as one
-    value per row from the kept raw product x_t and transformed as ``teacher_of_raw`` does; else ztm."""
-    tile_max = tl.max(z, axis=1)
-    moved = (tile_max > m) & row_mask
-    first = tl.min(tl.where(z == tile_max[:, None], cols[None, :], NO_COLUMN), axis=1)
-    x = tl.load(ws.weight + rows.to(tl.int64) * ws.stride_h + first, mask=moved, other=0.0)
+def teacher_at(ws: Head, teacher: Head, params_ptr, rows, col, mask, F: tl.constexpr):
+    """z_t at one column per row (``col``, where ``mask``) from the kept raw product x_t: ``teacher_of_raw``'s
+    operations, in its order, on one value per row."""
+    x = tl.load(ws.weight + rows.to(tl.int64) * ws.stride_h + col, mask=mask, other=0.0)
     if F.HAS_TEACHER_BIAS:
-        x += tl.load(teacher.bias + first, mask=moved, other=0.0).to(x.dtype)
+        x += tl.load(teacher.bias + col, mask=mask, other=0.0).to(x.dtype)
     u = x * tl.load(params_ptr + P_T_SCALE + P_SCALE)
     if F.HAS_TEACHER_SOFTCAP:
         cap = tl.load(params_ptr + P_T_SCALE + P_CAP)
         u = cap * tanh(u / cap)
-    zt_first = u / tl.load(params_ptr + P_T_SCALE + P_TEMP)
-    return tl.where(moved, zt_first, ztm)
+    return u / tl.load(params_ptr + P_T_SCALE + P_TEMP)
 
 
 @triton.jit
@@ -337,7 +332,7 @@ def keep_inf(part, rebased):
 
 
 @triton.jit
-def online_update(state, z, zt, tgt, cols, col_mask, F: tl.constexpr):
+def online_update(state, z, zt, tgt, v0, cols, col_mask, F: tl.constexpr):
     """Fold one tile into the running partial statistics (``core/partials.py``), all relative to the
     running maxima::
 
@@ -395,6 +390,10 @@ def online_update(state, z, zt, tgt, cols, col_mask, F: tl.constexpr):
         b = keep_inf(b, g * (b + st_old * (dmt - dm))) + tl.sum(b_cols, axis=1)
         mt = mt_new
         ztm = ztm_new
+    if F.TEACHER_AT_MAX:
+        # the eager forward's ztm slot: the first column of the tile holding the first maximum (exact in ACC:
+        # V < 2**24); the teacher fold finds the column in that tile and reads the teacher's logit there
+        ztm = tl.where(moved, v0.to(ztm.dtype), ztm)
     if F.HAS_TARGETS:
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
         if F.WANT_TOP1:
