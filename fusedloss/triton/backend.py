@@ -16,11 +16,13 @@ Backward (``logits_gradient`` + cuBLAS)
     products, no atomics: the same bits from run to run. A frozen weight skips the d weight product.
 
 Eager path (``eager_gradients``, ``core/eager.py``), for losses known in the forward
-    For each chunk of rows, the forward kernel keeps the capped logits (and the teacher's) in the workspace
-    while it forms the statistics; the loss gives the chunk's coefficients; the gradient kernel reads the
-    tiles back instead of forming them again; cuBLAS does d hidden and d weight. Three products instead of
-    four. ``plan`` (the shared cost model, ``core/cost.py``) decides between the two paths, and sizes the
-    chunks: the same function the model evaluates runs the backend.
+    For each chunk of rows, the forward kernel keeps the capped logits in the workspace while it forms the
+    statistics; a teacher's raw logits come from one cuBLAS product into the workspace beside them, and the
+    teacher fold (``teacher_fold``) forms its statistics from both kept tiles once the student's are final
+    (docs/design.md, "The Triton teacher on the eager path"); the loss gives the chunk's coefficients; the
+    gradient kernel reads the tiles back instead of forming them again; cuBLAS does d hidden and d weight.
+    Three products instead of four. ``plan`` (the shared cost model, ``core/cost.py``) decides between the two
+    paths, and sizes the chunks: the same function the model evaluates runs the backend.
 
 Precision
     fp32 inputs multiply with ``tf32x3`` on the GPU (three TF32 products, about fp32's accuracy, on the

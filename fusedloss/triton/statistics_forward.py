@@ -11,9 +11,10 @@ of ``core/partials.FIELDS``, and ``core/partials.merge`` combines the splits exa
 With ``F.STORE_LOGITS`` (the eager path) the tile is also kept in a workspace: c (the capped logits), for the
 teacher fold and the gradient pass that follow without forming the product again. The eager path's teacher is
 no product here: cuBLAS wrote its raw logits x_t beside c, and with ``F.TEACHER_AT_MAX`` (a reverse KL) the
-kernel reads from them only the teacher's logit at its rows' first maximum column (``ztm``, one value per row
-and tile where the tile holds a new maximum); ``teacher_fold`` forms the teacher's statistics once the
-student's are final (docs/design.md, "The Triton teacher on the eager path").
+kernel keeps in ztm's slot only where the teacher's logit at its rows' first maximum column is to be read (the
+first column of the tile holding that maximum, ``tile_math.online_update``); ``teacher_fold`` reads it there and
+forms the teacher's statistics once the student's are final (docs/design.md, "The Triton teacher on the eager
+path").
 
 Row blocks whose targets are all ignored skip the whole sweep and write the empty state (m = -inf,
 sums 0). N, V, D and the grid sizes are runtime values and are not specialised: one compiled variant

@@ -53,9 +53,10 @@ def teacher_fold_kernel(
         loc = tl.load(frame_ptr + N + rows, mask=active, other=0.0).to(tl.int64)
         search = loc[:, None] + tl.arange(0, SEARCH_V)[None, :]
         in_row = active[:, None] & (search < V)
-        c = tl.load(ws.hidden + rows.to(tl.int64)[:, None] * ws.stride_h + search, mask=in_row, other=0.0)
-        z = tl.where(in_row, c / tl.load(params_ptr + P_TEMP), float("-inf"))
-        first = tl.min(tl.where(z == m[:, None], search, NO_COLUMN), axis=1)
+        # (names of their own: Triton's compiler keeps one type per name, and the sweep's z has other columns)
+        c_held = tl.load(ws.hidden + rows.to(tl.int64)[:, None] * ws.stride_h + search, mask=in_row, other=0.0)
+        z_held = tl.where(in_row, c_held / tl.load(params_ptr + P_TEMP), float("-inf"))
+        first = tl.min(tl.where(z_held == m[:, None], search, NO_COLUMN), axis=1)
         found = active & (first < V) & (m != float("-inf"))
         ztm = tl.where(found, teacher_at(ws, teacher, params_ptr, rows, first, found, F), 0.0)
     ztm_sub = tl.where(ztm == float("-inf"), 0.0, ztm)

@@ -339,7 +339,8 @@ def online_update(state, z, zt, tgt, v0, cols, col_mask, F: tl.constexpr):
         s = sum e^(z-m)        e = sum e^(z-m) (z-m)        s2 = sum e^(2(z-m))       sz = sum z
         st = sum e^(zt-mt)     a = sum e^(z-m) ((z-m) - (zt-ztm))     b = sum e^(zt-mt) ((zt-mt) - (z-m))
         t = s - 1, the sum without the running maximum column's own e^0 = 1 (log s = log1p(t))
-        ztm = zt at the (first) maximum column of z
+        ztm = zt at the (first) maximum column of z (with ``F.TEACHER_AT_MAX``, the eager forward's, where the
+              teacher fold is to read it: the first column of the tile holding that column)
         zy = z at the target        mb = max of z over the columns before the target
 
     t never cancels: when the tile holds a new (strictly larger) maximum, the old columns become
