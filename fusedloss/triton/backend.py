@@ -193,6 +193,9 @@ EAGER_TILES = {
 # holds every per-row value of its rows (coefficients, normalisers, the float64 target column): 4 rows of
 # 512 columns keep that at 4 values per row quantity and 16 per tile-sized one (a teacher's terms need ~8).
 ELEMENTWISE_TILES = TileConfig(4, 512, 16, 4, 1)
+# The teacher fold on the same layout with 8 warps: 8 values per thread per tile-sized quantity, where its terms
+# (z, z_t, both exponentials, a's and b's columns) at 16 spilled 4-12 bytes per thread (ptxas held 168 registers).
+TEACHER_FOLD_TILES = TileConfig(4, 512, 16, 8, 1)
 # The interpreter: small tiles and a few resident programs, so tiny test shapes still cross every tile border
 # and the vocabulary splits (tests pass other configurations through the ``tiles`` argument).
 INTERPRETER_TILES = TileConfig(16, 32, 16, 4, 1, slots=4)
@@ -599,7 +602,7 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
             # the fold reads the teacher's kept tile once (and the student's, for a KL); for a reverse KL each of
             # its programs first reads, per row, the forward tile holding the student's maximum and x_t at the
             # first maximum column (ztm; a 32-byte sector); its partials are written, then merged (~4 passes)
-            fold_splits = elementwise_grid(m, w.v, ELEMENTWISE_TILES, gpu)[2]
+            fold_splits = elementwise_grid(m, w.v, TEACHER_FOLD_TILES, gpu)[2]
             fold_partials = TEACHER_FOLD_FIELDS * fold_splits * m * acc
             tiles_read = 1 if w.op == "distill_jsd" else 2
             ztm = fold_splits * m * (cfg.block_v * acc + 32) if w.op == "distill_reverse_kl" else 0
@@ -926,8 +929,9 @@ def _eager_statistics(p: StatsProblem, cfg: TileConfig, elementwise: TileConfig,
     state = partials.merge({name: part[partials.FIELDS.index(name)] for name in student})
     where = state.pop("ztm") if p.want_kl_rev else torch.zeros_like(state["m"])
     frame = torch.stack((state["m"], where)).contiguous()
-    ew = _launch(p, elementwise)
-    row_blocks, per, splits, group = elementwise_grid(n, v, elementwise, gpu_of(p.hidden.device))
+    fold_cfg = elementwise if p.hidden.device.type == "cpu" else TEACHER_FOLD_TILES
+    ew = _launch(p, fold_cfg)
+    row_blocks, per, splits, group = elementwise_grid(n, v, fold_cfg, gpu_of(p.hidden.device))
     fold = _alloc((len(_TEACHER_SWEEP), splits, n), lc.acc, p.hidden.device, zero=False)
     tgt = p.targets if p.targets is not None else lc.dummy
     ew.run(_kernels().fold, row_blocks * splits, ew.teacher, ew.workspace(*store), tgt, ew.params, frame, fold, n,
@@ -935,8 +939,8 @@ def _eager_statistics(p: StatsProblem, cfg: TileConfig, elementwise: TileConfig,
     sweep = {name: fold[i] for i, name in enumerate(_TEACHER_SWEEP) if name in merged_fields(p)}
     state.update(partials.merge_teacher_sweep(sweep, state["m"]))
     out = _finalized_state(state, p, v)
-    if p.jsd_beta is not None:
-        qm, pm = _jsd_pass(ew, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
+    if p.jsd_beta is not None:  # the same grid: both layouts have the same tiles
+        qm, pm = _jsd_pass(_launch(p, elementwise), (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
                            (row_blocks, per, splits, group), store)
         out.update(_on_valid_rows(dict(kl_qm=qm, jsd=p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm), p))
     return out

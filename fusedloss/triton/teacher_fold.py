@@ -50,7 +50,7 @@ def teacher_fold_kernel(
     m_sub = tl.where(m == float("-inf"), 0.0, m)
     ztm = tl.zeros((BLOCK_M,), ACC)
     if F.HAS_KL_REV:  # the first column where z == m, in the forward tile that holds it, and x_t there
-        loc = tl.load(frame_ptr + N + rows, mask=active, other=0.0).to(tl.int64)
+        loc = tl.load(frame_ptr + N + rows, mask=active, other=0.0).to(tl.int32)
         search = loc[:, None] + tl.arange(0, SEARCH_V)[None, :]
         in_row = active[:, None] & (search < V)
         # (names of their own: Triton's compiler keeps one type per name, and the sweep's z has other columns)
