@@ -419,9 +419,9 @@ def eager_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: Tile
 
 # Small launches per step: the split merge and finalisation (~25 torch ops), per eager chunk the merge, the
 # loss's per-token math and the masks (~50), per backward block the gradient kernel, two products, a sum; the
-# teacher fold's split merge (partials.merge_teacher_sweep and the frame: ~15 torch ops).
+# teacher fold's frame and split merge (partials.merge_teacher_sweep: 26 kernels in a dispatch trace).
 MERGE_LAUNCHES, EAGER_CHUNK_LAUNCHES, BACKWARD_BLOCK_LAUNCHES = 25, 50, 5
-TEACHER_FOLD_MERGE_LAUNCHES = 15
+TEACHER_FOLD_MERGE_LAUNCHES = 26
 TEACHER_FOLD_FIELDS = 5  # the fold's partials: mt, st, a, b, ztm
 
 
