@@ -176,10 +176,10 @@ GPU_CANDIDATES = {
 # once, shares its tile with no other kernel). The lean half forward keeps the 128 x 128 tile with its store
 # (255 registers, no spill on Triton 3.6.0 and 3.9.0, with and without a bias). A teacher is no product of the
 # eager forward: cuBLAS forms its raw logits into the workspace, the student's forward (the lean or heavy
-# epilogue of its own features) reads from them only the teacher's logit at its maximum column, and the teacher
-# fold forms the teacher's statistics from the kept tiles (docs/design.md, "The Triton teacher on the eager
-# path"); a 64 x 64 tile forming both products, or 32 values per thread of z, z_t and their exponentials at
-# once, spilled on every supported Triton. Not tuned: one configuration per class.
+# epilogue of its own features) keeps only which of its tiles holds the row's first maximum, and the teacher
+# fold reads the teacher's logit there and forms the teacher's statistics from the kept tiles (docs/design.md,
+# "The Triton teacher on the eager path"); a tile forming both products grew no larger than 64 x 64 without
+# spilling, on every supported Triton. Not tuned: one configuration per class.
 EAGER_TILES = {
     ("half", "lean"): TileConfig(128, 128, 64, 8, 4),
     ("half", "heavy"): TileConfig(64, 64, 64, 8, 4),
