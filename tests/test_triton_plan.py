@@ -62,10 +62,10 @@ def test_eager_distillation_within_1_3x_of_the_product_bound(op, n, v):
     assert estimate.ratio <= 1.3, (op, n, estimate.model_ms, estimate.bound_ms, estimate.pass_ms)
     chunks = -(-n // plan.params["eager_rows"])
     names = [p.name for p in plan.passes]
-    assert names.count("eager teacher logits (cuBLAS)") == chunks
+    assert names.count("eager logits: teacher (cuBLAS)") == chunks
     assert names.count("eager teacher fold") == chunks
     assert names.count("eager JSD pass") == (chunks if op == "distill_jsd" else 0)
-    teacher = [p for p in plan.passes if p.name == "eager teacher logits (cuBLAS)"]
+    teacher = [p for p in plan.passes if p.name == "eager logits: teacher (cuBLAS)"]
     assert sum(p.flops for p in teacher) == pytest.approx(2.0 * n * v * 4096)
     assert all(p.epilogue_bytes > 0 and p.math == "bfloat16" for p in teacher)
     forward = [p for p in plan.passes if p.name == "eager logits: logits and statistics"]

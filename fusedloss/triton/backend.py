@@ -592,7 +592,7 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
         m = min(rows, w.n - r0)
         if w.has_teacher:
             out = m * w.v * acc
-            passes.append(cost.Pass("eager teacher logits (cuBLAS)", flops=2.0 * m * w.v * dt,
+            passes.append(cost.Pass("eager logits: teacher (cuBLAS)", flops=2.0 * m * w.v * dt,
                                     hbm_bytes=(m + w.v) * dt * e + out, math=cublas,
                                     efficiency=cost.gemm_efficiency(m, w.v, dt, gpu), fixed_us=cost.LAUNCH_US,
                                     epilogue_bytes=out))
