@@ -480,7 +480,8 @@ def test_availability_reasons(monkeypatch):
 @pytest.mark.parametrize("version", ["installed", *triton_versions.PINNED])
 def test_kernels_compile_for_sm90(version):
     """Every launch the backend makes for bf16, fp16 and fp32 (composable and eager paths, every autotuning
-    candidate, a lean, a heavy and a teacher epilogue, D = 4096 and D = 1000), recorded on meta tensors and
+    candidate, a lean, a heavy and a teacher epilogue, a lean distillation's eager student, D = 4096 and
+    D = 1000), recorded on meta tensors and
     compiled for an H100/H200 (sm_90a) without a GPU: no spills, at most 227 KB of shared memory, the products
     on wgmma, the operands loaded 16 bytes at a time (tests/test_triton_compile.py). Once with this
     environment's Triton, once with each pinned one of the supported range (tools/triton_versions.py: the
@@ -497,7 +498,8 @@ def test_kernels_compile_for_sm90(version):
     results = report["results"]
     assert {r["dtype"] for r in results} == {"bfloat16", "float16", "float32"}
     assert {r["kernel"] for r in results} == {"statistics_forward_kernel", "jsd_forward_kernel",
-                                              "logits_gradient_kernel", "packed_gradient_kernel"}
+                                              "logits_gradient_kernel", "packed_gradient_kernel",
+                                              "teacher_fold_kernel"}
     for r in results:
         what = f"{r['dtype']} {r['kernel']} {r['config']} {r['flags']}"
         assert r["ok"], what + r["log"]

@@ -96,6 +96,11 @@ def _problem(dtype, n, d, v, scenario):
                             teacher_hidden=torch.empty(n, d, **meta), teacher_weight=torch.empty(v, d, **meta),
                             teacher_bias=torch.empty(v, **meta), teacher_transform=LogitTransform(1.5),
                             want_entropy=True, want_kl_rev=True, want_kl_fwd=True, jsd_beta=0.5)
+    if scenario == "distill":  # the lean student of a distillation (eager: the 128 x 128 forward reading ztm)
+        return StatsProblem(hidden=h, weight=w, bias=None, targets=targets, transform=LogitTransform(),
+                            teacher_hidden=torch.empty(n, d, **meta), teacher_weight=torch.empty(v, d, **meta),
+                            teacher_bias=torch.empty(v, **meta), teacher_transform=LogitTransform(1.5, 1.0, 30.0),
+                            want_kl_rev=True, want_kl_fwd=True, jsd_beta=0.5)
     if scenario == "rich":  # every student-side feature at once: the most registers without a teacher
         return StatsProblem(hidden=h, weight=w, bias=torch.empty(v, **meta), targets=targets,
                             transform=LogitTransform(0.7, 1.0, 30.0), want_entropy=True, want_extras=True,
@@ -131,7 +136,7 @@ def _count():
     ns = (1, 7, 300, 4096)
     variants = {}
     for scenario, paths in (("cross_entropy", ("composable", "eager")), ("rich", ("composable",)),
-                            ("teacher", ("composable", "eager"))):
+                            ("teacher", ("composable", "eager")), ("distill", ("eager",))):
         for path in paths:
             start = len(launches)
             for n in ns:
@@ -172,6 +177,16 @@ def _ptxas_report(ptx: str) -> dict:
 _JOBS: list = []
 
 
+def _launched_tiles(rec) -> str:
+    """The tile configuration a recorded launch ran with (its ``Tiles`` constexpr, warps and stages): the
+    eager path's kernels run with tiles of their own, not the candidate the composable path was given."""
+    from fusedloss.triton.backend import TileConfig
+
+    tiles = next(v for v in rec["constants"].values() if type(v).__name__ == "Tiles")
+    return repr(TileConfig(int(tiles.BLOCK_M), int(tiles.BLOCK_V), int(tiles.BLOCK_K), rec["num_warps"],
+                           rec["num_stages"]))
+
+
 def _compile_one(i: int) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -201,16 +216,21 @@ def _compile(dtypes=("bfloat16", "float16", "float32")):
     _, launches = _install_stub_driver()
     seen = set()
     for dtype in (getattr(torch, name) for name in dtypes):
-        for kind, scenario in (("lean", "cross_entropy"), ("heavy", "rich"), ("teacher", "teacher")):
+        for kind, scenario in (("lean", "cross_entropy"), ("heavy", "rich"), ("teacher", "teacher"),
+                               ("teacher", "distill")):
             for i, cfg in enumerate(backend.candidates(dtype, kind)):
                 start = len(launches)
-                _run_paths(_problem(dtype, 300, 4096, 151936, scenario), cfg, ("composable", "eager"))
+                # the lean distillation's composable launches are the teacher scenario's, with fewer flags
+                paths = ("eager",) if scenario == "distill" else ("composable", "eager")
+                if scenario == "distill" and i > 0:
+                    continue
+                _run_paths(_problem(dtype, 300, 4096, 151936, scenario), cfg, paths)
                 if kind == "lean" and i == 0:  # a hidden size that is not a multiple of 16 keeps the fast path
                     _run_paths(_problem(dtype, 300, 1000, 151936, scenario), cfg, ("composable",))
                 for rec in launches[start:]:
                     if (rec["kernel"], rec["key"]) not in seen:
                         seen.add((rec["kernel"], rec["key"]))
-                        _JOBS.append(dict(rec, dtype=str(dtype).replace("torch.", ""), config=repr(cfg)))
+                        _JOBS.append(dict(rec, dtype=str(dtype).replace("torch.", ""), config=_launched_tiles(rec)))
     # Compiles are independent: two processes (forked, so they share the recorded launches).
     with multiprocessing.get_context("fork").Pool(2) as pool:
         results = pool.map(_compile_one, range(len(_JOBS)))

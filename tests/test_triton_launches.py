@@ -103,9 +103,11 @@ def test_eager_small_launches_are_what_the_model_counts(trace, monkeypatch, op):
     per_call = two - 2 * per_chunk
     assert per_chunk > 0 and per_call > 0, (two, four)
     s = tb.small_launches(op)
-    # a chunk: its statistics kernel (1), its merge, the JSD's second sweep (1), the rest of the chunk
-    jsd = 1 if op == "distill_jsd" else 0
-    assert _within(1 + s.merge + jsd + s.chunk, per_chunk), (op, per_chunk, s)
+    # a chunk: its statistics kernel (1) and merge, with a teacher the fold (its kernel and merge) and the
+    # JSD's second sweep (its kernel and a stack), and the rest of the chunk
+    teacher = 1 + tb.TEACHER_FOLD_MERGE_LAUNCHES if op.startswith("distill") else 0
+    jsd = 2 if op == "distill_jsd" else 0
+    assert _within(1 + s.merge + teacher + jsd + s.chunk, per_chunk), (op, per_chunk, s)
     assert _within(s.call, per_call), (op, per_call, s)
 
 

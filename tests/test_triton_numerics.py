@@ -338,3 +338,117 @@ def test_eager_half_precision_dx_packed_over_its_tile(case, workspace_mb):
             assert torch.equal(got, want), name
         else:
             assert rel_err(got, want) <= 1e-3, name  # fp16 rounding of sums taken in another order
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The eager path's teacher: cuBLAS raw logits, the student's forward reading ztm, the teacher fold
+
+
+# (statistics, student-masked columns, teacher-masked columns, teacher soft-cap, +inf reverse KL expected): 7 and
+# 60 masked on both sides, 90 on the student's only (0 log 0 in the reverse KL, +inf in the forward KL), 120 on
+# the teacher's only (+inf in the reverse KL, finite in the forward KL and the JSD); a teacher soft-cap turns a
+# masked teacher logit into -cap (finite), so that every student-masked column makes the forward KL +inf.
+_DIVERGENCES = {
+    "kl_rev": (dict(want_kl_rev=True), [7, 60, 90], [7, 60], 4.0, False),
+    "kl_rev_inf": (dict(want_kl_rev=True), [7, 60, 90], [7, 60, 120], None, True),
+    "kl_fwd": (dict(want_kl_fwd=True), [7, 60], [7, 60, 120], None, False),
+    "jsd": (dict(jsd_beta=0.3), [7, 60, 90], [7, 60, 120], None, False),
+    "all": (dict(want_kl_rev=True, want_kl_fwd=True, jsd_beta=0.7), [], [7, 60, 120], 4.0, False),
+}
+
+
+def _teacher_problem(divergence: str, dtype, workspace_mb=None) -> StatsProblem:
+    """37 rows, V = 131 (odd; 5 interpreter tiles of 32, several splits), the rows 16..31 (a whole row block)
+    and a fifth of the others ignored; the student's peak column 5 duplicated (exact ties at its maximum in
+    tile 0, tile 1 and tile 3, where the teacher differs: the first one must frame the reverse KL); masked columns
+    (``_DIVERGENCES``); a teacher with its own bias, scale, temperature and soft-cap, and a student with a
+    temperature."""
+    stats, masked, masked_t, cap, _ = _DIVERGENCES[divergence]
+    peaks = (5, 70, 110)
+    h, w, b, y = make_head(37, 19, 131, seed=11, bias=True, ignore_fraction=0.2, peak_ids=peaks,
+                           all_ignored_rows=range(16, 32))
+    y = torch.where(y < 0, torch.full_like(y, -1), y)
+    th, tw, tb = make_teacher(37, 24, 131, seed=12, bias=True)
+    for dup in (20, 40, 101):  # the same tile, the next one (the same split in 16-row chunks), a later split
+        w[dup], b[dup] = w[5], b[5]
+    b[masked] = -math.inf
+    tb[masked_t] = -math.inf
+    cast = dict(device=DEVICE, dtype=dtype)
+    return StatsProblem(hidden=h.to(**cast), weight=w.to(**cast), bias=b.to(**cast), targets=y.to(DEVICE),
+                        transform=LogitTransform(1.3), teacher_hidden=th.to(**cast),
+                        teacher_weight=tw.to(**cast), teacher_bias=tb.to(**cast),
+                        teacher_transform=LogitTransform(0.9, 1.1, cap), workspace_mb=workspace_mb, **stats)
+
+
+def _teacher_weights(p: StatsProblem) -> torch.Tensor:
+    names = {"lse", "logp", "lse_t"} | {name for name, on in (("kl_rev", p.want_kl_rev), ("kl_fwd", p.want_kl_fwd),
+                                                                ("jsd", p.jsd_beta is not None)) if on}
+    g = torch.Generator().manual_seed(6)
+    return torch.stack([torch.randn(p.hidden.shape[0], generator=g, dtype=F64) if f in names
+                        else torch.zeros(p.hidden.shape[0], dtype=F64) for f in Statistics._fields])
+
+
+def _recording(chunk_fn, seen: dict):
+    def record(stats: Statistics, rows):
+        seen.setdefault("rows", []).append(rows)
+        seen.setdefault("stats", []).append(stats)
+        return chunk_fn(stats, rows)
+
+    return record
+
+
+def _stacked(seen: dict) -> dict:
+    return {name: torch.cat([getattr(s, name) for s in seen["stats"]]) for name in Statistics._fields}
+
+
+@pytest.mark.parametrize("divergence", list(_DIVERGENCES))
+@pytest.mark.parametrize("dtype", [F64, torch.float32, torch.float16])
+@pytest.mark.parametrize("workspace_mb", [None, 0.05])
+def test_eager_teacher_fold_matches_float64_and_the_torch_backend(divergence, dtype, workspace_mb):
+    """The eager path with a teacher (its raw logits through a product into the workspace, ztm read by the
+    student's forward, the teacher's statistics from the fold over the kept tiles): every teacher statistic
+    and the three gradients against the torch backend on the same values in float64, and the float64 run
+    against the torch backend's to 1e-9; in one chunk and in 16-row chunks (a 50 KB workspace)."""
+    p = _teacher_problem(divergence, dtype, workspace_mb)
+    p64 = StatsProblem(**{**p.__dict__, **{name: getattr(p, name).to(F64) for name in (
+        "hidden", "weight", "bias", "teacher_hidden", "teacher_weight", "teacher_bias")}})  # the same values
+    weights = _teacher_weights(p)
+    needs = GradientNeeds(True, True, True)
+    seen = {}
+    loss, grads = triton_backend.eager_gradients(p, _recording(_chunk_fn(p, weights), seen), needs)
+    t_loss, t_grads = torch_backend.eager_gradients(p64, _chunk_fn(p64, weights), needs)
+    chunks = len(seen["rows"])
+    assert chunks == (1 if workspace_mb is None else 3)
+    got, want = _stacked(seen), torch_backend.forward_statistics(p64)._asdict()
+    # the ties: rows whose student maximum sits on both duplicated columns read the teacher at the first
+    z = (p64.hidden @ p64.weight.T + p64.bias) / 1.3
+    tied = (z[:, 5] == z.amax(1)) & (p64.targets >= 0)
+    assert int(tied.sum()) >= 4
+    ignored = p.targets < 0
+    stat_tol = 1e-12 if dtype == F64 else 1e-5
+    grad_tol = 1e-10 if dtype == F64 else 1e-5 if dtype == torch.float32 else 2e-3
+    names = ["lse", "lse_t"] + (["kl_rev", "kl_rev_rel", "teacher_at_max"] if p.want_kl_rev else []) + (
+        ["kl_fwd"] if p.want_kl_fwd else []) + (["jsd", "kl_qm"] if p.jsd_beta is not None else [])
+    for name in names:
+        assert rel_err(got[name], want[name]) <= stat_tol, (name, got[name], want[name])
+    # lse_t as hi + lo: the residual carries what rounding hi dropped
+    assert rel_err(got["lse_t"].double() + got["lse_t_lo"].double(), want["lse_t"] + want["lse_t_lo"]) <= stat_tol
+    if p.want_kl_rev:
+        infinite = _DIVERGENCES[divergence][4]
+        assert bool(torch.isposinf(got["kl_rev"][~ignored]).all()) == infinite
+        assert bool(torch.isfinite(got["kl_rev"]).all()) == (not infinite)
+        zt = (p64.teacher_hidden @ p64.teacher_weight.T + p64.teacher_bias) * 1.1
+        cap = _DIVERGENCES[divergence][3]
+        zt = (zt if cap is None else cap * torch.tanh(zt / cap)) / 0.9
+        assert torch.equal(want["teacher_at_max"][tied].double(), zt[tied, 5])
+        assert rel_err(got["teacher_at_max"][tied], zt[tied, 5]) <= stat_tol
+    assert torch.isfinite(loss) or not torch.isfinite(t_loss)
+    if bool(torch.isfinite(t_loss)):
+        assert abs(float(loss) - float(t_loss)) <= stat_tol * 10 * max(1.0, abs(float(t_loss)))
+        for name, g, g64 in zip(("d hidden", "d weight", "d bias"), grads, t_grads):
+            assert g.dtype == p.acc_dtype
+            assert bool(torch.isfinite(g).all()), name
+            assert rel_err(g, g64) <= grad_tol, (name, rel_err(g, g64))
+    # every ignored row: zero statistics
+    for name in names:
+        assert bool((got[name][ignored] == 0).all()), name

@@ -96,22 +96,40 @@ def merge(pieces: dict) -> dict:
         out["s2"] = (f * f * pieces["s2"]).sum(0)
     if "sz" in pieces:
         out["sz"] = pieces["sz"].sum(0)
+    if "ztm" in pieces:  # the teacher's logit at the first maximum column: the holder's
+        out["ztm"] = pieces["ztm"].gather(0, holder).squeeze(0)
     if "mt" in pieces:
         mt, g, dmt = _rebase(pieces["mt"])
         out.update(mt=mt, st=(g * pieces["st"]).sum(0))
         if "a" in pieces:
             # a is relative to (m, ztm) of the piece holding the maximum: the holder's a is taken as it is
             # (its shifts are exactly 0), every other piece's is shifted by (m_k - m) - (ztm_k - ztm).
-            ztm = pieces["ztm"].gather(0, holder).squeeze(0)
+            ztm = out["ztm"]
             dztm = torch.where(is_holder | torch.isneginf(pieces["m"]), 0.0, pieces["ztm"] - ztm)
             a = _keep_inf(pieces["a"], torch.where(is_holder, pieces["a"], f * (pieces["a"] + s * (dm - dztm))))
-            out.update(a=reverse_kl_infinite(a.sum(0), m, ztm), ztm=ztm)
+            out["a"] = reverse_kl_infinite(a.sum(0), m, ztm)
         if "b" in pieces:
             out["b"] = _keep_inf(pieces["b"], g * (pieces["b"] + pieces["st"] * (dmt - dm))).sum(0)
     if "zy" in pieces:
         out["zy"] = pieces["zy"].sum(0)
     if "mb" in pieces:
         out["mb"] = pieces["mb"].amax(0)
+    return out
+
+
+def merge_teacher_sweep(pieces: dict, m: torch.Tensor) -> dict:
+    """The teacher's partials (``mt``, ``st``; ``a``, ``b`` and ``ztm`` where present) of pieces swept after
+    the student's statistics were final (the Triton eager path's teacher fold), stacked along dim 0: every
+    piece's a and b are relative to the same final (m, ztm), and every piece found the same ztm, so a adds as
+    it is and b rebases with the teacher's maxima only (``merge``'s rules with every student shift 0); a is
+    +inf where ztm is -inf (``reverse_kl_infinite``)."""
+    mt, g, dmt = _rebase(pieces["mt"])
+    out = dict(mt=mt, st=(g * pieces["st"]).sum(0))
+    if "a" in pieces:
+        out["ztm"] = pieces["ztm"][0]
+        out["a"] = reverse_kl_infinite(pieces["a"].sum(0), m, out["ztm"])
+    if "b" in pieces:
+        out["b"] = _keep_inf(pieces["b"], g * (pieces["b"] + pieces["st"] * dmt)).sum(0)
     return out
 
 

@@ -16,11 +16,13 @@ Backward (``logits_gradient`` + cuBLAS)
     products, no atomics: the same bits from run to run. A frozen weight skips the d weight product.
 
 Eager path (``eager_gradients``, ``core/eager.py``), for losses known in the forward
-    For each chunk of rows, the forward kernel keeps the capped logits (and the teacher's) in the workspace
-    while it forms the statistics; the loss gives the chunk's coefficients; the gradient kernel reads the
-    tiles back instead of forming them again; cuBLAS does d hidden and d weight. Three products instead of
-    four. ``plan`` (the shared cost model, ``core/cost.py``) decides between the two paths, and sizes the
-    chunks: the same function the model evaluates runs the backend.
+    For each chunk of rows, the forward kernel keeps the capped logits in the workspace while it forms the
+    statistics; a teacher's raw logits come from one cuBLAS product into the workspace beside them, and the
+    teacher fold (``teacher_fold``) forms its statistics from both kept tiles once the student's are final
+    (docs/design.md, "The Triton teacher on the eager path"); the loss gives the chunk's coefficients; the
+    gradient kernel reads the tiles back instead of forming them again; cuBLAS does d hidden and d weight.
+    Three products instead of four. ``plan`` (the shared cost model, ``core/cost.py``) decides between the two
+    paths, and sizes the chunks: the same function the model evaluates runs the backend.
 
 Precision
     fp32 inputs multiply with ``tf32x3`` on the GPU (three TF32 products, about fp32's accuracy, on the
@@ -101,13 +103,14 @@ def _kernels() -> SimpleNamespace:
         from .jsd_forward import jsd_forward_kernel
         from .logits_gradient import logits_gradient_kernel, packed_gradient_kernel
         from .statistics_forward import statistics_forward_kernel
+        from .teacher_fold import teacher_fold_kernel
 
         if tile_math.STATE_FIELDS != partials.FIELDS:  # the kernels write the partials in this order
             raise ImportError(f"triton/tile_math.py keeps {tile_math.STATE_FIELDS}, core/partials.py merges "
                               f"{partials.FIELDS}: update the kernels' state")
         _KERNELS = SimpleNamespace(forward=statistics_forward_kernel, jsd=jsd_forward_kernel,
                                    gradient=logits_gradient_kernel, packed_gradient=packed_gradient_kernel,
-                                   tm=tile_math,
+                                   fold=teacher_fold_kernel, tm=tile_math,
                                    interpreted=_interpret_requested())
     return _KERNELS
 
@@ -172,27 +175,28 @@ GPU_CANDIDATES = {
 # The eager path's forward also stores each capped logits tile for the gradient pass: that store holds a tile
 # more in registers, so it runs on tiles with more headroom where the epilogue needs it (and, forming the logits
 # once, shares its tile with no other kernel). The lean half forward keeps the 128 x 128 tile with its store
-# (255 registers, no spill on Triton 3.4.0, 3.6.0 and 3.9.0, with and without a bias). The teacher's stays at
-# 64 x 64: its statistics hold z, z_t and their exponentials at once, and with 32 values per thread per tile
-# (64 x 128, 128 x 64, or 128 x 128 on 16 warps) the forward spills 0.5-6 KB per thread on every supported
-# Triton, whether the teacher's tile is a second product or read back from a cuBLAS product (docs/design.md,
-# "Triton versions"). Not tuned: one configuration per class.
+# (255 registers, no spill on Triton 3.6.0 and 3.9.0, with and without a bias). A teacher is no product of the
+# eager forward: cuBLAS forms its raw logits into the workspace, the student's forward (the lean or heavy
+# epilogue of its own features) keeps only which of its tiles holds the row's first maximum, and the teacher
+# fold reads the teacher's logit there and forms the teacher's statistics from the kept tiles (docs/design.md,
+# "The Triton teacher on the eager path"); a tile forming both products grew no larger than 64 x 64 without
+# spilling, on every supported Triton. Not tuned: one configuration per class.
 EAGER_TILES = {
     ("half", "lean"): TileConfig(128, 128, 64, 8, 4),
     ("half", "heavy"): TileConfig(64, 64, 64, 8, 4),
-    ("half", "teacher"): TileConfig(64, 64, 64, 8, 3),
     ("fp32", "lean"): TileConfig(128, 64, 16, 8, 3),
     ("fp32", "heavy"): TileConfig(64, 64, 16, 8, 3),
-    ("fp32", "teacher"): TileConfig(64, 64, 16, 8, 3),
     ("fp64", "lean"): TileConfig(32, 32, 32, 4, 1),
     ("fp64", "heavy"): TileConfig(32, 32, 32, 4, 1),
-    ("fp64", "teacher"): TileConfig(32, 32, 32, 4, 1),
 }
 # The eager path's gradient pass reads the kept logits back: no product, so no reason to share the forward's
 # tile. Loaded tiles are laid out one row per thread and warp-wide along the vocabulary, so every thread
 # holds every per-row value of its rows (coefficients, normalisers, the float64 target column): 4 rows of
 # 512 columns keep that at 4 values per row quantity and 16 per tile-sized one (a teacher's terms need ~8).
 ELEMENTWISE_TILES = TileConfig(4, 512, 16, 4, 1)
+# The teacher fold on the same layout with 8 warps: 8 values per thread per tile-sized quantity, where its terms
+# (z, z_t, both exponentials, a's and b's columns) at 16 spilled 4-12 bytes per thread (ptxas held 168 registers).
+TEACHER_FOLD_TILES = TileConfig(4, 512, 16, 8, 1)
 # The interpreter: small tiles and a few resident programs, so tiny test shapes still cross every tile border
 # and the vocabulary splits (tests pass other configurations through the ``tiles`` argument).
 INTERPRETER_TILES = TileConfig(16, 32, 16, 4, 1, slots=4)
@@ -202,9 +206,10 @@ def _dtype_class(dtype: torch.dtype) -> str:
     return {torch.float64: "fp64", torch.float32: "fp32"}.get(dtype, "half")
 
 
-def epilogue(p: StatsProblem) -> str:
-    """"teacher", "heavy" or "lean": which candidates' registers hold the problem's per-element terms."""
-    if p.has_teacher:
+def epilogue(p: StatsProblem, path: str = "composable") -> str:
+    """"teacher", "heavy" or "lean": which candidates' registers hold the problem's per-element terms (on the
+    eager path the teacher is no product of the forward: its student's)."""
+    if p.has_teacher and path != "eager":
         return "teacher"
     heavy = p.want_entropy or p.want_extras or p.want_mean_logit or p.transform.softcap is not None
     return "heavy" if heavy else "lean"
@@ -245,11 +250,11 @@ def tiles_for(p: StatsProblem, path: str = "composable", tune: bool = True) -> T
     dev = p.hidden.device
     if dev.type == "cpu":
         return INTERPRETER_TILES
-    configs = candidates(p.hidden.dtype, epilogue(p), path)
+    configs = candidates(p.hidden.dtype, epilogue(p, path), path)
     if dev.type != "cuda" or len(configs) == 1 or deterministic():
         return configs[0]
     key = (dev.index if dev.index is not None else torch.cuda.current_device(), p.hidden.dtype,
-           d_bucket(p.hidden.shape[1]), epilogue(p))
+           d_bucket(p.hidden.shape[1]), epilogue(p, path))
     if not tune or torch.cuda.is_current_stream_capturing():
         return _TUNED.get(key, configs[0])
 
@@ -333,6 +338,12 @@ def grid_of(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec, dtype: str) -> t
     """``forward_grid`` of ``n`` rows for these tiles on this GPU."""
     return forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count,
                         weight_stream_steps(v, cfg, gpu, dtype))
+
+
+def elementwise_grid(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec) -> tuple:
+    """``forward_grid`` of an elementwise sweep over the eager workspace (the teacher fold, the JSD's second
+    sweep): the same whole waves of (row block, split) programs, no weight to stream."""
+    return forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count, 0.0)
 
 
 GRADIENT_GROUP = 8  # row blocks per group of the gradient kernel's one-tile programs (the matmul swizzle)
@@ -428,19 +439,23 @@ class SmallLaunches(NamedTuple):
 _SMALL_LAUNCHES = {
     "cross_entropy": SmallLaunches(50, 50, 24),
     "grpo": SmallLaunches(50, 70, 35),
-    "distill_reverse_kl": SmallLaunches(106, 48, 16),
-    "distill_forward_kl": SmallLaunches(90, 46, 16),
-    "distill_jsd": SmallLaunches(75, 47, 16),
+    "distill_reverse_kl": SmallLaunches(50, 67, 16),
+    "distill_forward_kl": SmallLaunches(50, 60, 16),
+    "distill_jsd": SmallLaunches(50, 46, 16),
     "token_logprobs": SmallLaunches(14, 46, 35),
     "token_logprobs_entropy": SmallLaunches(14, 46, 35),
 }
-_SMALL_LAUNCHES_DEFAULT = SmallLaunches(106, 70, 42)
+_SMALL_LAUNCHES_DEFAULT = SmallLaunches(50, 70, 42)
 BACKWARD_BLOCK_LAUNCHES = 1
 
 
 def small_launches(op: str) -> SmallLaunches:
     """The small launches of an op's call (``SmallLaunches``)."""
     return _SMALL_LAUNCHES.get(op, _SMALL_LAUNCHES_DEFAULT)
+# The teacher fold (eager distillation): its partials, and the small ops of its frame and split merge
+# (partials.merge_teacher_sweep), per eager chunk; tests/test_triton_launches.py counts them with the rest.
+TEACHER_FOLD_MERGE_LAUNCHES = 26
+TEACHER_FOLD_FIELDS = 5  # the fold's partials: mt, st, a, b, ztm
 
 
 def _pass(name: str, flops: float, hbm_bytes: float, math: str, *, efficiency: float = 1.0,
@@ -462,14 +477,15 @@ def _product_math(dtype: str, precision: str, gpu: Optional[cost.GPUSpec] = None
 
 
 def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, prefix: str,
-                    store_bytes: float = 0.0) -> list:
+                    store_bytes: float = 0.0, teacher_product: bool = True) -> list:
     """The statistics kernel over ``n`` rows: products, operand traffic (the weight once per group of row
-    blocks, which share it through L2), the programs the last wave leaves idle, and the split merge."""
+    blocks, which share it through L2), the programs the last wave leaves idle, and the split merge.
+    ``teacher_product``: the teacher's product is formed in the tile (the eager path's comes from cuBLAS)."""
     e, acc, _ = _sizes(w.dtype)
     math_key, factor = _product_math(w.dtype, precision, gpu)
     slots = cfg.slots or gpu.sm_count
     row_blocks, per, splits, group = grid_of(n, w.v, cfg, gpu, w.dtype)
-    d_all = w.d + _teacher_d(w)
+    d_all = w.d + (_teacher_d(w) if teacher_product else 0)
     flops = 2.0 * n * w.v * d_all * factor
     groups = _cdiv(row_blocks, group)
     partials_bytes = len(partials.FIELDS) * splits * n * acc
@@ -482,9 +498,8 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
                     efficiency=tile),
               _pass(f"{prefix}: split merge", 0.0, 4 * partials_bytes, "cuda_core",
                     launches=small_launches(w.op).merge)]
-    if w.op == "distill_jsd":  # the mixture's second sweep
-        passes.append(_pass(f"{prefix}: JSD pass", 0.0 if store_bytes else flops,
-                            2 * n * w.v * acc if store_bytes else traffic, math_key, efficiency=tile, launches=1))
+    if w.op == "distill_jsd" and teacher_product:  # the mixture's second sweep (the eager path's: _eager_plan)
+        passes.append(_pass(f"{prefix}: JSD pass", flops, traffic, math_key, efficiency=tile, launches=1))
     return passes
 
 
@@ -511,10 +526,11 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     ``workspace_bytes`` (``workspace``, in bytes, or ``workspace_mb`` fix it; else the free memory sizes it).
     ``tiles`` / ``eager_tiles`` (the composable and the eager path's) default to the first candidates (what the
     autotuner starts from); ``path`` ("eager" or "composable") asks for one path instead of the cheaper."""
-    kind = "teacher" if workload.has_teacher else "heavy" if workload.op == "token_logprobs_entropy" else "lean"
+    student = "heavy" if workload.op == "token_logprobs_entropy" else "lean"
+    kind = "teacher" if workload.has_teacher else student
     dtype = getattr(torch, workload.dtype)
     cfg = tiles or candidates(dtype, kind)[0]
-    eager_cfg = eager_tiles or candidates(dtype, kind, "eager")[0]
+    eager_cfg = eager_tiles or candidates(dtype, student, "eager")[0]
     precision = precision or ("tf32" if allow_tf32 else "tf32x3")
     if path not in (None, "eager", "composable"):
         raise ValueError(f"path must be None, 'eager' or 'composable', got {path!r}")
@@ -602,20 +618,45 @@ def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, preci
 
 def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
                 budget: int) -> cost.Plan:
+    """Per row chunk: the teacher's raw logits through cuBLAS into the workspace (an fp32-output product whose
+    C write is its epilogue), the student's forward keeping its tiles (with no teacher product), the teacher
+    fold over the kept tiles (and the JSD's second sweep); then dx from the kept tiles and the two cuBLAS
+    gradient products (``eager_gradients``)."""
     e, acc, e_dx = _sizes(w.dtype)
     params = _common_params(w, gpu, cfg, precision, budget)
     rows = params["eager_rows"]
     chunks = _cdiv(w.n, rows)
     logits = w.n * w.v * acc * (2 if w.has_teacher else 1)
+    cublas = _cublas_math(w.dtype, allow_tf32, gpu)
+    dt = _teacher_d(w)
     passes = []
     for r0 in range(0, w.n, rows):
-        passes += _forward_passes(w, min(rows, w.n - r0), gpu, cfg, precision, "eager logits", store_bytes=logits
-                                  * min(rows, w.n - r0) / w.n)
+        m = min(rows, w.n - r0)
+        if w.has_teacher:
+            out = m * w.v * acc
+            passes.append(cost.Pass("eager logits: teacher (cuBLAS)", flops=2.0 * m * w.v * dt,
+                                    hbm_bytes=(m + w.v) * dt * e + out, math=cublas,
+                                    efficiency=cost.gemm_efficiency(m, w.v, dt, gpu), fixed_us=cost.LAUNCH_US,
+                                    epilogue_bytes=out))
+        passes += _forward_passes(w, m, gpu, cfg, precision, "eager logits", store_bytes=m * w.v * acc,
+                                  teacher_product=False)
+        if w.has_teacher:
+            # the fold reads the teacher's kept tile once (and the student's, for a KL); for a reverse KL each of
+            # its programs first reads, per row, the forward tile holding the student's maximum and x_t at the
+            # first maximum column (ztm; a 32-byte sector); its partials are written, then merged (~4 passes)
+            fold_splits = elementwise_grid(m, w.v, TEACHER_FOLD_TILES, gpu)[2]
+            fold_partials = TEACHER_FOLD_FIELDS * fold_splits * m * acc
+            tiles_read = 1 if w.op == "distill_jsd" else 2
+            ztm = fold_splits * m * (cfg.block_v * acc + 32) if w.op == "distill_reverse_kl" else 0
+            passes.append(_pass("eager teacher fold", 0.0, tiles_read * m * w.v * acc + ztm + 5 * fold_partials,
+                                "cuda_core", launches=1 + TEACHER_FOLD_MERGE_LAUNCHES))
+            if w.op == "distill_jsd":
+                passes.append(_pass("eager JSD pass", 0.0, 2 * m * w.v * acc, "cuda_core", launches=2))
     dx_bytes = w.n * w.v * e_dx
     # dx: the kept logits read back, dx written over them (in place for fp32 / float64, packed for bf16 / fp16)
     passes.append(_pass("eager dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",
                         launches=chunks * small_launches(w.op).chunk))
-    passes += _gradient_products(w, gpu, rows, w.v, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes)
+    passes += _gradient_products(w, gpu, rows, w.v, cublas, dx_bytes)
     passes.append(_call_ops(w))
     return cost.Plan(backend="triton", path="eager", products=1.0 + int(w.hidden_grad) + int(w.weight_grad),
                      passes=passes, params=params)
@@ -764,11 +805,11 @@ class _Launch:
     tiles: tuple
     dummy: torch.Tensor
 
-    def run(self, kernel, programs: int, *args, flags) -> None:
+    def run(self, kernel, programs: int, *args, flags, **constexprs) -> None:
         import triton.language as tl
 
         kernel[(programs,)](*args, F=flags, T=self.tiles, ACC=tl.float64 if self.acc == torch.float64 else tl.float32,
-                            num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages)
+                            num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages, **constexprs)
 
     def workspace(self, c: Optional[torch.Tensor], zt: Optional[torch.Tensor]) -> tuple:
         """The eager path's kept tiles as a Head (c, z_t, row stride); the student head when unused."""
@@ -823,19 +864,32 @@ def _rows(p: StatsProblem, r0: int, r1: int) -> StatsProblem:
 
 
 def _forward_flags(p: StatsProblem, store: bool):
+    """With ``store`` (the eager path) the teacher is no product of the forward: for a reverse KL it only keeps
+    where the teacher fold is to read ztm (``TEACHER_AT_MAX``)."""
     tm = _kernels().tm
+    in_tile = p.has_teacher and not store
+    at_max = p.has_teacher and store and p.want_kl_rev
     return tm.Flags(HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.transform.softcap is not None,
-                    HAS_TEACHER=p.has_teacher, HAS_TEACHER_BIAS=p.has_teacher and p.teacher_bias is not None,
-                    HAS_TEACHER_SOFTCAP=p.has_teacher and p.teacher_transform.softcap is not None,
+                    HAS_TEACHER=in_tile, HAS_TEACHER_BIAS=in_tile and p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=in_tile and p.teacher_transform.softcap is not None,
                     HAS_TARGETS=p.targets is not None, WANT_E=p.want_entropy, WANT_S2=p.want_extras,
                     WANT_SZ=p.want_mean_logit, WANT_TOP1=p.want_extras and p.targets is not None,
-                    STORE_LOGITS=store)
+                    STORE_LOGITS=store, TEACHER_AT_MAX=at_max)
+
+
+def _fold_flags(p: StatsProblem):
+    tm = _kernels().tm
+    return tm.Flags(HAS_TEACHER_BIAS=p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=p.teacher_transform.softcap is not None, HAS_TARGETS=p.targets is not None,
+                    HAS_KL_REV=p.want_kl_rev, HAS_KL_FWD=p.want_kl_fwd, LOAD_LOGITS=True)
 
 
 def _jsd_flags(p: StatsProblem, load: bool):
     tm = _kernels().tm
-    if load:  # the kept tiles are c and z_t: only the student's temperature is applied again
-        return tm.Flags(HAS_TEACHER=True, HAS_TARGETS=p.targets is not None, LOAD_LOGITS=True)
+    if load:  # the kept tiles are c and the teacher's raw x_t: the temperature, and the teacher's transform
+        return tm.Flags(HAS_TEACHER=True, HAS_TEACHER_BIAS=p.teacher_bias is not None,
+                        HAS_TEACHER_SOFTCAP=p.teacher_transform.softcap is not None,
+                        HAS_TARGETS=p.targets is not None, LOAD_LOGITS=True)
     return tm.Flags(HAS_BIAS=p.bias is not None, HAS_SOFTCAP=p.transform.softcap is not None, HAS_TEACHER=True,
                     HAS_TEACHER_BIAS=p.teacher_bias is not None,
                     HAS_TEACHER_SOFTCAP=p.teacher_transform.softcap is not None, HAS_TARGETS=p.targets is not None)
@@ -849,9 +903,10 @@ def _gradient_flags(p: StatsProblem, load: bool):
     t = p.has_teacher
     kl_rev, kl_fwd, jsd = t and p.want_kl_rev, t and p.want_kl_fwd, t and p.jsd_beta is not None
     teacher = t and (kl_rev or kl_fwd or jsd)
+    # the kept teacher tile is the raw product (eager path): its transform is applied as it is loaded
     return tm.Flags(HAS_BIAS=p.bias is not None and not load, HAS_SOFTCAP=p.transform.softcap is not None,
-                    HAS_TEACHER=teacher, HAS_TEACHER_BIAS=teacher and not load and p.teacher_bias is not None,
-                    HAS_TEACHER_SOFTCAP=teacher and not load and p.teacher_transform.softcap is not None,
+                    HAS_TEACHER=teacher, HAS_TEACHER_BIAS=teacher and p.teacher_bias is not None,
+                    HAS_TEACHER_SOFTCAP=teacher and p.teacher_transform.softcap is not None,
                     HAS_TARGETS=p.targets is not None,
                     HAS_LOG_TERMS=p.want_entropy or jsd,
                     HAS_KL_REV=kl_rev, HAS_KL_FWD=kl_fwd, HAS_JSD=jsd, HAS_MEAN_LOGIT=p.want_mean_logit,
@@ -899,6 +954,41 @@ def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None)
     return out
 
 
+_TEACHER_SWEEP = ("mt", "st", "a", "b", "ztm")  # the teacher fold's partials (teacher_fold.py), in its order
+
+
+def _eager_statistics(p: StatsProblem, cfg: TileConfig, elementwise: TileConfig, store: tuple) -> dict:
+    """``_statistics`` of an eager row chunk whose tiles the forward keeps in ``store`` (c, x_t): with a teacher,
+    ``store[1]`` already holds its raw logits (cuBLAS); the student's forward gives the student's partials (and,
+    in ztm's slot, the first column of the tile holding the first maximum), the teacher fold (``elementwise``
+    tiles) ztm and the teacher's partials relative to the student's final (m, ztm), and both are finalised
+    together as ``_finalized`` does (docs/design.md, "The Triton teacher on the eager path")."""
+    if not p.has_teacher:
+        return _statistics(p, cfg, store)
+    lc = _launch(p, cfg)
+    n, v = p.hidden.shape[0], p.weight.shape[0]
+    part, _ = _forward_partials(p, cfg, store, lc)
+    student = [name for name in merged_fields(p) if name not in _TEACHER_SWEEP[:4]]  # ztm's slot: where it is
+    state = partials.merge({name: part[partials.FIELDS.index(name)] for name in student})
+    where = state.pop("ztm") if p.want_kl_rev else torch.zeros_like(state["m"])
+    frame = torch.stack((state["m"], where)).contiguous()
+    fold_cfg = elementwise if p.hidden.device.type == "cpu" else TEACHER_FOLD_TILES
+    ew = _launch(p, fold_cfg)
+    row_blocks, per, splits, group = elementwise_grid(n, v, fold_cfg, gpu_of(p.hidden.device))
+    fold = _alloc((len(_TEACHER_SWEEP), splits, n), lc.acc, p.hidden.device, zero=False)
+    tgt = p.targets if p.targets is not None else lc.dummy
+    ew.run(_kernels().fold, row_blocks * splits, ew.teacher, ew.workspace(*store), tgt, ew.params, frame, fold, n,
+           v, per, splits, group, flags=_fold_flags(p), SEARCH_V=cfg.block_v)
+    sweep = {name: fold[i] for i, name in enumerate(_TEACHER_SWEEP) if name in merged_fields(p)}
+    state.update(partials.merge_teacher_sweep(sweep, state["m"]))
+    out = _finalized_state(state, p, v)
+    if p.jsd_beta is not None:  # the same grid: both layouts have the same tiles
+        qm, pm = _jsd_pass(_launch(p, elementwise), (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
+                           (row_blocks, per, splits, group), store)
+        out.update(_on_valid_rows(dict(kl_qm=qm, jsd=p.jsd_beta * pm + (1.0 - p.jsd_beta) * qm), p))
+    return out
+
+
 def merged_fields(p: StatsProblem) -> tuple:
     """The partials (``core/partials.FIELDS``) that ``p``'s statistics are finalised from: only these are
     merged across the splits (each field merged is a few small kernels more per call)."""
@@ -912,11 +1002,16 @@ def merged_fields(p: StatsProblem) -> tuple:
 def _finalized(part: torch.Tensor, p: StatsProblem, v: int) -> dict:
     """Every statistic, ``{name: [N]}``, from the ``[F, splits, N]`` partials: the splits merged exactly
     (``partials.merge``, only the fields ``p`` needs), finalised, zero on ignored rows and where not asked."""
-    n = part.shape[-1]
-    stats = partials.finalize(partials.merge({name: part[partials.FIELDS.index(name)] for name in merged_fields(p)}),
-                              p, v)
-    out = dict(zip(Statistics._fields, torch.zeros((len(Statistics._fields), n), dtype=part.dtype,
-                                                   device=part.device).unbind(0)))
+    return _finalized_state(partials.merge({name: part[partials.FIELDS.index(name)] for name in merged_fields(p)}),
+                            p, v)
+
+
+def _finalized_state(state: dict, p: StatsProblem, v: int) -> dict:
+    """``_finalized`` of merged partials."""
+    m = state["m"]
+    stats = partials.finalize(state, p, v)
+    out = dict(zip(Statistics._fields, torch.zeros((len(Statistics._fields), m.shape[-1]), dtype=m.dtype,
+                                                   device=m.device).unbind(0)))
     out.update(_on_valid_rows(stats, p))
     return out
 
@@ -1165,12 +1260,16 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
         # r starts where the tile's does (docs/design.md, "The logits workspace")
         packed = _dx_dtype(p) != acc
         dx_ws = c_ws.view(_dx_dtype(p)) if packed else c_ws
+        teacher_weight = _teacher_tensors(p, acc)[1] if p.has_teacher else None
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
             m = r1 - r0
             part = _rows(p, r0, r1)
             store = (c_ws[:m], None if zt_ws is None else zt_ws[:m])
-            stats = _statistics(part, cfg, store)
+            if p.has_teacher:  # the teacher's raw logits, fp32 (float64) out of cuBLAS, beside the student's
+                th = _teacher_tensors(part, acc)[0]
+                _product(zt_ws[:m, :v], th, teacher_weight.T, accumulate=False)
+            stats = _eager_statistics(part, cfg, elementwise, store)
             chunk_loss, coeffs = chunk_fn(Statistics(**stats), slice(r0, r1))
             if tuple(coeffs.shape) != (7, m):
                 raise ValueError(f"chunk_fn must return coefficients of shape [7, {m}], got {tuple(coeffs.shape)}")

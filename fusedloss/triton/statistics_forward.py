@@ -8,8 +8,13 @@ programs fill whole waves of the GPU whatever the number of tokens (``backend.fo
 program writes its partial statistics, relative to its own maxima, to ``part[field, k, row]`` in the order
 of ``core/partials.FIELDS``, and ``core/partials.merge`` combines the splits exactly.
 
-With ``F.STORE_LOGITS`` (the eager path) the tile is also kept in a workspace: c (the capped logits) and the
-teacher's z_t, for the gradient pass that follows without forming the products again.
+With ``F.STORE_LOGITS`` (the eager path) the tile is also kept in a workspace: c (the capped logits), for the
+teacher fold and the gradient pass that follow without forming the product again. The eager path's teacher is
+no product here: cuBLAS wrote its raw logits x_t beside c, and with ``F.TEACHER_AT_MAX`` (a reverse KL) the
+kernel keeps in ztm's slot only where the teacher's logit at its rows' first maximum column is to be read (the
+first column of the tile holding that maximum, ``tile_math.online_update``); ``teacher_fold`` reads it there and
+forms the teacher's statistics once the student's are final (docs/design.md, "The Triton teacher on the eager
+path").
 
 Row blocks whose targets are all ignored skip the whole sweep and write the empty state (m = -inf,
 sums 0). N, V, D and the grid sizes are runtime values and are not specialised: one compiled variant
@@ -46,6 +51,6 @@ def statistics_forward_kernel(
                 z, c, zt = both_tiles(student, teacher, ws, D, DT, params_ptr, rows, row_mask, cols, col_mask,
                                       F.HAS_TEACHER, F, T, ACC)
                 if F.STORE_LOGITS:
-                    store_tiles(c, zt, ws, rows, row_mask, cols, col_mask, F.HAS_TEACHER)
-                state = online_update(state, z, zt, tgt, cols, col_mask, F)
+                    store_tiles(c, ws, rows, row_mask, cols, col_mask)
+                state = online_update(state, z, zt, tgt, v0, cols, col_mask, F)
     store_state(state, part_ptr, split, num_splits, N, rows, row_mask)

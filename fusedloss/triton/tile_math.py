@@ -82,10 +82,14 @@ class Flags(NamedTuple):
     HAS_KL_FWD: bool = False
     HAS_JSD: bool = False
     HAS_MEAN_LOGIT: bool = False
-    # eager path: the forward stores the capped logits c (and the teacher's z_t) in a workspace, the JSD
-    # pass and the gradient read them back instead of forming the products again
+    # eager path: the forward stores the capped logits c in a workspace beside the teacher's raw product x_t
+    # (cuBLAS); the teacher fold, the JSD pass and the gradient read both back instead of forming the products
+    # again, and apply the teacher's bias, scale, soft-cap and temperature to x_t as they load it
     STORE_LOGITS: bool = False
     LOAD_LOGITS: bool = False
+    # eager forward of a reverse KL: no teacher in the tile, but where the teacher's logit at the student's first
+    # maximum column (ztm) is to be read: the first column of the tile holding that maximum, in ztm's slot
+    TEACHER_AT_MAX: bool = False
 
 
 class Tiles(NamedTuple):
@@ -238,12 +242,21 @@ def logits_tile(head: Head, D, params_ptr, rows, row_mask, cols, col_mask, P_OFF
 
 
 @triton.jit
+def teacher_of_raw(x, teacher: Head, params_ptr, cols, col_mask, F: tl.constexpr):
+    """z_t of a tile from the teacher's raw product x_t (the eager workspace's cuBLAS product): its bias,
+    logit_scale, soft-cap and temperature, -inf on padded columns (``logits_tile``'s formula)."""
+    c = capped(x, teacher, params_ptr, cols, col_mask, P_T_SCALE, F.HAS_TEACHER_BIAS, F.HAS_TEACHER_SOFTCAP)
+    return tempered(c, params_ptr, col_mask, P_T_SCALE)
+
+
+@triton.jit
 def both_tiles(student: Head, teacher: Head, ws: Head, D, DT, params_ptr, rows, row_mask, cols, col_mask,
                WANT_TEACHER: tl.constexpr, F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr):
     """(z, c, z_t) of a tile: formed from the products, or (``F.LOAD_LOGITS``) read back from the workspace
-    ``ws`` that the forward filled (``store_tiles``). z_t is z unless ``WANT_TEACHER``. Workspace rows hold a
-    whole number of tiles (the backend pads them), so the columns need no mask and move 16 bytes at a time;
-    what lies past V is never used (z = -inf there)."""
+    ``ws``: c that the forward kept (``store_tiles``) and the teacher's raw product x_t that cuBLAS wrote, its
+    transform applied here (``teacher_of_raw``). z_t is z unless ``WANT_TEACHER``. Workspace rows hold a whole
+    number of tiles (the backend pads them), so the columns need no mask and move 16 bytes at a time; what
+    lies past V is never used (z = z_t = -inf there)."""
     if F.LOAD_LOGITS:
         offs = rows.to(tl.int64)[:, None] * ws.stride_h + cols[None, :]
         mask = row_mask[:, None]
@@ -255,8 +268,8 @@ def both_tiles(student: Head, teacher: Head, ws: Head, D, DT, params_ptr, rows, 
     zt = z
     if WANT_TEACHER:
         if F.LOAD_LOGITS:
-            zt = tl.load(ws.weight + offs, mask=mask, other=0.0)
-            zt = tl.where(col_mask[None, :], zt, float("-inf"))
+            zt = teacher_of_raw(tl.load(ws.weight + offs, mask=mask, other=0.0), teacher, params_ptr, cols, col_mask,
+                                F)
         else:
             zt, ct = logits_tile(teacher, DT, params_ptr, rows, row_mask, cols, col_mask, P_T_SCALE,
                                  F.HAS_TEACHER_BIAS, F.HAS_TEACHER_SOFTCAP, T, ACC)
@@ -264,15 +277,26 @@ def both_tiles(student: Head, teacher: Head, ws: Head, D, DT, params_ptr, rows, 
 
 
 @triton.jit
-def store_tiles(c, zt, ws: Head, rows, row_mask, cols, col_mask, WANT_TEACHER: tl.constexpr):
-    """Keep a tile for the eager path: c in ``ws.hidden``, z_t in ``ws.weight`` (row stride ``ws.stride_h``).
-    c rather than z: z = c / temperature is recomputed bit for bit, and the
-    soft-cap's chain rule needs c."""
+def store_tiles(c, ws: Head, rows, row_mask, cols, col_mask):
+    """Keep a tile for the eager path: c in ``ws.hidden`` (row stride ``ws.stride_h``). c rather than z:
+    z = c / temperature is recomputed bit for bit, and the soft-cap's chain rule needs c."""
     offs = rows.to(tl.int64)[:, None] * ws.stride_h + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]  # (without the column mask the 128 x 128 tile spills)
     tl.store(ws.hidden + offs, c, mask=mask)
-    if WANT_TEACHER:
-        tl.store(ws.weight + offs, zt, mask=mask)
+
+
+@triton.jit
+def teacher_at(ws: Head, teacher: Head, params_ptr, rows, col, mask, F: tl.constexpr):
+    """z_t at one column per row (``col``, where ``mask``) from the kept raw product x_t: ``teacher_of_raw``'s
+    operations, in its order, on one value per row."""
+    x = tl.load(ws.weight + rows.to(tl.int64) * ws.stride_h + col, mask=mask, other=0.0)
+    if F.HAS_TEACHER_BIAS:
+        x += tl.load(teacher.bias + col, mask=mask, other=0.0).to(x.dtype)
+    u = x * tl.load(params_ptr + P_T_SCALE + P_SCALE)
+    if F.HAS_TEACHER_SOFTCAP:
+        cap = tl.load(params_ptr + P_T_SCALE + P_CAP)
+        u = cap * tanh(u / cap)
+    return u / tl.load(params_ptr + P_T_SCALE + P_TEMP)
 
 
 @triton.jit
@@ -308,14 +332,15 @@ def keep_inf(part, rebased):
 
 
 @triton.jit
-def online_update(state, z, zt, tgt, cols, col_mask, F: tl.constexpr):
+def online_update(state, z, zt, tgt, v0, cols, col_mask, F: tl.constexpr):
     """Fold one tile into the running partial statistics (``core/partials.py``), all relative to the
     running maxima::
 
         s = sum e^(z-m)        e = sum e^(z-m) (z-m)        s2 = sum e^(2(z-m))       sz = sum z
         st = sum e^(zt-mt)     a = sum e^(z-m) ((z-m) - (zt-ztm))     b = sum e^(zt-mt) ((zt-mt) - (z-m))
         t = s - 1, the sum without the running maximum column's own e^0 = 1 (log s = log1p(t))
-        ztm = zt at the (first) maximum column of z
+        ztm = zt at the (first) maximum column of z (with ``F.TEACHER_AT_MAX``, the eager forward's, where the
+              teacher fold is to read it: the first column of the tile holding that column)
         zy = z at the target        mb = max of z over the columns before the target
 
     t never cancels: when the tile holds a new (strictly larger) maximum, the old columns become
@@ -366,6 +391,10 @@ def online_update(state, z, zt, tgt, cols, col_mask, F: tl.constexpr):
         b = keep_inf(b, g * (b + st_old * (dmt - dm))) + tl.sum(b_cols, axis=1)
         mt = mt_new
         ztm = ztm_new
+    if F.TEACHER_AT_MAX:
+        # the eager forward's ztm slot: the first column of the tile holding the first maximum (exact in ACC:
+        # V < 2**24); the teacher fold finds the column in that tile and reads the teacher's logit there
+        ztm = tl.where(moved, v0.to(ztm.dtype), ztm)
     if F.HAS_TARGETS:
         zy += tl.sum(tl.where(cols[None, :] == tgt[:, None], z, 0.0), axis=1)
         if F.WANT_TOP1:
