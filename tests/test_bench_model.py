@@ -202,7 +202,7 @@ def test_interpreter_times_are_labelled_not_tabled():
 
 
 def test_groups_run_whole_ops_in_the_order_of_n_given():
-    """The device run's order: N=16384 first (issue 9's targets), each op in one worker with every
+    """The device run's order: N=16384 first (the acceptance shape), each op in one worker with every
     implementation, the reference first and the peers after fusedloss's backends; the compiled reference
     last, once everything else is measured."""
     runnable = [("reference", list(bench.OP_ORDER)), ("fusedloss:cuda", list(bench.OP_ORDER)),

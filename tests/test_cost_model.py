@@ -1,4 +1,4 @@
-"""benchmarks/cost_model.py: the command line of issue 11 over fusedloss.core.cost and the backends' plans."""
+"""benchmarks/cost_model.py: the command line over fusedloss.core.cost and the backends' plans."""
 
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ def test_triton_plan_is_used_when_the_backend_has_one_and_missing_said_clearly()
 
 
 def test_before_and_after_table():
-    """The CUDA backend at db85361 against now, at issue 11's H200 shape: ~3x the bound before for the eager
+    """The CUDA backend at db85361 against now, at the H200 acceptance shape: ~3x the bound before for the eager
     losses, within 1.2x after."""
     before = cost_model.estimate("cross_entropy", "cuda", 16384, 4096, 151936, before=True)
     after = cost_model.estimate("cross_entropy", "cuda", 16384, 4096, 151936)

@@ -3,7 +3,8 @@
 ``fusedloss.cuda.backend.plan`` is what the backend uses at run time and what the cost model evaluates:
 workspace from free memory (bounded, overridable), tile and chunk shapes, the eager path only where its
 chunks pay, accumulation inside the GEMM, padded leading dimensions. These tests pin those decisions at
-issue 11's shapes and check that the run-time code follows the plan (tile shapes, chunk counts).
+the acceptance shapes (H200, D=4096, bf16) and check that the run-time code follows the plan (tile shapes,
+chunk counts).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def test_override_plan_checks_its_keys():
 
 
 # ------------------------------------------------------------------------------------------------
-# Issue 11's shapes
+# The acceptance shapes
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo"])
 def test_row_local_loss_at_the_h200_shape_takes_big_eager_chunks(op):

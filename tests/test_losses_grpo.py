@@ -8,7 +8,7 @@
 * ``test_backends``: the public function on every backend (torch, the Triton interpreter, the CUDA
   extension's host twins) against the reference: float64, fp32 (1e-5 or 4x the naive fp32 error) and half
   precision (no worse than the naive same-dtype path), through tests/_harness.py.
-* Masked positions (issue 16, GSPO): NaN/inf per-token inputs outside the mask change nothing, gradient
+* Masked positions (GSPO): NaN/inf per-token inputs outside the mask change nothing, gradient
   included; complex advantages are refused.
 
 Ratios of the data sit >= 5% away from every clip boundary used (0.8, 1.2, 1.28, 1.3, 1.5, 5), so fp32
@@ -320,7 +320,7 @@ def test_backends_half(which, name, monkeypatch):
 
 
 # --------------------------------------------------------------------------------------------------
-# Outside the mask nothing happens (issue 16 item 7); bad input
+# Outside the mask nothing happens; bad input
 
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
@@ -358,7 +358,7 @@ def test_garbage_outside_the_mask_changes_nothing(loss_type, level, garbage):
 
 
 def test_gspo_issue_reproduction():
-    """The reproduction of issue 16 item 7: a NaN per-token advantage at a masked position, GSPO."""
+    """A NaN per-token advantage at a masked position, GSPO."""
     for fn, kw in ((fusedloss.grpo_loss, dict(backend="torch")), (reference.grpo_loss, {})):
         h = torch.tensor([[[1.541], [-0.2934], [-2.1788]]], requires_grad=True)
         w = torch.tensor([[0.5684]], requires_grad=True)
