@@ -27,13 +27,12 @@ from .tile_math import (
     NO_COLUMN,
     P_TEMP,
     Head,
-    finite,
-    keep_inf,
-    rebase,
+    reverse_kl_columns,
     split_program,
     split_tile,
     teacher_at,
     teacher_of_raw,
+    teacher_step,
     tempered,
 )
 
@@ -73,25 +72,16 @@ def teacher_fold_kernel(
                 zt = teacher_of_raw(tl.load(ws.weight + offs, mask=mask, other=0.0), teacher, params_ptr, cols,
                                     col_mask, F)
                 zt = tl.where(mask, zt, float("-inf"))
-                mt_new, g, dmt, mt_sub = rebase(mt, tl.max(zt, axis=1))
-                ztc = zt - mt_sub[:, None]
-                ezt = tl.exp(ztc)
-                st_old = st
-                st = g * st + tl.sum(ezt, axis=1)
+                z = zt  # a JSD-only fold reads no student tile (b is not formed then)
+                zc = zt
                 if F.HAS_KL_REV or F.HAS_KL_FWD:
                     z = tempered(tl.load(ws.hidden + offs, mask=mask, other=0.0), params_ptr, col_mask, 0)
                     z = tl.where(mask, z, float("-inf"))
                     zc = z - m_sub[:, None]
+                # the student's maximum is final here: its frame does not move (dm = 0)
+                mt, st, b = teacher_step(mt, st, b, zt, z, zc, 0.0, F.HAS_KL_FWD)
                 if F.HAS_KL_REV:
-                    ez = tl.exp(zc)
-                    a_cols = tl.where(finite(z) & (zt == float("-inf")), float("inf"),
-                                      tl.where(ez == 0.0, 0.0, ez * (zc - (zt - ztm_sub[:, None]))))
-                    a += tl.sum(a_cols, axis=1)
-                if F.HAS_KL_FWD:
-                    b_cols = tl.where(finite(zt) & (z == float("-inf")), float("inf"),
-                                      tl.where(ezt == 0.0, 0.0, ezt * (ztc - zc)))
-                    b = keep_inf(b, g * (b + st_old * dmt)) + tl.sum(b_cols, axis=1)
-                mt = mt_new
+                    a += tl.sum(reverse_kl_columns(tl.exp(zc), z, zc, zt, zt - ztm_sub[:, None]), axis=1)
     out = part_ptr + split.to(tl.int64) * N + rows
     plane = num_splits.to(tl.int64) * N
     tl.store(out, mt, mask=row_mask)

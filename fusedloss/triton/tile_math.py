@@ -332,6 +332,31 @@ def keep_inf(part, rebased):
 
 
 @triton.jit
+def reverse_kl_columns(ez, z, zc, zt, ztr):
+    """A tile's columns of a: e^(z - m) ((z - m) - (z_t - ztm)), 0 where e^(z - m) is 0, +inf where z is finite
+    and z_t is -inf (mass the teacher lacks). ``zc`` = z - m, ``ztr`` = z_t - ztm."""
+    return tl.where(finite(z) & (zt == float("-inf")), float("inf"), tl.where(ez == 0.0, 0.0, ez * (zc - ztr)))
+
+
+@triton.jit
+def teacher_step(mt, st, b, zt, z, zc, dm, WANT_B: tl.constexpr):
+    """The teacher's running statistics over one more tile: (mt, st) online in its own maximum and, with
+    ``WANT_B``, b = sum e^(z_t - mt) ((z_t - mt) - (z - m)), +inf where z_t is finite and z is -inf. ``zc`` =
+    z - m in the student's frame of this tile, ``dm`` the shift of that frame from the previous tile's (0 where
+    the student's maximum is final: the eager teacher fold). Returns (mt, st, b)."""
+    mt_new, g, dmt, mt_sub = rebase(mt, tl.max(zt, axis=1))
+    ztc = zt - mt_sub[:, None]
+    ezt = tl.exp(ztc)
+    st_old = st
+    st = g * st + tl.sum(ezt, axis=1)
+    if WANT_B:
+        b_cols = tl.where(finite(zt) & (z == float("-inf")), float("inf"),
+                          tl.where(ezt == 0.0, 0.0, ezt * (ztc - zc)))
+        b = keep_inf(b, g * (b + st_old * (dmt - dm))) + tl.sum(b_cols, axis=1)
+    return mt_new, st, b
+
+
+@triton.jit
 def online_update(state, z, zt, tgt, v0, cols, col_mask, F: tl.constexpr):
     """Fold one tile into the running partial statistics (``core/partials.py``), all relative to the
     running maxima::
@@ -370,26 +395,16 @@ def online_update(state, z, zt, tgt, v0, cols, col_mask, F: tl.constexpr):
     if F.WANT_SZ:
         sz += tl.sum(tl.where(col_mask[None, :], z, 0.0), axis=1)
     if F.HAS_TEACHER:
-        mt_new, g, dmt, mt_sub = rebase(mt, tl.max(zt, axis=1))
-        ztc = zt - mt_sub[:, None]
-        ezt = tl.exp(ztc)
-        st_old = st
-        st = g * st + tl.sum(ezt, axis=1)
+        mt, st, b = teacher_step(mt, st, b, zt, z, zc, dm, True)
         # a's frame is the student's first maximum column: this tile's first one where it holds a new maximum.
         first = tl.min(tl.where(z == tile_max[:, None], cols[None, :], NO_COLUMN), axis=1)
         zt_first = tl.sum(tl.where(cols[None, :] == first[:, None], zt, 0.0), axis=1)
         ztm_new = tl.where(moved, zt_first, ztm)
         dztm = tl.where(m == float("-inf"), 0.0, ztm - ztm_new)
         ztr = zt - tl.where(ztm_new == float("-inf"), 0.0, ztm_new)[:, None]
-        z_live = finite(z)
-        a_cols = tl.where(z_live & (zt == float("-inf")), float("inf"), tl.where(ez == 0.0, 0.0, ez * (zc - ztr)))
-        a = keep_inf(a, f * (a + s_old * (dm - dztm))) + tl.sum(a_cols, axis=1)
+        a = keep_inf(a, f * (a + s_old * (dm - dztm))) + tl.sum(reverse_kl_columns(ez, z, zc, zt, ztr), axis=1)
         # the maximum column's own mass meets a teacher zero: KL(q || p) = +inf whatever the rest gives
         a = tl.where((ztm_new == float("-inf")) & finite(m_new), float("inf"), a)
-        b_cols = tl.where(finite(zt) & (z == float("-inf")), float("inf"),
-                          tl.where(ezt == 0.0, 0.0, ezt * (ztc - zc)))
-        b = keep_inf(b, g * (b + st_old * (dmt - dm))) + tl.sum(b_cols, axis=1)
-        mt = mt_new
         ztm = ztm_new
     if F.TEACHER_AT_MAX:
         # the eager forward's ztm slot: the first column of the tile holding the first maximum (exact in ACC:
