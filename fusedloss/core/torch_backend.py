@@ -133,6 +133,26 @@ def _guarded_row_sum(prob, log_ratio, careful):
     return out
 
 
+def _student_partials(z: torch.Tensor, zc_out: torch.Tensor, scratch: Scratch):
+    """The student's side of a tile's partials: ``(part, first_max, zc, ez)``, with zc = z - m written into
+    ``zc_out`` (``z`` itself on the eager fast route, which consumes its tile) and ez = e^zc in
+    ``scratch("ez")``. The other fields of ``part`` are their empty values."""
+    rows, cols = z.shape
+    zero = torch.zeros(rows, device=z.device, dtype=z.dtype)
+    neg_inf = torch.full_like(zero, -math.inf)
+    m, first_max = z.max(dim=1, keepdim=True)  # the first maximum on ties, as argmax
+    m = m.squeeze(1)
+    zc = torch.sub(z, _finite_or_zero(m)[:, None], out=zc_out)
+    ez = torch.exp(zc, out=scratch("ez", rows, cols))
+    # t: every column but the first maximum (whose e^0 = 1 is implicit); tied maxima still count 1 each. That
+    # column is zeroed in ez: its terms of e and a are 0 anyway (z - m = 0, and z_t - ztm = 0 there).
+    ez.scatter_(1, first_max, 0.0)
+    t = ez.sum(1)
+    part = dict(m=m, s=torch.where(torch.isneginf(m), 0.0, 1.0 + t), t=t, e=zero, s2=zero, sz=zero,
+                mt=neg_inf, st=zero, a=zero, b=zero, zy=zero, mb=neg_inf, ztm=zero)
+    return part, first_max, zc, ez
+
+
 def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem, tgt, v0: int, v1: int,
                    scratch: Optional[Scratch] = None) -> dict:
     """The partial statistics (core/partials.py) of one tile of student (and teacher) logits. ``scratch``:
@@ -141,23 +161,12 @@ def _tile_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem,
     (``logits_gradient_tile``'s ``kl_ratio``)."""
     rows, cols = z.shape
     scratch = scratch or Scratch(z.device, z.dtype)
-    zero = torch.zeros(rows, device=z.device, dtype=z.dtype)
-    neg_inf = torch.full_like(zero, -math.inf)
-    m, first_max = z.max(dim=1, keepdim=True)  # the first maximum on ties, as argmax
-    m = m.squeeze(1)
-    zc = torch.sub(z, _finite_or_zero(m)[:, None], out=scratch("zc", rows, cols))
-    ez = torch.exp(zc, out=scratch("ez", rows, cols))
-    # t: every column but the first maximum (whose e^0 = 1 is implicit); tied maxima still count 1 each. That
-    # column is zeroed in ez: its terms of e and a are 0 anyway (z - m = 0, and z_t - ztm = 0 there).
-    ez.scatter_(1, first_max, 0.0)
-    t = ez.sum(1)
-    empty_row = torch.isneginf(m)
-    part = dict(m=m, s=torch.where(empty_row, 0.0, 1.0 + t), t=t, e=zero, s2=zero, sz=zero,
-                mt=neg_inf, st=zero, a=zero, b=zero, zy=zero, mb=neg_inf, ztm=zero)
+    part, first_max, zc, ez = _student_partials(z, scratch("zc", rows, cols), scratch)
+    m = part["m"]
     if p.want_entropy:
         part["e"] = _guarded_row_sum(ez, zc, lambda r: _xlogy_terms(ez[r], zc[r]))
     if p.want_extras:
-        part["s2"] = torch.where(empty_row, 0.0, 1.0 + _row_dot(ez, ez))
+        part["s2"] = torch.where(torch.isneginf(m), 0.0, 1.0 + _row_dot(ez, ez))
     if p.want_mean_logit:
         part["sz"] = z.sum(1)
     if zt is not None:
@@ -343,18 +352,11 @@ def _eager_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem
     subtraction over the tile: (mt, st) is a normaliser pair for any reference mt. Rows where that sum
     overflows (a teacher logit 88 above it) or the reference is -inf take the teacher's maximum."""
     rows, cols = z.shape
-    zero = torch.zeros(rows, device=z.device, dtype=z.dtype)
-    neg_inf = torch.full_like(zero, -math.inf)
-    m, first_max = z.max(dim=1, keepdim=True)  # the first maximum on ties, as argmax
-    m = m.squeeze(1)
-    zy = _gather_target(z, tgt, 0, cols) if tgt is not None else None
-    zc = z.sub_(_finite_or_zero(m)[:, None])
-    ez = torch.exp(zc, out=scratch("ez", rows, cols))
-    ez.scatter_(1, first_max, 0.0)  # the first maximum's e^0 = 1 is implicit (as in _tile_partials)
-    t = ez.sum(1)
-    s = torch.where(torch.isneginf(m), 0.0, 1.0 + t)
-    part = dict(m=m, s=s, t=t, e=zero, s2=zero, sz=zero, mt=neg_inf, st=zero, a=zero, b=zero,
-                zy=zero if zy is None else zy, mb=neg_inf, ztm=zero)
+    zy = _gather_target(z, tgt, 0, cols) if tgt is not None else None  # before z becomes z - m
+    part, first_max, zc, ez = _student_partials(z, z, scratch)
+    m, s = part["m"], part["s"]
+    if zy is not None:
+        part["zy"] = zy
     kl_ratio = None
     if zt is not None:
         ztm = zt.gather(1, first_max).squeeze(1)
@@ -387,8 +389,8 @@ def _dz_from_frame(p: StatsProblem, coeffs, norms: RowNorms, tgt, frame: ExpFram
     a = coeffs[COEF_ONEHOT]
     base = coeffs[COEF_CONST] - a  # off the target, a ([j=y] - q_j) is -a q_j
     inv_s = frame.inv_s
-    if tgt is not None:  # every column is in the tile: a target >= 0 is inside it
-        idx = tgt.clamp(min=0)[:, None]
+    if tgt is not None:  # every column is in the tile, and an eager chunk's rows all have a target >= 0
+        idx = tgt[:, None]
         logq_y = (frame.target_logit - norms.lse) - norms.lse_lo
         q_y = torch.exp(logq_y)
         inner_y = coeffs[COEF_CONST]
@@ -404,8 +406,7 @@ def _dz_from_frame(p: StatsProblem, coeffs, norms: RowNorms, tgt, frame: ExpFram
     else:  # a per-row constant: q (c0 - a)
         dz = frame.ez.mul_((base * inv_s)[:, None]).scatter_(1, frame.first_max, (base * inv_s)[:, None])
     if tgt is not None:
-        dz.scatter_(1, idx, torch.where(tgt >= 0, target_column(a, inner_y, q_y, logq_y),
-                                        dz.gather(1, idx).squeeze(1))[:, None])
+        dz.scatter_(1, idx, target_column(a, inner_y, q_y, logq_y)[:, None])
     return dz
 
 
