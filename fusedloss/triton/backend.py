@@ -1267,7 +1267,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
             part = _rows(p, r0, r1)
             store = (c_ws[:m], None if zt_ws is None else zt_ws[:m])
             if p.has_teacher:  # the teacher's raw logits, fp32 (float64) out of cuBLAS, beside the student's
-                th = _teacher_tensors(part, acc)[0]
+                th = part.teacher_hidden.to(teacher_weight.dtype)  # the weight converted once, above
                 _product(zt_ws[:m, :v], th, teacher_weight.T, accumulate=False)
             stats = _eager_statistics(part, cfg, elementwise, store)
             chunk_loss, coeffs = chunk_fn(Statistics(**stats), slice(r0, r1))
