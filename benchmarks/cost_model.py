@@ -70,7 +70,7 @@ def backend_plan_function(backend: str):
 # only scales the stored fp32 gradients by the incoming gradient and rounds them ("scale and round
 # gradients", "... round to the input dtype").
 _BACKWARD_FROM = re.compile(r"^(recompute|teacher recompute|backward\b)")
-_EAGER_BACKWARD = re.compile(r"\bround\b")
+_EAGER_BACKWARD = re.compile(r"\bround\b|\bin the backward$")
 
 
 def phases(plan: cost.Plan) -> list:

@@ -211,6 +211,7 @@ def _judge_gradients(checks, label, grads, truth, naive):
 def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
     import torch
 
+    from fusedloss.core.eager import formed
     from fusedloss.core.problem import GradientNeeds
     from fusedloss.cuda import backend as cuda
 
@@ -230,6 +231,7 @@ def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
         return (g_logp * st.logp + g_ent * st.entropy + g_klrev * st.kl_rev).sum(), c
 
     _, eager = cuda.eager_gradients(p, chunk_fn, needs)
+    eager = formed(eager)  # a deferred d weight formed at grad 1
     ctx.sync()
     checks = []
     for key, ref in truth.items():
@@ -255,6 +257,7 @@ def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
 def path_checks(ctx, results):
     import torch
 
+    from fusedloss.core.eager import formed
     from fusedloss.core.problem import GradientNeeds
     from fusedloss.cuda import backend as cuda
 
@@ -276,6 +279,7 @@ def path_checks(ctx, results):
             chunks = math.ceil(n / cuda.eager_rows(p))
             t0 = time.perf_counter()
             _, eager = cuda.eager_gradients(p, chunk_fn, needs)
+            eager = formed(eager)  # a deferred d weight formed at grad 1
             ctx.sync()
             info[label] = {"chunks": chunks, "seconds": time.perf_counter() - t0}
         _judge_gradients(checks, f"{label}[{chunks} chunks]", eager, grads64, grads_naive)
@@ -370,6 +374,7 @@ def confident_checks(ctx, results):
     """fp32 rows with lse ~ 30 and 1 - q_y from ~0.1 to ~1e-4: logp and d sum(logp) within 1e-5 of float64."""
     import torch
 
+    from fusedloss.core.eager import formed
     from fusedloss.core.problem import GradientNeeds, LogitTransform, StatsProblem
     from fusedloss.cuda import backend as cuda
 
@@ -394,6 +399,7 @@ def confident_checks(ctx, results):
             needs = GradientNeeds(True, True, True)
             back = cuda.backward_gradients(p, stats, coeffs, needs)
             _, eager = cuda.eager_gradients(p, lambda st, rows: (st.logp.sum(), coeffs[:, rows]), needs)
+            eager = formed(eager)  # a deferred d weight formed at grad 1
             tag = f"N{n}-gap{gap:g}"
             items = [("logp", stats.logp, logp64.detach())]
             for label, gs in (("backward", back), ("eager", eager)):

@@ -39,6 +39,7 @@ def tiles(device: str) -> int:
     import math
 
     from fusedloss.core import torch_backend
+    from fusedloss.core.eager import formed
     from fusedloss.core.problem import GradientNeeds, LogitTransform, StatsProblem
     from fusedloss.cuda import backend as cuda
 
@@ -70,6 +71,7 @@ def tiles(device: str) -> int:
                     stats = cuda.forward_statistics(p)
                     grads = cuda.backward_gradients(p, stats, coeffs, needs)
                     _, eager = cuda.eager_gradients(p, lambda st, rows: (st.lse.sum(), coeffs[:, rows]), needs)
+                    eager = formed(eager)  # a deferred d weight formed at grad 1
                 if device == "cuda":
                     torch.cuda.synchronize()
                 want = torch_backend.forward_statistics(p)

@@ -442,6 +442,118 @@ def test_eager(rows_per_chunk, teacher):
     check_grads(got, want)
 
 
+def _eager_with(p, coeffs, needs, **plan):
+    fn, calls = _chunk_fn_for(p, coeffs)
+    with cuda.override_plan(**plan):
+        shape = cuda._eager_chunk(p, needs)
+        loss, grads = cuda.eager_gradients(p, fn, needs)
+    return shape, calls, loss, grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("teacher", [False, True])
+def test_eager_grouped_rows_keep_their_dx_for_one_product_per_group(dtype, teacher):
+    """Groups of 5 rows in chunks of 2 (groups 5, 5, 3; chunks 2, 2, 1 each): every chunk's dx goes to its
+    place in the group's region, and d hidden, d weight and d bias take one product per group. Against float64,
+    and (bf16) against the ungrouped chunks of the same rows: the same dx, summed in another order."""
+    p = make_problem(13, 257, seed=11, teacher=teacher, bias=True, ignored=(3, 12), jsd_beta=0.6 if teacher else None,
+                     want_kl_rev=teacher, want_entropy=True, want_mean_logit=True, dtype=dtype)
+    coeffs = random_coeffs(p, seed=2)
+    needs = GradientNeeds(True, True, True)
+    shape, calls, loss, got = _eager_with(p, coeffs, needs, group_rows=5, eager_rows=2)
+    assert shape.group_rows == 5 and shape.rows == 2 and not shape.packed
+    assert [(r.start, r.stop) for r in calls] == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 9), (9, 10), (10, 12),
+                                                  (12, 13)]
+    fn64, _ = _chunk_fn_for(p, coeffs)
+    loss64, want = torch_backend.eager_gradients(as64(p), fn64, needs)
+    assert abs(float(loss) - float(loss64)) <= 2e-5 * max(1.0, abs(float(loss64)))
+    assert got[1].dtype == torch.float32  # three groups: d weight accumulated in fp32
+    if dtype == torch.float32:
+        check_grads(got, want)
+    else:
+        _, _, _, plain = _eager_with(p, coeffs, needs, eager_rows=2)
+        for a, b, ref in zip(got, plain, want):
+            assert rel(a, ref) <= 1.5 * rel(b, ref) + 1e-6
+            assert rel(a, b) <= 1e-5  # the same bf16 dx; fp32 sums in another order
+    assert bool((got[0][[3, 12]] == 0).all())  # ignored rows
+
+
+def test_eager_group_of_every_row_writes_d_weight_once():
+    """One group over all rows (chunks of 3): d weight is one product, in bf16 for a bf16 weight."""
+    p = make_problem(9, 131, seed=12, bias=True, ignored=(4,), want_entropy=True, dtype=torch.bfloat16)
+    coeffs = random_coeffs(p, seed=3)
+    needs = GradientNeeds(True, True, True)
+    shape, calls, _, got = _eager_with(p, coeffs, needs, group_rows=9, eager_rows=3)
+    assert len(calls) == 3 and shape.group_rows == 9
+    assert got[1].dtype == torch.bfloat16
+    fn64, _ = _chunk_fn_for(p, coeffs)
+    _, want = torch_backend.eager_gradients(as64(p), fn64, needs)
+    _, _, _, plain = _eager_with(p, coeffs, needs, eager_rows=9)  # one chunk: also written once in bf16
+    assert plain[1].dtype == torch.bfloat16
+    assert rel(got[1], want[1]) <= 1.5 * rel(plain[1], want[1]) + 1e-6
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_rows", [None, 3])
+def test_eager_deferred_d_weight_is_the_product_the_backward_forms(dtype, chunk_rows):
+    """The deferred d weight: the forward keeps dx (every row's, outside the workspace) and hidden; the
+    backward scales hidden by the incoming gradient, zeroes the rows outside the loss (NaN padding there) and
+    forms one product. At grad 0.7 against float64 times 0.7."""
+    from fusedloss.core.eager import deferred_gradient, formed
+    from fusedloss.core.problem import DeferredProduct
+
+    p = make_problem(8, 131, d=19, seed=13, teacher=True, bias=True, ignored=(2,), want_kl_rev=True,
+                     want_entropy=True, dtype=dtype)
+    h = p.hidden.clone()
+    h[2] = float("nan")  # the ignored row: padding
+    p = dataclasses.replace(p, hidden=h)
+    coeffs = random_coeffs(p, seed=5)
+    coeffs[:, 2] = 0
+    needs = GradientNeeds(True, True, True)
+    plan = {"defer_d_weight": 1, **({"eager_rows": chunk_rows} if chunk_rows else {})}
+    shape, calls, _, got = _eager_with(p, coeffs, needs, **plan)
+    assert shape.deferred and len(calls) == (3 if chunk_rows else 1)
+    dw = got[1]
+    assert isinstance(dw, DeferredProduct) and dw.lhs.shape == (8, 131) and dw.rhs is p.hidden
+    assert dw.rows.tolist() == [True, True, False] + [True] * 5
+    p64 = as64(dataclasses.replace(p, hidden=torch.where(dw.rows[:, None], p.hidden, 0)))
+    fn64, _ = _chunk_fn_for(p, coeffs)
+    _, want = torch_backend.eager_gradients(p64, fn64, needs)
+    scaled = deferred_gradient(*dw, torch.tensor(0.7))
+    assert scaled.dtype == dtype and torch.isfinite(scaled).all()
+    tol = 2e-5 if dtype == torch.float32 else 1e-2
+    assert rel(scaled, 0.7 * want[1]) <= tol
+    assert rel(formed(got)[1], want[1]) <= tol
+    assert rel(got[0][[0, 1, 3, 4, 5, 6, 7]], want[0][[0, 1, 3, 4, 5, 6, 7]]) <= tol
+
+
+def test_deferred_d_weight_through_autograd(monkeypatch):
+    """The public API on the host path with the deferred d weight forced: a backward with a non-unit incoming
+    gradient scales d hidden and d weight as the torch backend's autograd does; a second backward raises, as
+    for any graph that was not retained."""
+    import fusedloss
+    from fusedloss.core import backends
+
+    original = backends.resolve
+    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    g = torch.Generator().manual_seed(6)
+    h, w = torch.randn(6, 16, generator=g), torch.randn(53, 16, generator=g) / 4
+    y = torch.tensor([3, -100, 7, 5, 52, 0])
+    grads = {}
+    for backend in ("cuda", "torch"):
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        with cuda.override_plan(defer_d_weight=1):
+            loss = fusedloss.cross_entropy(hh, ww, y, backend=backend)
+            (loss * 0.7).backward()
+        grads[backend] = (hh.grad, ww.grad)
+        if backend == "cuda":
+            with pytest.raises(RuntimeError, match="second time"):
+                (loss * 0.7).backward()
+    for a, b in zip(grads["cuda"], grads["torch"]):
+        assert rel(a, b) <= 2e-5
+
+
 # ------------------------------------------------------------------------------------------------
 # Half-precision tiles and dx outputs (the kernels' bf16/fp16 load and store paths)
 # ------------------------------------------------------------------------------------------------

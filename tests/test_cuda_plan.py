@@ -73,18 +73,47 @@ def test_row_local_loss_at_the_h200_shape_takes_big_eager_chunks(op):
     p = cuda.plan(workload(op), H200, 70 * 10**9)
     assert p.path == "eager" and p.products == 3
     assert p.params["workspace_bytes"] == 4 * GIB
-    # 4 GiB / (151936 x 4 B fp32 logits, the bf16 dx packed over them) = 7067 rows: three chunks of 5462
-    assert p.params["eager_rows"] == 5462 and p.params["chunks"] == 3
-    assert p.params["dx_packed"] and p.params["dx"] == "bf16 packed over the fp32 logits tile"
+    # grouped: 4 GiB / 151936 columns = 28268 B a column; two groups of 8192 rows keep their bf16 dx (16384 B),
+    # which leaves (28268 - 16384) / 4 B of fp32 logits = 2971 rows a chunk, cut at 23 x 128 = 2944:
+    # 2944 + 2944 + 2304 per group
+    assert p.params["groups"] == 2 and p.params["group_rows"] == 8192
+    assert p.params["eager_rows"] == 2944 and p.params["chunks"] == 6
+    assert not p.params["dx_packed"] and p.params["dx"].startswith("bf16 region of 8192 rows")
     assert p.params["accumulate"].startswith("inside the GEMM")
     assert p.params["d_weight"] == "fp32 accumulator [V, D]"
     assert p.params["alternative"]["path"] == "composable"
+    # the ungrouped shape it beat: 7067 rows a chunk with dx packed, cut at 55 x 128 = 7040: 3 chunks, so 5
+    # passes of the fp32 accumulator instead of 3
+    with cuda.override_plan(eager_rows=7067):
+        ungrouped = cuda.plan(workload(op), H200, 70 * 10**9)
+    assert ungrouped.params["eager_rows"] == 7040 and ungrouped.params["chunks"] == 3
+    assert ungrouped.params["groups"] == 3 and ungrouped.params["dx_packed"]
+    t = cost.evaluate(p, workload(op), H200)
+    assert t.model_ms < cost.evaluate(ungrouped, workload(op), H200).model_ms
+    d_weight = t.pass_detail["d weight"]["rates"]["epilogue_bytes"]
+    assert d_weight == 151936 * 4096 * 4 * 3  # written once, then read and written once
 
 
-def test_one_chunk_writes_d_weight_in_its_own_dtype():
+def test_one_chunk_defers_d_weight_to_the_backward():
     p = cuda.plan(workload(n=4096, v=128256), H200, 70 * 10**9)
-    assert p.path == "eager" and p.params["chunks"] == 1
-    assert p.params["d_weight"] == "written once in the weight's dtype"
+    assert p.path == "eager" and p.params["chunks"] == 1 and p.params["groups"] == 1
+    assert p.params["d_weight"].startswith("deferred to the backward")
+    assert p.params["dx"] == "bf16 [N, V] kept for the backward, outside the workspace"
+    # N > D: the dx kept would be larger than the d weight it replaces; written once in its own dtype instead
+    p = cuda.plan(workload(n=4097, v=128256), H200, 70 * 10**9)
+    assert p.params["chunks"] == 1 and p.params["d_weight"] == "written once in the weight's dtype"
+
+
+def test_eager_chunks_are_cut_at_multiples_of_128_rows():
+    assert cuda._chunked(16384, 3533) == (3456, 5)  # 4 x 3456 + 2560: 128 output tiles of 128 rows
+    assert cuda._chunked(16384, 20000) == (16384, 1)
+    assert cuda._chunked(50, 16) == (13, 4)  # below 128 rows: near-equal parts
+    shape = cuda._Shape(1408, 0, 7, 1, 64, False, 8192)
+    layout = cuda._eager_layout(16384, shape)
+    assert [(g0, g1) for g0, g1, _ in layout] == [(0, 8192), (8192, 16384)]
+    chunks = [c for _, _, cs in layout for c in cs]
+    assert chunks[:6] == [(0, 1408), (1408, 2816), (2816, 4224), (4224, 5632), (5632, 7040), (7040, 8192)]
+    assert sum(r1 - r0 for r0, r1 in chunks) == 16384 and len(chunks) == 12
 
 
 def test_composable_tile_takes_every_row_when_the_workspace_allows():
@@ -159,7 +188,7 @@ def test_plan_is_deterministic_and_a_copy():
     a.params["eager_rows"] = -1
     a.passes.clear()
     b = cuda.plan(workload(), H200, 70 * 10**9)
-    assert b.params["eager_rows"] == 5462 and b.passes
+    assert b.params["eager_rows"] == 2944 and b.passes
 
 
 def test_plan_refuses_what_it_cannot_run():
@@ -179,11 +208,18 @@ def test_the_forward_and_backward_tile_is_the_same_whatever_the_gradients():
 
 
 def _rows_for(w, budget, bytes_per_logit):
-    """The eager chunk rows a workspace of ``budget`` holds at ``bytes_per_logit``: balanced over N."""
+    """The eager chunk rows a workspace of ``budget`` holds at ``bytes_per_logit``, cut at a multiple of 128
+    rows, and the chunks of N they make."""
     ld = -(-w.v // cuda.ALIGN) * cuda.ALIGN
     most = budget // (ld * bytes_per_logit)
-    chunks = -(-w.n // most)
-    return -(-w.n // chunks), chunks
+    if most >= w.n:
+        return w.n, 1
+    rows = most // 128 * 128
+    return rows, -(-w.n // rows)
+
+
+# a cap on the chunk's rows that does not bind: the ungrouped shape, d weight accumulated per chunk
+UNGROUPED = {"eager_rows": 10**9}
 
 
 @pytest.mark.parametrize("op,dtype,packed_bytes,copy_bytes", [
@@ -193,19 +229,20 @@ def test_packed_dx_grows_the_eager_chunks_as_modelled(op, dtype, packed_bytes, c
     """bf16: the dx packed over the fp32 tile leaves 4 bytes per logit (8 with the teacher's tile), so a 4 GiB
     workspace holds 7067 rows of V = 151936 instead of 4711 (3533 instead of 2826 with a teacher): fewer chunks,
     fewer beta = 1 accumulations of d weight, a lower modelled time. fp16's eager dx is pre-scaled into a copy by
-    torch ops, and fp32's is in place: both as before."""
+    torch ops, and fp32's is in place: both as before. (The ungrouped shapes: ``UNGROUPED``.)"""
     w = workload(op, dtype=dtype)
-    p = cuda.plan(w, H200, workspace=4 * GIB, path="eager")
+    with cuda.override_plan(**UNGROUPED):
+        p = cuda.plan(w, H200, workspace=4 * GIB, path="eager")
     rows, chunks = _rows_for(w, 4 * GIB, packed_bytes or copy_bytes)
     assert (p.params["eager_rows"], p.params["chunks"], p.params["dx_packed"]) == (rows, chunks, bool(packed_bytes))
-    shape = cuda._eager_shape(w, 4 * GIB, {})
+    shape = cuda._eager_shape(w, 4 * GIB, UNGROUPED, H200, True)
     assert shape.rows * shape.ld * cuda._bytes_per_element(w, shape.packed) <= 4 * GIB
     dx_pass = next(ps for ps in p.passes if ps.name == "dx")
     kernel = cuda.kernel_name("dx", w, "float" if dtype == "float16" else None, shape.packed)
     assert kernel.startswith("dx_packed_kernel" if packed_bytes else "dx_kernel")
     assert dx_pass.instructions == pytest.approx(w.n * w.v * cuda.sass_counts.KERNELS[kernel]["per_column"] / 32)
     if packed_bytes:
-        with cuda.override_plan(packed_min_rows=10**9):  # the copy: fewer rows, more chunks, slower
+        with cuda.override_plan(packed_min_rows=10**9, **UNGROUPED):  # the copy: fewer rows, more chunks, slower
             unpacked = cuda.plan(w, H200, workspace=4 * GIB, path="eager")
         assert (unpacked.params["eager_rows"], unpacked.params["chunks"]) == _rows_for(w, 4 * GIB, copy_bytes)
         assert unpacked.params["chunks"] > chunks and not unpacked.params["dx_packed"]
@@ -215,19 +252,22 @@ def test_packed_dx_grows_the_eager_chunks_as_modelled(op, dtype, packed_bytes, c
 def test_few_row_tiles_keep_the_dx_copy():
     """One block per row would underfill the GPU below PACKED_MIN_ROWS rows: such tiles keep the separate copy
     (and the (rows, column blocks) grid), whether N is small or V so large that few packed rows fit."""
-    small = cuda.plan(workload(n=1024, v=128256), H200, workspace=4 * GIB, path="eager")
+    with cuda.override_plan(**UNGROUPED):
+        small = cuda.plan(workload(n=1024, v=128256), H200, workspace=4 * GIB, path="eager")
     assert small.params["eager_rows"] == 1024 and not small.params["dx_packed"]
     assert small.params["dx"] == "bf16 copy"
     assert not cuda._composable_shape(workload("token_logprobs", n=1024), 4 * GIB, {}).packed
     huge_v = workload(n=16384, v=2**21)
-    shape = cuda._eager_shape(huge_v, 4 * GIB, {})  # 512 packed rows would fit: below the rule
+    shape = cuda._eager_shape(huge_v, 4 * GIB, UNGROUPED, H200, True)  # 512 packed rows would fit: below the rule
     assert not shape.packed and shape.rows == _rows_for(huge_v, 4 * GIB, 6)[0]
     at_rule = workload(n=cuda.PACKED_MIN_ROWS, v=128256)
-    assert cuda._eager_shape(at_rule, 4 * GIB, {}).packed
-    assert not cuda._eager_shape(workload(n=cuda.PACKED_MIN_ROWS - 1, v=128256), 4 * GIB, {}).packed
+    assert cuda._eager_shape(at_rule, 4 * GIB, UNGROUPED, H200, True).packed
+    assert not cuda._eager_shape(workload(n=cuda.PACKED_MIN_ROWS - 1, v=128256), 4 * GIB, UNGROUPED, H200,
+                                 True).packed
     # fp16: the composable tile packs (dx written straight from the kernel), the eager chunk does not
     w16 = workload(n=4096, v=128256, dtype="float16")
-    assert cuda._composable_shape(w16, 4 * GIB, {}).packed and not cuda._eager_shape(w16, 4 * GIB, {}).packed
+    assert cuda._composable_shape(w16, 4 * GIB, {}).packed and not cuda._eager_shape(w16, 4 * GIB, {}, H200,
+                                                                                     True).packed
 
 
 def test_odd_vocabulary_gets_a_padded_leading_dimension():

@@ -335,6 +335,22 @@ def assumed_rates(p: Pass, gpu: GPUSpec) -> dict:
     return rates
 
 
+_SUMMED_RATES = ("epilogue_bytes", "launches", "warp_instructions", "mufu_instructions")
+
+
+def _merge_rates(entry: dict, rates: dict, flops: float) -> None:
+    """Fold another pass of the same name into ``entry``: its totals summed, its rates weighted by flops."""
+    into = entry["rates"]
+    for key in _SUMMED_RATES:
+        if key in rates:
+            into[key] = round(into.get(key, 0.0) + rates[key], 2)
+    total = entry["_flops"] + flops
+    if total and "tflops" in rates:
+        for key in ("tflops", "efficiency"):
+            into[key] = round((into[key] * entry["_flops"] + rates[key] * flops) / total, 4)
+    entry["_flops"] = total
+
+
 def bound_ms(w: Workload, gpu: GPUSpec) -> float:
     student, teacher = product_bound(w)
     math = w.dtype
@@ -349,18 +365,23 @@ def evaluate(plan: Plan, w: Workload, gpu: GPUSpec) -> Estimate:
     for p in plan.passes:
         ms = _pass_ms(p, gpu)
         per_pass[p.name] = per_pass.get(p.name, 0.0) + ms
-        if p.name in detail:
-            detail[p.name]["ms"] += ms
-            detail[p.name]["count"] += p.count
+        if p.name in detail:  # the same pass at another shape (e.g. the last, shorter chunk): one entry
+            entry = detail[p.name]
+            entry["ms"] += ms
+            entry["count"] += p.count
+            _merge_rates(entry, assumed_rates(p, gpu), p.flops * p.count)
         else:
             b = pass_breakdown(p, gpu)
-            detail[p.name] = {"ms": ms, "count": p.count, "bound_by": b["bound_by"], "rates": assumed_rates(p, gpu)}
+            detail[p.name] = {"ms": ms, "count": p.count, "bound_by": b["bound_by"], "rates": assumed_rates(p, gpu),
+                              "_flops": p.flops * p.count}
         if p.overlaps_previous:
             total += max(0.0, ms - prev)
             prev = max(ms, prev)
         else:
             total += ms
             prev = ms
+    for entry in detail.values():
+        del entry["_flops"]
     b = bound_ms(w, gpu)
     return Estimate(flops=sum(p.flops * p.count for p in plan.passes),
                     hbm_bytes=sum(p.hbm_bytes * p.count for p in plan.passes),

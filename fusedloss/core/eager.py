@@ -24,7 +24,7 @@ import torch
 
 from .. import config
 from . import backends
-from .problem import GradientNeeds, Statistics, StatsProblem
+from .problem import DeferredProduct, GradientNeeds, Statistics, StatsProblem
 from .statistics import SECOND_ORDER_MESSAGE, autocast_off, dz_coefficients
 
 RowLoss = Callable[[Statistics, "slice | torch.Tensor"], torch.Tensor]
@@ -57,8 +57,11 @@ class _EagerLoss(torch.autograd.Function):
             loss, grads = backends.get(backend_name).eager_gradients(problem, _chunk_function(row_loss, problem),
                                                                       needs)
         # Saved (not kept on ctx) so that autograd frees them after the backward, and a second backward
-        # without retain_graph=True raises as it does for any PyTorch graph.
-        ctx.save_for_backward(*grads)
+        # without retain_graph=True raises as it does for any PyTorch graph. A deferred d weight saves its
+        # two operands and its row mask in its place.
+        dh, dw, db = grads
+        ctx.deferred = dw.product if isinstance(dw, DeferredProduct) else None
+        ctx.save_for_backward(dh, db, *((dw.lhs, dw.rhs, dw.rows) if ctx.deferred else (dw,)))
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
         return loss.to(problem.acc_dtype)
 
@@ -68,8 +71,14 @@ class _EagerLoss(torch.autograd.Function):
             # create_graph=True: the stored gradients are constants here, so a gradient of them would be
             # silently wrong. (The composable op raises when its gradient is differentiated.)
             raise RuntimeError(SECOND_ORDER_MESSAGE)
-        dh, dw, db = (None if g is None else scaled_gradient(g, grad_loss, dtype)
-                      for g, dtype in zip(ctx.saved_tensors, ctx.dtypes))
+        dh, db, *dw = ctx.saved_tensors
+        dh_dtype, dw_dtype, db_dtype = ctx.dtypes
+        if ctx.deferred:
+            dw = deferred_gradient(*dw, ctx.deferred, grad_loss)
+        else:
+            dw = None if dw[0] is None else scaled_gradient(dw[0], grad_loss, dw_dtype)
+        dh = None if dh is None else scaled_gradient(dh, grad_loss, dh_dtype)
+        db = None if db is None else scaled_gradient(db, grad_loss, db_dtype)
         return dh, dw, db, None, None, None, None
 
 
@@ -83,6 +92,22 @@ def scaled_gradient(g: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype
     wide = torch.float64 if g.dtype == torch.float64 else torch.float32
     scale = grad_loss.to(device=g.device, dtype=wide).expand(g.shape)
     return torch.mul(g, scale, out=torch.empty(g.shape, dtype=dtype, device=g.device))
+
+
+def deferred_gradient(lhs: torch.Tensor, rhs: torch.Tensor, rows: torch.Tensor, product, grad_loss: torch.Tensor
+                      ) -> torch.Tensor:
+    """A ``DeferredProduct``'s gradient: ``lhs.T @ (rhs * grad_loss)`` with ``rhs``'s rows outside ``rows``
+    zeroed, the scaled ``rhs`` rounded once to its dtype and the product written once in it."""
+    scaled = scaled_gradient(rhs, grad_loss, rhs.dtype)
+    scaled = torch.where(rows[:, None], scaled, torch.zeros((), dtype=scaled.dtype, device=scaled.device))
+    return product(lhs.T, scaled)
+
+
+def formed(grads: tuple) -> tuple:
+    """A backend's ``eager_gradients`` gradients with a ``DeferredProduct`` formed at an incoming gradient of
+    1 (what the backward computes for ``loss.backward()``): for callers that check the gradients themselves."""
+    return tuple(deferred_gradient(g.lhs, g.rhs, g.rows, g.product, torch.ones((), device=g.rhs.device))
+                 if isinstance(g, DeferredProduct) else g for g in grads)
 
 
 def supports_eager(backend_name: str) -> bool:

@@ -83,7 +83,7 @@ Ignored rows (negative target) have all-zero coefficients, and a backend may ski
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -173,3 +173,15 @@ class GradientNeeds(NamedTuple):
     hidden: bool
     weight: bool
     bias: bool
+
+
+class DeferredProduct(NamedTuple):
+    """A gradient an eager forward leaves as the product ``lhs.T @ rhs`` for the backward (docs/design.md,
+    "Deferred d weight"): the backward scales ``rhs`` by the incoming gradient (in fp32, rounded once to
+    ``rhs``'s dtype), zeroes its rows outside ``rows`` (NaN padding must stay out, as 0 * NaN is not 0) and
+    forms the product once in ``rhs``'s dtype with ``product(lhs.T, scaled)``. The eager path's d weight when
+    keeping dx ([N, V]) costs no more memory than keeping d weight ([V, D]) would."""
+    lhs: torch.Tensor  # dx [N, V]
+    rhs: torch.Tensor  # hidden [N, D]
+    rows: torch.Tensor  # [N] bool: the rows inside the loss
+    product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -57,6 +57,7 @@ Float64 problems are delegated to the torch backend (the tile kernels compute in
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -70,7 +71,7 @@ import torch
 from .. import config
 from ..core import backends, cost, torch_backend
 from ..core import problem as coef  # coef.COEF_*: the dz formula's coefficient rows (docs/design.md)
-from ..core.problem import NUM_COEFFS, GradientNeeds, Statistics, StatsProblem
+from ..core.problem import NUM_COEFFS, DeferredProduct, GradientNeeds, Statistics, StatsProblem
 from . import sass_counts
 
 _NUM_OUTPUTS = len(Statistics._fields)
@@ -229,6 +230,10 @@ WORKSPACE_MAX_BYTES = 4 * 2**30
 WORKSPACE_FRACTION = 8  # of the memory free for torch when the backend first runs on a device
 ALIGN = 64  # elements: leading dimensions and vocabulary tile widths (256 B of fp32, 128 B of bf16)
 MIN_TILE_COLS = 4096  # below this many columns per row, square tiles instead of all rows
+# Eager chunks of more rows than one are cut at multiples of the 128-row output tiles of cuBLAS's products
+# (``_chunked``): 16384 rows in 4 x 3456 + 2560 fill 128 tiles, where 5 near-equal parts of 3277 would
+# start 130, the last of each part mostly empty.
+ROW_ALIGN = 128
 # Packed dx (docs/design.md, "The logits workspace"): a bf16/fp16 dx written over the fp32 tile it is computed
 # from, by one block of 256 threads per row, frees the 2 bytes per logit of a separate copy. Taken when a tile
 # (or eager chunk) still has this many rows with it: two waves of 256-thread blocks (8 per SM) on the GPUs the
@@ -252,14 +257,17 @@ def small_launches(op: str) -> tuple[int, int]:
 
 
 _OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("fusedloss_cuda_plan_overrides", default=())
-_OVERRIDE_KEYS = ("tile_rows", "tile_cols", "eager_rows", "workspace_mb", "packed_min_rows")
+_OVERRIDE_KEYS = ("tile_rows", "tile_cols", "eager_rows", "workspace_mb", "packed_min_rows", "group_rows",
+                  "defer_d_weight")
 
 
 @contextlib.contextmanager
 def override_plan(**fields):
     """Cap parts of the plan inside a ``with`` block (this context only): ``tile_rows`` / ``tile_cols``
     (the composable tile), ``eager_rows`` (rows per eager chunk), ``workspace_mb``, ``packed_min_rows`` (the
-    fewest rows of a tile that packs dx, ``PACKED_MIN_ROWS``). Tests use tiny tiles so
+    fewest rows of a tile that packs dx, ``PACKED_MIN_ROWS``), ``group_rows`` (eager rows whose dx is kept
+    together for their products, ``_grouped_shapes``: forces the grouped shape), ``defer_d_weight`` (forces
+    the deferred d weight, ``_deferred_shape``). Tests use tiny tiles so
     that tiny shapes cross tile borders; keep forward and backward inside one block, since a backward must
     recompute the tiles its forward used."""
     unknown = set(fields) - set(_OVERRIDE_KEYS)
@@ -320,6 +328,16 @@ def _balanced(total: int, most: int) -> tuple[int, int]:
     return -(-total // count), count
 
 
+def _chunked(total: int, most: int) -> tuple[int, int]:
+    """(size, count): ``total`` rows in eager chunks of at most ``most``: one chunk where it fits; else chunks of
+    a multiple of ``ROW_ALIGN`` rows, the last one shorter; below ``ROW_ALIGN`` (tiny caps) near-equal parts."""
+    most = max(1, min(total, most))
+    if most == total or most < ROW_ALIGN:
+        return _balanced(total, most)
+    size = most // ROW_ALIGN * ROW_ALIGN
+    return size, -(-total // size)
+
+
 class _Shape(NamedTuple):
     """The tile (composable) or chunk (eager) shape of a plan."""
 
@@ -329,6 +347,24 @@ class _Shape(NamedTuple):
     vocab_tiles: int
     ld: int  # leading dimension of the fp32 tiles (and of the dx copy), padded to ALIGN
     packed: bool = False  # a bf16/fp16 dx packed over the fp32 student tile (no copy in the workspace)
+    # eager only: rows whose dx is kept together in one region of the workspace before their d hidden and
+    # d weight products, several chunks at a time (0: each chunk's own dx, products per chunk)
+    group_rows: int = 0
+    # eager only: d weight deferred to the backward (``core.eager.DeferredProduct``): dx of every row kept
+    # outside the workspace until then, one product in the weight's dtype with hidden scaled by the gradient
+    deferred: bool = False
+
+
+def _eager_layout(n: int, s: _Shape) -> list:
+    """The eager plan's row groups and their chunks, ``[(g0, g1, [(r0, r1), ...]), ...]``: groups of
+    ``s.group_rows`` rows (one chunk each when the shape has no groups), chunks of ``s.rows`` rows inside each
+    group, the last of each shorter. The model prices exactly these products, and eager_gradients runs them."""
+    group = s.group_rows or s.rows
+    layout = []
+    for g0 in range(0, n, group):
+        g1 = min(n, g0 + group)
+        layout.append((g0, g1, [(r0, min(g1, r0 + s.rows)) for r0 in range(g0, g1, s.rows)]))
+    return layout
 
 
 def _bytes_per_element(w: cost.Workload, packed: bool) -> int:
@@ -374,19 +410,87 @@ def _composable_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool
     return _Shape(rows, row_chunks, cols, vocab_tiles, _round_up(cols, ALIGN), packed)
 
 
-def _eager_shape(w: cost.Workload, budget: int, caps: dict) -> _Shape:
-    """Chunks of whole rows (all V columns), as many rows as the workspace holds, split evenly. Packs a bf16 dx
-    where the chunk has the rows; never fp16's, which is formed in fp32 in place and pre-scaled into a copy by
-    torch ops (``_scaled_half_dx``: torch ops over overlapping memory are undefined)."""
-    return _with_packing(w, budget, caps, _eager_shape_as, w.dtype == "bfloat16")
+def _eager_shape(w: cost.Workload, budget: int, caps: dict, gpu: cost.GPUSpec, accumulate: bool) -> _Shape:
+    """Chunks of whole rows (all V columns), as many rows as the workspace holds (``_chunked``). Packs a bf16
+    dx where the chunk has the rows; never fp16's, which is formed in fp32 in place and pre-scaled into a copy
+    by torch ops (``_scaled_half_dx``: torch ops over overlapping memory are undefined). A bf16 problem with a
+    weight gradient over several chunks may instead group its rows (``_grouped_shapes``): the model takes
+    whichever of these candidates it prices fastest (docs/design.md, "Grouped d weight")."""
+    return _eager_shape_cached(w, budget, tuple(sorted(caps.items())), gpu.name, accumulate)
+
+
+@functools.lru_cache(maxsize=256)
+def _eager_shape_cached(w: cost.Workload, budget: int, caps_items: tuple, gpu_name: str, accumulate: bool) -> _Shape:
+    caps = dict(caps_items)
+    gpu = next(g for g in cost.GPUS.values() if g.name == gpu_name)
+    base = _with_packing(w, budget, caps, _eager_shape_as, w.dtype == "bfloat16")
+    deferred = _deferred_shape(w, budget, caps, base)
+    if "defer_d_weight" in caps and deferred is not None:
+        return deferred
+    grouped = list(_grouped_shapes(w, budget, caps, base))
+    if "group_rows" in caps and grouped:
+        return grouped[0]
+    if "eager_rows" in caps:  # a cap on the chunk's rows (tests, device checks): the chunks it asks for
+        return base
+    if deferred is not None:
+        grouped.append(deferred)
+
+    def modelled_ms(s: _Shape) -> float:
+        return cost.evaluate(cost.Plan("cuda", "eager", 3.0, _eager_passes(w, gpu, s, accumulate)), w, gpu).model_ms
+
+    return min([base] + grouped, key=modelled_ms)  # ties keep the ungrouped shape
 
 
 def _eager_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool) -> _Shape:
     ld = _round_up(w.v, ALIGN)
     rows_max = max(1, budget // (ld * _bytes_per_element(w, packed)))
     rows_max = min(rows_max, caps.get("eager_rows", rows_max))
-    rows, chunks = _balanced(w.n, rows_max)
+    rows, chunks = _chunked(w.n, rows_max)
     return _Shape(rows, chunks, w.v, 1, ld, packed)
+
+
+def _deferred_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape) -> Optional[_Shape]:
+    """The eager shape that defers d weight to the backward (docs/design.md, "Deferred d weight"): a bf16
+    weight gradient over at most D rows. The forward keeps dx ([N, V] bf16, outside the workspace) instead of
+    d weight ([V, D]): no more memory from the forward to the backward, since N <= D. The backward scales
+    hidden by the incoming gradient and writes d weight once, instead of reading, scaling and writing the
+    d weight the forward wrote. The workspace holds the fp32 tiles only. ``override_plan(defer_d_weight=1)``
+    forces it (tests; also fp32, whose kept dx is fp32)."""
+    forced = "defer_d_weight" in caps
+    if w.dtype == "float16" or not w.weight_grad or not (forced or (w.dtype == "bfloat16" and w.n <= w.d)):
+        return None
+    live = 4 + (4 if w.has_teacher else 0)
+    rows_max = min(max(1, budget // (base.ld * live)), caps.get("eager_rows", w.n))
+    rows = _chunked(w.n, rows_max)[0]
+    shape = _Shape(rows, 0, w.v, 1, base.ld, False, w.n, True)
+    return shape._replace(row_chunks=sum(len(cs) for _, _, cs in _eager_layout(w.n, shape)))
+
+
+def _grouped_shapes(w: cost.Workload, budget: int, caps: dict, base: _Shape):
+    """Eager shapes whose dx of ``group_rows`` rows (bf16, 2 bytes a logit) stays in a region of the workspace
+    beside the chunk's fp32 tiles, so that d weight takes one product per group (K = group rows) instead of
+    one beta = 1 accumulation of the fp32 [V, D] accumulator per chunk (8 bytes per entry each), and d hidden
+    one per group. Smaller chunks pay for it (more small launches, shorter products): one candidate per
+    number of groups below the ungrouped chunk count, each with the largest chunks that still fit.
+    ``override_plan(group_rows=)`` forces one (tests; bf16 or fp32, whose region holds fp32 dx)."""
+    forced = caps.get("group_rows")
+    if forced is None and (w.dtype != "bfloat16" or not w.weight_grad or base.row_chunks < 2):
+        return
+    if forced is not None and w.dtype == "float16":
+        return
+    region = 4 if w.dtype == "float32" else 2
+    live = 4 + (4 if w.has_teacher else 0)
+    per_column = budget // base.ld
+    sizes = [int(forced)] if forced is not None else [_round_up(-(-w.n // g), ROW_ALIGN)
+                                                      for g in range(1, base.row_chunks)]
+    for group in sizes:
+        group = min(group, w.n)
+        rows_max = min((per_column - region * group) // live, caps.get("eager_rows", group), group)
+        if rows_max < 1:
+            continue
+        rows = _chunked(group, rows_max)[0]
+        shape = _Shape(rows, 0, w.v, 1, base.ld, False, group)
+        yield shape._replace(row_chunks=sum(len(cs) for _, _, cs in _eager_layout(w.n, shape)))
 
 
 def _gemm(name, m, n, k, count, w, gpu, hbm_bytes, launches, epilogue_bytes) -> cost.Pass:
@@ -497,18 +601,28 @@ def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulat
 def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
     n, v, d, b = w.n, w.v, w.d, w.operand_bytes
     dt = w.teacher_d or d
-    c = s.row_chunks
+    layout = _eager_layout(n, s)
+    chunk_rows = collections.Counter(r1 - r0 for _, _, chunks in layout for r0, r1 in chunks)
+    group_rows = collections.Counter(g1 - g0 for g0, g1, _ in layout)
+    c, groups = sum(chunk_rows.values()), len(layout)
     nv = float(n) * v
     teacher = w.has_teacher
     fp16 = w.dtype == "float16"
     dx_bytes = 4 if w.dtype == "float32" else b
+    accumulated = groups > 1 or fp16  # d weight in an fp32 accumulator, not written once in its own dtype
+
+    def per_size(sizes, make):
+        """One pass per distinct chunk or group size (each product priced at its own shape)."""
+        return [make(m, k) for m, k in sorted(sizes.items())]
 
     def logits(name, dim):
-        return _gemm(name, s.rows, v, dim, c, w, gpu, n * dim * b + v * dim * b * c + nv * 4, c, nv * 4)
+        return per_size(chunk_rows, lambda m, k: _gemm(name, m, v, dim, k, w, gpu,
+                                                      m * k * dim * b + v * dim * b * k + m * k * v * 4, k,
+                                                      m * k * v * 4))
 
-    passes = [logits("logits", d)]
+    passes = logits("logits", d)
     if teacher:
-        passes.append(logits("teacher logits", dt))
+        passes += logits("teacher logits", dt)
     passes.append(_kernel("fold", "fold", w, nv, 8 if teacher else 4, c))
     if w.op == "distill_jsd":
         passes.append(_kernel("jsd", "jsd", w, nv, 8, c))
@@ -519,22 +633,37 @@ def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bo
         passes.append(_sweep("dx pre-scale", nv, 4 + 4 + 2, 2, 3 * c))
     else:
         passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + dx_bytes, c, packed=s.packed))
-    if w.hidden_grad:
-        passes.append(_gemm("d hidden", s.rows, d, v, c, w, gpu, nv * dx_bytes + v * d * b * c + n * d * 4, c,
-                            n * d * 4))
-    if w.weight_grad:
-        acc = v * d * 4 * (1 + 2 * (c - 1)) if c > 1 or fp16 else v * d * b
-        passes.append(_gemm("d weight", v, d, s.rows, c, w, gpu, nv * dx_bytes + n * d * b + acc, c, acc))
-        if c > 1 and not accumulate:  # a product block, then a separate add kernel
-            passes.append(_sweep("d weight add", v * d * (c - 1), 12, 1, c - 1))
-        passes.append(_sweep("hidden mask", n * d, 2 * b, 1, c))
-        if fp16 and c > 1:  # the accumulator follows each chunk's power-of-two scale
-            passes.append(_sweep("d weight rescale", v * d * (c - 1), 8, 1, c - 1))
+    if w.hidden_grad:  # one product per group (per chunk without groups), written in fp32
+        passes += per_size(group_rows, lambda m, k: _gemm("d hidden", m, d, v, k, w, gpu,
+                                                          m * k * v * dx_bytes + v * d * b * k + m * k * d * 4, k,
+                                                          m * k * d * 4))
+    if w.weight_grad and s.deferred:
+        # the backward: hidden scaled by the incoming gradient and masked (read, write; read, write), then one
+        # product written in the weight's dtype
+        passes.append(_sweep("scale hidden in the backward", n * d, 4 * b, 1, 3))
+        passes.append(_gemm("d weight in the backward", v, d, n, 1, w, gpu, nv * dx_bytes + n * d * b + v * d * b,
+                            1, v * d * b))
+    elif w.weight_grad:
+        # the first group's product writes the fp32 accumulator, each later one reads and writes it (beta = 1);
+        # one group writes d weight once in its own dtype
+        first = layout[0][1] - layout[0][0]
+
+        def d_weight(m, k):
+            acc = (v * d * 4 * (2 * k - (m == first)) if accumulated else v * d * b * k)
+            return _gemm("d weight", v, d, m, k, w, gpu, m * k * v * dx_bytes + m * k * d * b + acc, k, acc)
+
+        passes += per_size(group_rows, d_weight)
+        if groups > 1 and not accumulate:  # a product block, then a separate add kernel
+            passes.append(_sweep("d weight add", v * d * (groups - 1), 12, 1, groups - 1))
+    if w.weight_grad and not s.deferred:
+        passes.append(_sweep("hidden mask", n * d, 2 * b, 1, groups))
+        if fp16 and groups > 1:  # the accumulator follows each chunk's power-of-two scale
+            passes.append(_sweep("d weight rescale", v * d * (groups - 1), 8, 1, groups - 1))
     # core/eager.py's backward (scaled_gradient): one kernel per gradient reads it once and writes the scaled
     # result once in the parameter's dtype
     scale_bytes = 0
-    if w.weight_grad:
-        scale_bytes += v * d * (2 * b if not (c > 1 or fp16 or w.dtype == "float32") else 4 + b)
+    if w.weight_grad and not s.deferred:
+        scale_bytes += v * d * (2 * b if not (accumulated or w.dtype == "float32") else 4 + b)
     if w.hidden_grad:
         scale_bytes += n * d * (4 + b)
     if scale_bytes:
@@ -551,7 +680,8 @@ def _products(w: cost.Workload, path: str) -> tuple[float, float]:
 
 
 def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
-    shape = (_eager_shape if path == "eager" else _composable_shape)(w, budget, caps)
+    shape = (_eager_shape(w, budget, caps, gpu, accumulate) if path == "eager"
+             else _composable_shape(w, budget, caps))
     passes = (_eager_passes if path == "eager" else _composable_passes)(w, gpu, shape, accumulate)
     products, teacher_products = _products(w, path)
     if path == "composable" and w.op == "distill_jsd" and shape.row_chunks * shape.vocab_tiles > 1:
@@ -562,12 +692,20 @@ def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
         dx = "fp32, in place in the logits tile"
     elif shape.packed:
         dx = f"{half} packed over the fp32 logits tile"
+    elif shape.deferred:
+        dx = f"{half} [N, V] kept for the backward, outside the workspace"
+    elif shape.group_rows:
+        dx = f"{half} region of {shape.group_rows} rows (a group of chunks) beside the fp32 logits tile"
     else:
         dx = f"{half} copy" + (", power-of-two pre-scaled per chunk" if path == "eager" and half == "fp16" else "")
     if path == "eager":
-        d_weight = ("written once in the weight's dtype" if shape.row_chunks == 1 and w.dtype == "bfloat16"
+        groups = len(_eager_layout(w.n, shape))
+        d_weight = ("deferred to the backward: one product in the weight's dtype, hidden scaled by the incoming "
+                    "gradient" if shape.deferred else
+                    "written once in the weight's dtype" if groups == 1 and w.dtype == "bfloat16"
                     else "fp32 accumulator [V, D]")
-        params = {"eager_rows": shape.rows, "chunks": shape.row_chunks, "ld": shape.ld}
+        params = {"eager_rows": shape.rows, "chunks": shape.row_chunks, "group_rows": shape.group_rows,
+                  "groups": groups, "ld": shape.ld}
     else:
         d_weight = ("written once per vocabulary tile in the weight's dtype" if shape.row_chunks == 1
                     else "fp32 accumulator per vocabulary tile [cols, D]")
@@ -657,7 +795,15 @@ def _shapes(p: StatsProblem) -> tuple[_Shape, _Shape]:
     of its forward."""
     w = workload_of(p, row_local=True)
     budget, caps = workspace_bytes(_free_bytes(p.hidden.device)), dict(_OVERRIDES.get())
-    return _composable_shape(w, budget, caps), _eager_shape(w, budget, caps)
+    return _composable_shape(w, budget, caps), _eager_chunk(p)
+
+
+def _eager_chunk(p: StatsProblem, needs: GradientNeeds = GradientNeeds(True, True, False)) -> _Shape:
+    """The eager shape of a problem for the gradients a call wants (the plan's, ``_candidate``)."""
+    dev = p.hidden.device
+    w = workload_of(p, row_local=True, hidden_grad=needs.hidden, weight_grad=needs.weight)
+    budget, caps = workspace_bytes(_free_bytes(dev)), dict(_OVERRIDES.get())
+    return _eager_shape(w, budget, caps, gpu_of(dev), _capabilities(dev).accumulate)
 
 
 @_call_options
@@ -963,24 +1109,34 @@ def _workspace_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
 class _Workspace:
     """The tiles of one call (student logits, teacher logits, dx copy) with padded rows, carved out of the
     stream's persistent buffer (``_workspace_buffer``). ``packed``: a half-precision dx goes over the student
-    tile (``dx_of``; docs/design.md, "The logits workspace"), so there is no copy."""
+    tile (``dx_of``; docs/design.md, "The logits workspace"), so there is no copy. ``dx_rows``: the copy's
+    rows when it holds a group of chunks (``dx_at``); ``dx_kept``: that copy is allocated apart, for a dx
+    the call keeps (deferred d weight)."""
 
-    def __init__(self, rows: int, ld: int, p: StatsProblem, dx_copy: bool, packed: bool = False):
+    def __init__(self, rows: int, ld: int, p: StatsProblem, dx_copy: bool, packed: bool = False,
+                 dx_rows: Optional[int] = None, dx_kept: bool = False):
         dev = p.hidden.device
         self.ld = ld
         self.packed = packed
-        dx_copy = dx_copy and not packed
+        dx_copy = dx_copy and not packed and not dx_kept
         tile = rows * ld
-        dx_bytes = tile * p.hidden.element_size() if dx_copy else 0
+        # the copy holds dx_rows rows: a group of chunks (eager grouped shape), else one tile's
+        dx_bytes = (dx_rows or rows) * ld * p.hidden.element_size() if dx_copy else 0
         nbytes = tile * 4 * (2 if p.has_teacher else 1) + dx_bytes
         buf = _workspace_buffer(dev, nbytes)
         self.x = buf[: tile * 4].view(torch.float32)
         self.xt = buf[tile * 4: tile * 8].view(torch.float32) if p.has_teacher else None
         start = tile * 4 * (2 if p.has_teacher else 1)
         self.dx = buf[start: start + dx_bytes].view(p.hidden.dtype) if dx_copy else None
+        if dx_kept:  # a dx the call keeps after it returns: its own allocation, not the shared buffer
+            self.dx = torch.empty((dx_rows or rows) * ld, device=dev, dtype=p.hidden.dtype)
 
     def view(self, buf: Optional[torch.Tensor], rows: int, cols: int) -> Optional[torch.Tensor]:
         return None if buf is None else buf[: rows * self.ld].view(rows, self.ld)[:, :cols]
+
+    def dx_at(self, row: int, rows: int, cols: int) -> torch.Tensor:
+        """Rows ``[row, row + rows)`` of the dx copy: a chunk's place in its group's region."""
+        return self.dx[row * self.ld: (row + rows) * self.ld].view(rows, self.ld)[:, :cols]
 
     def dx_of(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Where dx_tile writes the gradient of the tile ``x`` (a view of the student tile): ``x`` itself for
@@ -1203,10 +1359,11 @@ def _scaled_half_dx(x: torch.Tensor, dx16: torch.Tensor) -> torch.Tensor:
 def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     """Losses known in the forward (core/eager.py). ``chunk_fn(stats, slice(r0, r1)) -> (loss, coeffs
     [7, r1 - r0])``. For each chunk of rows the full ``[rows, V]`` logits are formed in the workspace,
-    folded into the chunk's statistics, turned into dx with the loss's coefficients and multiplied into
-    the gradients right away. Returns the summed loss and the gradients: d hidden and d bias in fp32;
-    d weight in fp32, except for a bf16 weight whose rows all fit one chunk, returned in bf16 (each entry
-    rounded once from its fp32 product)."""
+    folded into the chunk's statistics and turned into dx with the loss's coefficients; the gradient products
+    follow each chunk, or each group of chunks whose dx the workspace keeps together (``_grouped_shapes``).
+    Returns the summed loss and the gradients: d hidden and d bias in fp32; d weight in fp32, except for a
+    bf16 weight whose rows all fit one chunk or group, returned in bf16 (each entry rounded once from its
+    fp32 product)."""
     if p.acc_dtype == torch.float64:
         return torch_backend.eager_gradients(p, chunk_fn, needs)
     p = _contiguous_problem(p)
@@ -1214,57 +1371,72 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     h_all, w = p.hidden, p.weight
     n, v = h_all.shape[0], w.shape[0]
     dev = h_all.device
-    chunk = _shapes(p)[1]
-    step, chunks = chunk.rows, chunk.row_chunks
+    chunk = _eager_chunk(p, needs)
+    step, grouped = chunk.rows, chunk.group_rows > 0
+    layout = _eager_layout(n, chunk)
     products = _Products(dev)
     half16 = h_all.dtype == torch.float16
     dh = torch.empty(h_all.shape, device=dev, dtype=torch.float32) if needs.hidden else None
     db = torch.zeros(v, device=dev, dtype=torch.float32) if needs.bias else None
     dw = None
-    direct_dw = chunks == 1 and w.dtype == torch.bfloat16
-    if needs.weight:
-        # written whole by the first chunk's product; zeros when there is no chunk (no rows)
+    deferred = chunk.deferred and needs.weight
+    direct_dw = len(layout) == 1 and w.dtype == torch.bfloat16
+    if needs.weight and not deferred:
+        # written whole by the first group's product; zeros when there is no chunk (no rows)
         dw = (torch.zeros if n == 0 else torch.empty)(w.shape, device=dev,
                                                       dtype=w.dtype if direct_dw else torch.float32)
     loss = torch.zeros((), device=dev, dtype=torch.float32)
-    ws = _Workspace(step, chunk.ld, p, dx_copy=h_all.dtype != torch.float32, packed=chunk.packed)
+    ws = _Workspace(step, chunk.ld, p, dx_copy=h_all.dtype != torch.float32 or grouped, packed=chunk.packed,
+                    dx_rows=chunk.group_rows or None, dx_kept=deferred)
     out_chunk = torch.empty((_NUM_OUTPUTS, step), device=dev, dtype=torch.float32)
     dw_scale = None  # fp16: the power of two d weight's accumulator currently carries
     with _fp32_products(dev, h_all.dtype):
-        for r0 in range(0, n, step):
-            rows = slice(r0, min(n, r0 + step))
-            m = rows.stop - r0
-            out = out_chunk if m == step else out_chunk[:, :m].contiguous()
-            x, xt = ws.logits(products, p, rows, 0, v)
-            tgt = None if p.targets is None else p.targets[rows]
-            a = _tile_args(p, tgt, 0, out)
-            _set_tile(a, x, xt, 0)
-            ex.fold(a)
-            if p.jsd_beta is not None and p.has_teacher:
-                ex.jsd(a)
-            chunk_loss, coeffs = chunk_fn(Statistics(*out.clone().unbind(0)), slice(r0, rows.stop))
-            loss = loss + chunk_loss.to(torch.float32)
-            if coeffs.shape != (NUM_COEFFS, m):
-                raise ValueError(f"chunk_fn must return coefficients of shape [{NUM_COEFFS}, {m}], "
-                                 f"got {tuple(coeffs.shape)}")
-            coeffs = coeffs.to(torch.float32).contiguous()
-            a.coeffs, a.coeff_stride = _ptr(coeffs), m
-            unscale = None
-            if half16:
-                _dx_into(ex, a, x)  # fp32 in place first: the scale comes from its largest entry
-                dx = ws.view(ws.dx, m, v)
-                unscale = _scaled_half_dx(x, dx)
-            else:
-                dx = _dx_into(ex, a, ws.dx_of(x, h_all.dtype))
+        for g0, g1, chunks in layout:
+            active = []  # per chunk: the rows whose gradient is not identically zero
+            for r0, r1 in chunks:
+                m = r1 - r0
+                out = out_chunk if m == step else out_chunk[:, :m].contiguous()
+                x, xt = ws.logits(products, p, slice(r0, r1), 0, v)
+                tgt = None if p.targets is None else p.targets[r0:r1]
+                a = _tile_args(p, tgt, 0, out)
+                _set_tile(a, x, xt, 0)
+                ex.fold(a)
+                if p.jsd_beta is not None and p.has_teacher:
+                    ex.jsd(a)
+                chunk_loss, coeffs = chunk_fn(Statistics(*out.clone().unbind(0)), slice(r0, r1))
+                loss = loss + chunk_loss.to(torch.float32)
+                if coeffs.shape != (NUM_COEFFS, m):
+                    raise ValueError(f"chunk_fn must return coefficients of shape [{NUM_COEFFS}, {m}], "
+                                     f"got {tuple(coeffs.shape)}")
+                coeffs = coeffs.to(torch.float32).contiguous()
+                a.coeffs, a.coeff_stride = _ptr(coeffs), m
+                unscale = None
+                if grouped:
+                    dx = _dx_into(ex, a, ws.dx_at(r0 - g0, m, v))
+                elif half16:
+                    _dx_into(ex, a, x)  # fp32 in place first: the scale comes from its largest entry
+                    dx = ws.view(ws.dx, m, v)
+                    unscale = _scaled_half_dx(x, dx)
+                else:
+                    dx = _dx_into(ex, a, ws.dx_of(x, h_all.dtype))
+                if needs.weight:
+                    active.append(_active_rows(coeffs, tgt))
+            # the group's products (one chunk's without groups: its dx is where the chunk left it)
+            rows = slice(g0, g1)
+            if grouped:
+                dx = ws.dx_at(0, g1 - g0, v)
             if dh is not None:
                 products.into(dh[rows], dx, w)
                 if unscale is not None:
                     dh[rows].mul_(unscale)
-            if dw is not None:
-                h = _zero_rows_outside(h_all[rows], _active_rows(coeffs, tgt))
+            if deferred:  # one group: every row's dx
+                dw = DeferredProduct(dx, h_all, active[0] if len(active) == 1 else torch.cat(active),
+                                     _deferred_product)
+            elif dw is not None:
+                h = _zero_rows_outside(h_all[rows], active[0] if len(active) == 1 else torch.cat(active))
                 if direct_dw:
                     products.direct(dw, dx.T, h)
-                elif r0 == 0:
+                elif g0 == 0:
                     products.into(dw, dx.T, h)
                 else:
                     if unscale is not None:  # bring the accumulator to this chunk's scale (powers of two: exact)
@@ -1277,3 +1449,10 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     if dw is not None and dw_scale is not None:
         dw.mul_(dw_scale)
     return loss, (dh, dw, db)
+
+
+def _deferred_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` in ``b``'s dtype, rounded once from fp32 (a deferred d weight: ``DeferredProduct``)."""
+    out = torch.empty((a.shape[0], b.shape[1]), device=b.device, dtype=b.dtype)
+    with _fp32_products(b.device, b.dtype):
+        return _Products(b.device).direct(out, a, b)
