@@ -30,9 +30,11 @@ The plan
     * composable path (``forward_statistics`` then ``backward_gradients``, 4 products): one tile shape for
       both passes (all rows when that leaves >= 4096 columns, else square), the same row blocks and GEMM
       shapes, so recomputed logits equal the forward's bit for bit whichever rows carry gradient;
-    * eager path (``eager_gradients``, 3 products, losses known in the forward): chunks of whole rows; taken
-      only where the model says it beats the composable path (big enough chunks), so no op is slower than
-      its 4-product plan;
+    * eager path (``eager_gradients``, 3 products, losses known in the forward): chunks of whole rows, cut at
+      multiples of 128 rows; bf16 d weight once per group of chunks whose dx the workspace keeps together,
+      or deferred to the backward where dx is no larger than d weight (docs/design.md, "Grouped d weight",
+      "Deferred d weight"), whichever the model prices fastest; taken only where the model says it beats the
+      composable path (big enough chunks), so no op is slower than its 4-product plan;
     * d hidden and d weight accumulate inside the GEMM (beta = 1 into fp32 accumulators) where torch
       supports it on the device (probed once per device), else a product block and an add; a gradient that
       one product completes is written in its own dtype directly.
@@ -451,13 +453,14 @@ def _eager_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool) -> 
 
 def _deferred_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape) -> Optional[_Shape]:
     """The eager shape that defers d weight to the backward (docs/design.md, "Deferred d weight"): a bf16
-    weight gradient over at most D rows. The forward keeps dx ([N, V] bf16, outside the workspace) instead of
-    d weight ([V, D]): no more memory from the forward to the backward, since N <= D. The backward scales
-    hidden by the incoming gradient and writes d weight once, instead of reading, scaling and writing the
-    d weight the forward wrote. The workspace holds the fp32 tiles only. ``override_plan(defer_d_weight=1)``
+    weight gradient over at most D rows. The forward keeps dx ([N, V] bf16 with padded rows, outside the
+    workspace) instead of d weight ([V, D]): no more memory from the forward to the backward (N ld <= V D).
+    The backward scales hidden by the incoming gradient and writes d weight once, instead of reading, scaling
+    and writing the d weight the forward wrote. The workspace holds the fp32 tiles only. ``override_plan(defer_d_weight=1)``
     forces it (tests; also fp32, whose kept dx is fp32)."""
     forced = "defer_d_weight" in caps
-    if w.dtype == "float16" or not w.weight_grad or not (forced or (w.dtype == "bfloat16" and w.n <= w.d)):
+    if w.dtype == "float16" or not w.weight_grad or not (forced or (w.dtype == "bfloat16"
+                                                                     and w.n * base.ld <= w.v * w.d)):
         return None
     live = 4 + (4 if w.has_teacher else 0)
     rows_max = min(max(1, budget // (base.ld * live)), caps.get("eager_rows", w.n))
@@ -534,13 +537,13 @@ def _kernel(name: str, kind: str, w: cost.Workload, elements: float, bytes_per_e
                      mufu=float(elements) * counts["mufu_per_column"] / 32)
 
 
-def _token_math(w: cost.Workload, chunks: int) -> cost.Pass:
+def _token_math(w: cost.Workload, chunks: int, extra: int = 0) -> cost.Pass:
     """The loss's per-token math (GRPO clipping, DPO sigmoid, KL penalty, normalisation, dz coefficients) and
     the call's own small ops: tens of elementwise kernels on [tokens] vectors, ~1 KB per token in all. At
     N = 16384 that is 16 MB: microseconds beside the GEMM-sized products; launches, not bytes, are its cost."""
     per_chunk, per_call = small_launches(w.op)
     return cost.Pass("token math", flops=200.0 * w.n, hbm_bytes=1024.0 * w.n, math="cuda_core",
-                     fixed_us=(per_chunk * chunks + per_call) * cost.LAUNCH_US)
+                     fixed_us=(per_chunk * chunks + per_call + extra) * cost.LAUNCH_US)
 
 
 def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
@@ -626,7 +629,8 @@ def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bo
     passes.append(_kernel("fold", "fold", w, nv, 8 if teacher else 4, c))
     if w.op == "distill_jsd":
         passes.append(_kernel("jsd", "jsd", w, nv, 8, c))
-    passes.append(_token_math(w, c))
+    # a group of several chunks joins its chunks' row masks (one small op)
+    passes.append(_token_math(w, c, sum(len(chunks) > 1 for _, _, chunks in layout) if w.weight_grad else 0))
     if fp16:
         # dx in fp32 in place, its max, then x 2^k rounded to fp16 (GradScaler's scale is not known yet)
         passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + 4, c, dx_out="float"))
