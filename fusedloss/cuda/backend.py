@@ -456,8 +456,8 @@ def _deferred_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape) -> 
     weight gradient over at most D rows. The forward keeps dx ([N, V] bf16 with padded rows, outside the
     workspace) instead of d weight ([V, D]): no more memory from the forward to the backward (N ld <= V D).
     The backward scales hidden by the incoming gradient and writes d weight once, instead of reading, scaling
-    and writing the d weight the forward wrote. The workspace holds the fp32 tiles only. ``override_plan(defer_d_weight=1)``
-    forces it (tests; also fp32, whose kept dx is fp32)."""
+    and writing the d weight the forward wrote. The workspace holds the fp32 tiles only.
+    ``override_plan(defer_d_weight=1)`` forces it (tests; also fp32, whose kept dx is fp32)."""
     forced = "defer_d_weight" in caps
     if w.dtype == "float16" or not w.weight_grad or not (forced or (w.dtype == "bfloat16"
                                                                      and w.n * base.ld <= w.v * w.d)):
