@@ -52,7 +52,8 @@ def _call(op: str, n: int, chunk_rows: int) -> int:
             loss = fusedloss.grpo_loss(h.view(4, n // 4, d), w, ids, adv, torch.ones(4, n // 4), backend="cuda")
         else:
             th, tw = torch.randn(n, d, generator=g), torch.randn(v, d, generator=g)
-            loss = fusedloss.distillation_loss(h, w, th, tw, beta=1.0, backend="cuda")
+            beta = {"distill_reverse_kl": 1.0, "distill_forward_kl": 0.0, "distill_jsd": 0.5}[op]
+            loss = fusedloss.distillation_loss(h, w, th, tw, beta=beta, backend="cuda")
         loss.backward()
     return len(trace.ops)
 
@@ -65,7 +66,7 @@ def host_mode(monkeypatch):
     monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
 
 
-@pytest.mark.parametrize("op", ["cross_entropy", "grpo", "distill_reverse_kl"])
+@pytest.mark.parametrize("op", ["cross_entropy", "grpo", "distill_reverse_kl", "distill_forward_kl", "distill_jsd"])
 def test_small_launches_per_chunk_and_per_call_are_what_the_model_counts(host_mode, op):
     two, four = _call(op, 64, 32), _call(op, 64, 16)
     per_chunk = (four - two) / 2

@@ -34,16 +34,29 @@ per-row tensor of the loss."""
 
 
 def _chunk_function(row_loss: RowLoss, problem: StatsProblem):
-    """Wrap a row-local loss into ``chunk_fn(stats, rows) -> (chunk loss, [7, len(rows)] coefficients)``."""
+    """Wrap a row-local loss into ``chunk_fn(stats, rows) -> (chunk loss, [7, len(rows)] coefficients)``.
+
+    ``stats`` may be the backend's own buffers, valid during the call: they are read, never written or kept.
+    Each statistic is its own leaf, so autograd gives None for those the loss does not use, and
+    ``dz_coefficients`` skips them: no zero gradient rows are formed and stacked per chunk (the small kernels
+    of a chunk, docs/design.md, "Plans and the cost model")."""
     vocab = problem.weight.shape[0]
+    # per call, not per chunk: the ignored rows' mask, and the loss's seed gradient (autograd's ones_like)
+    ignored = None if problem.targets is None else problem.targets < 0
+    seed = {}
 
     def chunk_fn(stats: Statistics, rows):
         with torch.enable_grad():
-            leaf = torch.stack(tuple(stats)).detach().requires_grad_(True)
-            loss = row_loss(Statistics(*leaf.unbind(0)), rows)
-            (grad,) = torch.autograd.grad(loss, leaf, allow_unused=True, materialize_grads=True)
-        targets = None if problem.targets is None else problem.targets[rows]
-        return loss.detach(), dz_coefficients(grad, leaf.detach(), problem.jsd_beta, targets, vocab)
+            leaves = Statistics(*(s.detach().requires_grad_(True) for s in stats))
+            loss = row_loss(leaves, rows)
+            if loss.numel() != 1:
+                raise RuntimeError(f"row_loss must return a scalar, got shape {tuple(loss.shape)}")
+            key = (loss.shape, loss.dtype, loss.device)
+            if key not in seed:
+                seed[key] = torch.ones_like(loss)
+            grads = torch.autograd.grad(loss, leaves, seed[key], allow_unused=True)
+        return loss.detach(), dz_coefficients(grads, stats, problem.jsd_beta, None, vocab,
+                                              ignored=None if ignored is None else ignored[rows])
 
     return chunk_fn
 

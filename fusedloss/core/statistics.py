@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from typing import NamedTuple, Optional
+import math
+from typing import NamedTuple, Optional, Union
 
 import torch
 
 from . import backends
-from .problem import GradientNeeds, LogitTransform, Statistics, StatsProblem, accumulation_dtype
+from .problem import NUM_COEFFS, GradientNeeds, LogitTransform, Statistics, StatsProblem, accumulation_dtype
 
 _NUM_OUTPUTS = len(Statistics._fields)
 
@@ -145,14 +146,86 @@ def _(*args):
     )
 
 
-def _times(g: torch.Tensor, stat: torch.Tensor) -> torch.Tensor:
+# An unused statistic's gradient is None (``core/eager.py`` takes it so from autograd): exactly 0.0 in every row,
+# and the arithmetic it would feed is done on Python floats instead. The rules below keep every coefficient the
+# bits the materialised zero rows gave (signed zeros included): -0.0 is the exact identity of +, while +0.0 is not
+# (-0.0 + 0.0 = +0.0), and 0.0 - x differs from -x where x is +0.0.
+_Term = Union[torch.Tensor, float]
+
+
+def _negative_zero(x: _Term) -> bool:
+    return isinstance(x, float) and x == 0.0 and math.copysign(1.0, x) < 0
+
+
+def _add(x: _Term, y: _Term, out: Optional[torch.Tensor] = None) -> _Term:
+    if isinstance(x, float) and isinstance(y, float):
+        return x + y
+    if isinstance(x, float):  # + commutes, in the sign of a zero sum too
+        x, y = y, x
+    if _negative_zero(y):
+        return x
+    return torch.add(x, y, out=out)
+
+
+def _neg(x: _Term, out: Optional[torch.Tensor] = None) -> _Term:
+    return -x if isinstance(x, float) else torch.neg(x, out=out)
+
+
+def _sub(x: _Term, y: _Term, out: Optional[torch.Tensor] = None) -> _Term:
+    """``x - y``; ``out``, when given, holds the running value ``x`` or is still all +0.0 (a fresh row)."""
+    if isinstance(y, float):
+        return _add(x, -y, out)  # x - c = x + (-c) exactly
+    if isinstance(x, float):
+        if _negative_zero(x):
+            return torch.neg(y, out=out)  # -0.0 - y = -y
+        if x == 0.0 and math.copysign(1.0, x) > 0 and out is not None:
+            return out.sub_(y)  # the fresh row is the +0.0 operand
+        x = torch.full_like(y, x)
+    return torch.sub(x, y, out=out)
+
+
+def _mul(x: _Term, k: float, out: Optional[torch.Tensor] = None) -> _Term:
+    return x * k if isinstance(x, float) else torch.mul(x, k, out=out)
+
+
+def _div(x: _Term, k: int, out: Optional[torch.Tensor] = None) -> _Term:
+    if isinstance(x, float):
+        return x / k if k else x * math.nan  # a tensor's 0 / 0 is NaN, Python's raises
+    return torch.div(x, k, out=out)
+
+
+def _times(g: _Term, stat: torch.Tensor) -> _Term:
     """g * stat, 0 where g is 0: a row outside the loss contributes nothing even where its statistic is +inf
     (a reverse KL next to a masked teacher entry; 0 * inf would be NaN in every row's d weight)."""
-    return torch.where(g == 0, 0.0, g * stat)
+    if isinstance(g, float):
+        if g == 0.0:
+            return 0.0
+        g = torch.full_like(stat, g)
+    return (g * stat).masked_fill_(g == 0, 0.0)
 
 
-def dz_coefficients(grad: torch.Tensor, stats: torch.Tensor, jsd_beta: Optional[float],
-                    targets: Optional[torch.Tensor], vocab_size: int) -> torch.Tensor:
+def _put(row: torch.Tensor, value: _Term) -> None:
+    """Write a coefficient into its row of the fresh (+0.0) coefficients, unless it is there already."""
+    if isinstance(value, float):
+        if not (value == 0.0 and math.copysign(1.0, value) > 0):
+            row.fill_(value)
+    elif value is not row:
+        row.copy_(value)
+
+
+def _fill_negative_zeros(coeffs: torch.Tensor, rows: list) -> None:
+    """-0.0 into the given coefficient rows, with one fill where they are evenly spaced (c1 and c3 when neither
+    the entropy's nor the forward KL's gradient is there: -(0.0) in the materialised form)."""
+    if len(rows) == 1 or (len(rows) > 1 and len({b - a for a, b in zip(rows, rows[1:])}) == 1):
+        step = rows[1] - rows[0] if len(rows) > 1 else 1
+        coeffs[rows[0]:rows[-1] + 1:step].fill_(-0.0)
+    else:
+        for r in rows:
+            coeffs[r].fill_(-0.0)
+
+
+def dz_coefficients(grad, stats, jsd_beta: Optional[float], targets: Optional[torch.Tensor], vocab_size: int, *,
+                    ignored: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-row coefficients (a, c0, ..., c5) of the logits gradient (problem.py), from the gradients of the
     loss with respect to each statistic (docs/design.md, "The dz formula")::
 
@@ -165,25 +238,57 @@ def dz_coefficients(grad: torch.Tensor, stats: torch.Tensor, jsd_beta: Optional[
         d mean_logit/dz_j = 1 / V                        -> c5
     c0 holds only the per-row constants that are not a log-probability's or a reverse KL's share, so that
     neither is rounded into it. log_sum_sq_probs and is_top1 are metrics: their gradients are ignored.
+
+    ``grad`` and ``stats``: stacked ``[fields, rows]`` tensors, or one entry per field of ``Statistics``; an
+    entry of ``grad`` may be None (the loss does not use that statistic: exactly 0.0, and the arithmetic it
+    would feed is skipped, with the bits the zero rows would give). Rows whose target is < 0 get 0;
+    ``ignored`` (``targets < 0`` already formed for these rows) replaces ``targets`` there.
     """
-    s = Statistics(*stats.unbind(0))
-    g = Statistics(*grad.unbind(0))
-    zero = torch.zeros_like(s.lse)
-    a = g.logp
-    c0 = g.lse + g.kl_fwd - _times(g.entropy, s.entropy)
-    c1 = -g.entropy
-    c2 = g.kl_rev
-    c3 = -g.kl_fwd
-    c4 = zero
-    if jsd_beta is not None:
-        w = g.jsd * (1.0 - jsd_beta)
-        c0 = c0 - _times(w, s.kl_qm)
-        c1 = c1 + w
-        c4 = -w
-    c5 = g.mean_logit / vocab_size
-    coeffs = torch.stack((a, c0, c1, c2, c3, c4, c5))
-    if targets is not None:
-        coeffs = torch.where(targets >= 0, coeffs, torch.zeros_like(coeffs))
+    if len(grad) != _NUM_OUTPUTS or len(stats) != _NUM_OUTPUTS:
+        raise ValueError(f"grad and stats must hold the {_NUM_OUTPUTS} statistics of Statistics, got "
+                         f"{len(grad)} and {len(stats)}")
+    s = Statistics(*stats)
+    g = Statistics(*(0.0 if x is None else x for x in grad))
+    dtype = s.lse.dtype
+    for x in g:
+        if not isinstance(x, float) and x.dtype != dtype:  # (promote_types is an op of its own)
+            dtype = torch.promote_types(dtype, x.dtype)
+    # Out of place, formed apart and stacked: under create_graph=True (the gradients require grad, and out= ops
+    # cannot be differentiated; the backward op's own error is then the one raised), and under torch.compile
+    # (out= ops would fix the token count of the graph; the compiler fuses the small ops anyway).
+    tracked = torch.compiler.is_compiling() or (
+        torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*g, *s)))
+    # (a, c0, c1, c2, c3, c4, c5); +0.0 where nothing is written. Each coefficient's last op writes its row.
+    coeffs = None if tracked else torch.zeros((NUM_COEFFS, *s.lse.shape), dtype=dtype, device=s.lse.device)
+    out = (None,) * NUM_COEFFS if tracked else coeffs.unbind(0)
+    c0 = _sub(_add(g.lse, g.kl_fwd, out=out[1]), _times(g.entropy, s.entropy), out=out[1])
+    if jsd_beta is None:
+        c1, c4 = _neg(g.entropy, out=out[2]), 0.0
+    else:
+        # with no entropy term c1 is w itself (-0.0 + w), so w is formed in c1's row
+        w = _mul(g.jsd, 1.0 - jsd_beta, out=out[2] if isinstance(g.entropy, float) else None)
+        c0 = _sub(c0, _times(w, s.kl_qm), out=out[1])
+        c1 = _add(_neg(g.entropy, out=out[2]), w, out=out[2])
+        c4 = _neg(w, out=out[5])
+    c3 = _neg(g.kl_fwd, out=out[4])
+    c5 = _div(g.mean_logit, vocab_size, out=out[6])
+    values = (g.logp, c0, c1, g.kl_rev, c3, c4, c5)
+    if ignored is None and targets is not None:
+        ignored = targets < 0
+    if tracked:
+        coeffs = torch.stack([c if isinstance(c, torch.Tensor) else s.lse.new_full(s.lse.shape, c, dtype=dtype)
+                              for c in values])
+        return coeffs if ignored is None else coeffs.masked_fill(ignored, 0.0)
+    negative_zeros = []
+    for i, c in enumerate(values):
+        if _negative_zero(c):
+            negative_zeros.append(i)
+        else:
+            _put(out[i], c)
+    if negative_zeros:
+        _fill_negative_zeros(coeffs, negative_zeros)
+    if ignored is not None:
+        coeffs.masked_fill_(ignored, 0.0)
     return coeffs
 
 

@@ -248,9 +248,9 @@ PACKED_MIN_ROWS = 2048
 # per call: validation, the targets, the loss's reductions and the backward's scaling. As a trace of the aten
 # ops of one forward and backward counts them with the losses' defaults (tests/test_cost_model_launches.py);
 # other ops take the largest.
-_SMALL_LAUNCHES = {"cross_entropy": (50, 20), "grpo": (70, 31), "distill_reverse_kl": (45, 12),
-                   "distill_forward_kl": (45, 12), "distill_jsd": (45, 12)}
-_SMALL_LAUNCHES_DEFAULT = (70, 31)
+_SMALL_LAUNCHES = {"cross_entropy": (20, 23), "grpo": (41, 33), "distill_reverse_kl": (13, 14),
+                   "distill_forward_kl": (14, 14), "distill_jsd": (18, 14)}
+_SMALL_LAUNCHES_DEFAULT = (41, 33)
 
 
 def small_launches(op: str) -> tuple[int, int]:
@@ -1407,7 +1407,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
                 ex.fold(a)
                 if p.jsd_beta is not None and p.has_teacher:
                     ex.jsd(a)
-                chunk_loss, coeffs = chunk_fn(Statistics(*out.clone().unbind(0)), slice(r0, r1))
+                chunk_loss, coeffs = chunk_fn(Statistics(*out.unbind(0)), slice(r0, r1))
                 loss = loss + chunk_loss.to(torch.float32)
                 if coeffs.shape != (NUM_COEFFS, m):
                     raise ValueError(f"chunk_fn must return coefficients of shape [{NUM_COEFFS}, {m}], "

@@ -114,7 +114,8 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden
         loss = soft_scale * soft
         if hard_weight != 0:
             loss = loss - hard_weight * (stats.logp if label_logp is None else label_logp[rows])
-        return torch.where(valid[rows], loss, torch.zeros_like(loss))
+        # without targets every row counts: no mask (ops once per eager row chunk)
+        return loss if tgt is None else torch.where(valid[rows], loss, torch.zeros_like(loss))
 
     return reduced_token_loss(student, per_token, valid, reduction, num_items_in_batch, mean_name="batchmean",
                               row_local=label_logp is None, targets=tgt, teacher=frozen, **wants)

@@ -20,9 +20,15 @@ def reduced_token_loss(logits: ImplicitLogits, per_token, valid: torch.Tensor, r
         return logits.unflatten(per_token(logits.statistics(**wants), slice(None)))
     scale = _scale(valid, reduction, num_items_in_batch, mean_name)
 
+    scales = {}  # the scale in the loss's dtype, converted once per call, not once per eager row chunk
+
     def row_loss(stats, rows):
         total = per_token(stats, rows).sum()
-        return total if scale is None else total * scale.to(total.dtype)
+        if scale is None:
+            return total
+        if total.dtype not in scales:
+            scales[total.dtype] = scale.to(total.dtype)
+        return total * scales[total.dtype]
 
     if row_local:
         return logits.row_local_loss(row_loss, **wants)

@@ -437,15 +437,15 @@ class SmallLaunches(NamedTuple):
 # defaults (tests/test_triton_launches.py); other ops take the largest. Per composable backward block: the
 # gradient kernel (its two cuBLAS products are priced as products).
 _SMALL_LAUNCHES = {
-    "cross_entropy": SmallLaunches(50, 50, 24),
-    "grpo": SmallLaunches(50, 70, 35),
-    "distill_reverse_kl": SmallLaunches(50, 67, 16),
-    "distill_forward_kl": SmallLaunches(50, 60, 16),
-    "distill_jsd": SmallLaunches(50, 46, 16),
-    "token_logprobs": SmallLaunches(14, 46, 35),
-    "token_logprobs_entropy": SmallLaunches(14, 46, 35),
+    "cross_entropy": SmallLaunches(50, 20, 26),
+    "grpo": SmallLaunches(50, 41, 36),
+    "distill_reverse_kl": SmallLaunches(50, 35, 17),
+    "distill_forward_kl": SmallLaunches(50, 29, 17),
+    "distill_jsd": SmallLaunches(50, 11, 17),
+    "token_logprobs": SmallLaunches(14, 41, 32),
+    "token_logprobs_entropy": SmallLaunches(14, 41, 33),
 }
-_SMALL_LAUNCHES_DEFAULT = SmallLaunches(50, 70, 42)
+_SMALL_LAUNCHES_DEFAULT = SmallLaunches(50, 41, 42)
 BACKWARD_BLOCK_LAUNCHES = 1
 
 
