@@ -225,9 +225,10 @@ def availability() -> str:
 # ------------------------------------------------------------------------------------------------
 WORKSPACE_MIN_BYTES = 256 * 2**20
 # 4 GiB: beside a training step's own state, and one persistent buffer per device and stream. The model's price
-# of the cap against 8 GiB at N = 16384, V = 151936: ~+2% for cross-entropy (3 row chunks instead of 2: more
-# beta = 1 accumulations of d weight), ~+3% for reverse-KL distillation (5 instead of 3); none at N = 4096,
-# V = 128256 (one chunk either way) (docs/design.md, "Plans and the cost model").
+# of the cap against 8 GiB at N = 16384, V = 151936: ~+3% for cross-entropy (two groups of 3 row chunks
+# instead of one group of 3: one more beta = 1 accumulation of d weight) and ~+2% for reverse-KL distillation
+# (two groups of 6 instead of one of 6); none at N = 4096, V = 128256 (one chunk either way)
+# (docs/design.md, "Plans and the cost model").
 WORKSPACE_MAX_BYTES = 4 * 2**30
 WORKSPACE_FRACTION = 8  # of the memory free for torch when the backend first runs on a device
 ALIGN = 64  # elements: leading dimensions and vocabulary tile widths (256 B of fp32, 128 B of bf16)
