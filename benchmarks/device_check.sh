@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One time-boxed run on a CUDA machine (written for an H200): a smoke test, the build, the benchmark of
 # fusedloss's CUDA and Triton backends against the materialised reference and the peers, a per-kernel profile
-# and the product rates the cost model assumes, bf16 correctness, the CUDA workspace sweep and the compute
-# sanitizers, all inside DEVICE_CHECK_BUDGET_S (default 540 s). A second call with RERUN=1 on the same machine
-# finishes what the first one left (the benchmark cases not yet measured, the check stages not yet done).
+# and the product rates the cost model assumes, bf16 correctness, the CUDA workspace sweep, the compute
+# sanitizers and the CUTLASS 3 prototype beside cuBLAS, all inside DEVICE_CHECK_BUDGET_S (default 540 s). A
+# second call with RERUN=1 on the same machine finishes what the first one left (the benchmark cases not yet
+# measured, the check stages not yet done).
 #
 #     bash benchmarks/device_check.sh                          # on a machine with a CUDA GPU
 #     RERUN=1 DEVICE_CHECK_BUDGET_S=300 bash benchmarks/device_check.sh
@@ -13,10 +14,13 @@
 # Prepared beforehand, on any machine with network access (both git-ignored, under .carry/):
 #     bash benchmarks/fetch_peer_wheels.sh                     # the peers' wheels (TRL, Liger, Cut Cross-Entropy)
 #     PREBUILD=1 PREBUILD_PYTHON=python3.12 bash benchmarks/device_check.sh
-#                                                              # the extension for sm_90a and that Python
+#                                                              # the extension for sm_90a and that Python, and
+#                                                              # the CUTLASS prototype's shared object (no Python
+#                                                              # ABI in it; PREBUILD_PROTOTYPE=0 leaves it out)
 # The GPU machine needs no network: the wheels are installed from .carry/wheels; the prebuilt extension in
 # .carry/prebuilt is used when it was built from these sources for the machine's Python (ABI tag) and imports
-# there, else the extension is built (sm_90a only).
+# there, else the extension is built (sm_90a only); the prebuilt prototype when its PROTO_SOURCES hash is these
+# sources', else it is built only where nvcc, the nvidia-cutlass wheel and the time left allow it.
 #
 # Stages (PLAN=1 prints the same table with its sum). A stage's box is when it must end on a fixed schedule:
 # time a stage leaves unused passes to the next one; a stage past its box is stopped and its results so far
@@ -26,11 +30,11 @@
 #                        backend; stops the run when no GPU is visible          -> smoke.json
 #     build        60 s  the extension (prebuilt, or built for sm_90a with MAX_JOBS=16) while the peer wheels
 #                        install; then one tiny call of the CUDA backend         -> log
-#     core        195 s  bench.py: reference, fusedloss:cuda, fusedloss:triton; cross_entropy, token_logprobs
+#     core        185 s  bench.py: reference, fusedloss:cuda, fusedloss:triton; cross_entropy, token_logprobs
 #                        (+entropy), grpo_loss, distillation_loss; N=16384 (V=151936) then N=4096 (V=128256);
 #                        D=4096, bf16; timed calls alternated between implementations in rounds after a GEMM
 #                        warm-up, the SM clock at every timed call               -> bench.json (record by record)
-#     peers        90 s  TRL, Liger, Cut Cross-Entropy, torch's F.linear_cross_entropy (where this torch has
+#     peers        75 s  TRL, Liger, Cut Cross-Entropy, torch's F.linear_cross_entropy (where this torch has
 #                        it) at N=4096, V=128256 (the shape they publish), then N=16384, V=151936 -> bench.json
 #     profile      45 s  the three product rates (bf16 output; fp32 output [8192x151936x4096]; beta=1 fp32
 #                        accumulation [151936x4096x2304]), then per (backend, op) at N=16384 one forward+backward
@@ -42,16 +46,22 @@
 #                        workspace (a row is skipped when its own expected time no longer fits) -> checks.json
 #     sanitize     30 s  compute-sanitizer memcheck and racecheck on small cases, where the runtime allows it
 #                                                                                -> checks.json
+#     prototype    25 s  the CUTLASS 3 prototype (csrc/prototypes/, prebuilt or built if the time left allows):
+#                        its softmax partials at D=4096, N in {4096, 16384}, V in {128256, 151936} against
+#                        torch (fp32 logits, float64 on sampled rows), timed beside cuBLAS's product of the
+#                        same shape (bf16 and fp32 output); last, so that a fault of an unproven kernel can
+#                        cost no other stage                                    -> checks.json
 #     (reserve)    10 s  the table and plot of every benchmark record          -> bench.json, bench.png
 # What comes back in $OUT (8 files at most): device_check.log (every stage's output), dmon.txt (`nvidia-smi dmon
 # -s pucm -d 1` for the whole run: power, clocks, memory), smoke.json, bench.json, bench.png, products.json,
-# checks.json. stdout ends with the stage summary and the benchmark table.
+# checks.json (the prototype's report under "cutlass_prototype"). stdout ends with the stage summary and the
+# benchmark table.
 #
 # Knobs: OUT (results folder; default a new temp dir), DEVICE_CHECK_BUDGET_S, SKIP (stages to skip, comma-
 # separated), BENCH_OPS (the ops of the benchmark stages), BENCH_IMPLS / BENCH_PEER_IMPLS (the core and peers
 # stages' implementations), CHECK_OPS (the correctness stage's ops), TRITON_CHECK_ARGS (device_check_triton.py's
 # arguments), PEER_WHEELS (default .carry/wheels), PREBUILT (default .carry/prebuilt), FUSEDLOSS_COMMIT
-# (commit to record where the checkout has no .git), PYTHON, DRY_BOX_SCALE.
+# (commit to record where the checkout has no .git), PYTHON, DRY_BOX_SCALE, PREBUILD_PROTOTYPE (with PREBUILD=1).
 set -u
 ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$ROOT"
@@ -67,10 +77,12 @@ SCALE=1
 TOTAL=${DEVICE_CHECK_BUDGET_S:-$((LIMIT * SCALE))}
 RESERVE=$((10 * SCALE))
 # name:box seconds, in the order they run
-STAGES=(smoke:20 build:60 core:195 peers:90 profile:45 correctness:60 workspace:30 sanitize:30)
+# (core and peers gave 10 s and 15 s to prototype: they are bench.py runs under a budget, which record the cases
+# they could not start as skipped for RERUN=1; the fixed-work stages keep their boxes)
+STAGES=(smoke:20 build:60 core:185 peers:75 profile:45 correctness:60 workspace:30 sanitize:30 prototype:25)
 declare -A WRITES=([smoke]="smoke.json" [build]="log" [core]="bench.json" [peers]="bench.json"
                    [profile]="products.json, bench.json" [correctness]="checks.json" [workspace]="checks.json"
-                   [sanitize]="checks.json")
+                   [sanitize]="checks.json" [prototype]="checks.json")
 OPS=${BENCH_OPS:-"cross_entropy token_logprobs grpo_loss distillation_loss"}
 PEER_WHEELS=${PEER_WHEELS:-"$ROOT/.carry/wheels"}
 PREBUILT=${PREBUILT:-"$ROOT/.carry/prebuilt"}
@@ -115,8 +127,16 @@ runpy.run_path('setup.py')['write_build_info'](pathlib.Path('fusedloss'))" >/dev
   cp "$copy"/fusedloss/_C*.so "$copy"/fusedloss/_build_info.py "$PREBUILT"/
   source_hash > "$PREBUILT/SOURCES"
   rm -rf "$copy"
+  rc=0
+  if [[ "${PREBUILD_PROTOTYPE:-1}" == 1 ]]; then
+    # the CUTLASS prototype: plain C entry points, no Python ABI, so this Python (it needs the nvidia-cutlass
+    # wheel) builds it for every machine; PROTO_SOURCES beside it is the hash the prototype stage compares
+    "$PY" tools/cutlass_prototype.py --prebuild "$PREBUILT"
+    rc=$?
+    (( rc == 2 )) && echo "prototype: not prebuilt (above: what is missing); the stage builds it or says why not" && rc=0
+  fi
   ls -la "$PREBUILT"; cat "$PREBUILT/SOURCES"
-  exit 0
+  exit $rc
 fi
 
 # ------------------------------------------------------------------------------------------ set-up
@@ -379,7 +399,8 @@ if isinstance(ops, list):
                          "errors": r.get("errors"), "ok": bool(ok)})
     report["ops_vs_float64_and_naive"] = verdicts
 for key, name in (("cuda_check", "cuda_check.json"), ("triton_check", "triton_check.json"),
-                  ("workspace_sweep", "workspace.json"), ("sanitizers", "sanitize.json")):
+                  ("workspace_sweep", "workspace.json"), ("sanitizers", "sanitize.json"),
+                  ("cutlass_prototype", "prototype.json")):
     report[key] = load(name)
 out.write_text(json.dumps(report, indent=1, default=str))
 verdicts = report.get("ops_vs_float64_and_naive") or []
@@ -394,6 +415,14 @@ if isinstance(report.get("sanitizers"), dict):
     s = report["sanitizers"]
     line += "; sanitizers: " + (s.get("skipped") or ", ".join(f"{k} {s[k]['verdict']}" for k in ("memcheck", "racecheck")
                                                              if isinstance(s.get(k), dict)))
+p = report.get("cutlass_prototype")
+if isinstance(p, dict):
+    line += f"; cutlass_prototype {p.get('status')}" + (f" ({p['reason'][:90]})" if p.get("reason") else "")
+    timed = [x for x in p.get("shapes", []) if x.get("timing", {}).get("prototype", {}).get("status") == "ok"]
+    if timed:  # the largest shape timed: its ratio to the bound and to cuBLAS's bf16 product
+        x = timed[-1]
+        line += (f" N={x['N']} V={x['V']}: check {'ok' if x['check']['ok'] else 'FAILED'}, "
+                 f"{x['timing']['prototype']['over_bound']}x bound, {x.get('prototype_over_cublas_bf16_out')}x cuBLAS bf16")
 print(line + "".join(f"\n  NOT OK {v['op']} {v['impl']}: {v.get('err_vs_float64')} > {v.get('limit')} "
                      f"{v.get('reason') or ''}" for v in bad))
 EOF
@@ -465,6 +494,16 @@ EOF
   (( mem_rc == 0 && race_rc == 0 ))
 }
 
+# ------------------------------------------------------------------------------------------ 9. prototype
+prototype_stage() {  # docs/design.md, "The CUTLASS 3 prototype (compile-only)"
+  local args=(--prebuilt "$PREBUILT" --out "$STATE/prototype.json" --budget-s $(( BOX - 3 )))
+  [[ "$DRY" == 1 ]] && args+=(--dry-run)
+  "$PY" benchmarks/cutlass_prototype_device.py "${args[@]}"
+  local rc=$?
+  collect_checks
+  return $rc
+}
+
 # ------------------------------------------------------------------------------------------ run
 # (one function, called on the last line: bash has parsed all of it before it starts)
 run_all() {
@@ -489,6 +528,7 @@ run_all() {
     stage correctness correctness_stage
     stage workspace workspace_stage
     stage sanitize sanitize_stage
+    stage prototype prototype_stage
   fi
 
   # the table and the plot of every benchmark record (this call's and, on a rerun, the first's)
@@ -509,7 +549,7 @@ run_all() {
   echo
   echo "================ device check summary (${TOTAL}s budget, $(elapsed)s used, dry_run=$DRY, rerun=$RERUN) ================"
   for s in "${SUMMARY[@]}"; do echo "  $s"; done
-  grep -E "^SMOKE|^wrote .*ok=|^(ALL OK|SOME CHECKS FAILED)|ERROR SUMMARY|RACECHECK SUMMARY|left for a rerun" "$LOG" \
+  grep -E "^SMOKE|^wrote .*ok=|^(ALL OK|SOME CHECKS FAILED)|ERROR SUMMARY|RACECHECK SUMMARY|left for a rerun|^cutlass_prototype_device:" "$LOG" \
     | cut -c1-200 | tail -10
   cut -c1-300 "$STATE/checks_summary.txt" | head -12
   echo "---------------- benchmark ----------------"

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-STAGES = ["smoke", "build", "core", "peers", "profile", "correctness", "workspace", "sanitize"]
+STAGES = ["smoke", "build", "core", "peers", "profile", "correctness", "workspace", "sanitize", "prototype"]
 
 
 def _call(tmp_path, out, **env_extra):
@@ -46,11 +46,16 @@ def test_plan_boxes_every_stage_within_540_s():
     ends = [int(r[2].rstrip("s")) for r in rows]
     assert ends == [sum(boxes[: i + 1]) for i in range(len(boxes))]  # each stage ends where the next begins
     assert boxes[0] <= 20 and all(b > 0 for b in boxes)
+    assert 20 <= boxes[STAGES.index("prototype")] <= 30  # the CUTLASS prototype's short box, after every check
     assert sum(boxes) <= 540 and f"sum {sum(boxes)} s (limit 540 s): ok" in proc.stdout
+    # the header's stage list says the same boxes
+    header = (ROOT / "benchmarks" / "device_check.sh").read_text().split("set -u")[0]
+    for name, box in zip(STAGES, boxes):
+        assert re.search(rf"^#     {name} +{box} s ", header, re.M), name
 
 
 def test_dry_run_then_rerun_finishes_the_benchmark(tmp_path):
-    skip = "build,peers,profile,correctness,workspace,sanitize"
+    skip = "build,peers,profile,correctness,workspace,sanitize,prototype"
     out1 = tmp_path / "out1"
     stdout, summary = _call(tmp_path, out1, SKIP=skip, BENCH_IMPLS="reference fusedloss:torch")
     assert summary["smoke"].startswith("rc=0") and summary["core"].startswith("rc=0"), summary
@@ -69,7 +74,7 @@ def test_dry_run_then_rerun_finishes_the_benchmark(tmp_path):
         assert r["modelled_bound_ms"] > 0 and r["modelled_details"]["gpu"] == "H200" and "bound_ms" not in r
 
     out2 = tmp_path / "out2"
-    stdout, summary = _call(tmp_path, out2, RERUN="1", SKIP="build,profile,correctness,workspace,sanitize",
+    stdout, summary = _call(tmp_path, out2, RERUN="1", SKIP="build,profile,correctness,workspace,sanitize,prototype",
                             BENCH_IMPLS="reference fusedloss:torch", BENCH_PEER_IMPLS="torch-lce")
     assert summary["smoke"] == summary["core"] == "done in the first call", summary
     assert summary["peers"].startswith("rc=0"), summary
@@ -83,8 +88,9 @@ def test_dry_run_then_rerun_finishes_the_benchmark(tmp_path):
 
 def test_dry_run_of_the_check_stages(tmp_path):
     """The stages after the benchmark, dry: every op (here one) of every backend against float64 and the naive
-    path, the CUDA check's correctness sections (host twins), the workspace sweep, the sanitizer's scripts; each
-    reports rc=0 and lands in checks.json, as does the profile stage's products.json."""
+    path, the CUDA check's correctness sections (host twins), the workspace sweep, the sanitizer's scripts, the
+    CUTLASS prototype's driver (its torch stand-in); each reports rc=0 and lands in checks.json, as does the
+    profile stage's products.json."""
     from fusedloss.cuda import backend as cuda
 
     if not cuda.extension_built():
@@ -92,7 +98,7 @@ def test_dry_run_of_the_check_stages(tmp_path):
     out = tmp_path / "out"
     _, summary = _call(tmp_path, out, SKIP="build,core,peers", CHECK_OPS="cross_entropy",
                        TRITON_CHECK_ARGS="--cost-table")
-    for stage in ("smoke", "profile", "correctness", "workspace", "sanitize"):
+    for stage in ("smoke", "profile", "correctness", "workspace", "sanitize", "prototype"):
         assert summary[stage].startswith("rc=0"), (stage, summary)
     checks = json.loads((out / "checks.json").read_text())
     verdicts = {v["impl"]: v for v in checks["ops_vs_float64_and_naive"]}
@@ -104,6 +110,9 @@ def test_dry_run_of_the_check_stages(tmp_path):
     timing = next(c for c in checks["workspace_sweep"]["cases"] if c["name"] == "timings")
     assert timing["rows"] and all("modelled_ms" in r for r in timing["rows"])
     assert checks["sanitizers"]["memcheck"]["rc"] == 0 and checks["sanitizers"]["racecheck"]["rc"] == 0
+    proto = checks["cutlass_prototype"]
+    assert proto["dry_run"] and proto["status"] == "dry run ok" and len(proto["shapes"]) == 4
+    assert all(s["check"]["ok"] for s in proto["shapes"]) and all(x["caught"] for x in proto["self_test"].values())
     rates = json.loads((out / "products.json").read_text())["product_rates"]
     assert [r["name"] for r in rates] == ["bf16_output", "fp32_output", "fp32_accumulate_short_k"]
     assert rates[0]["status"] == "ok" and rates[0]["tflops"] > 0

@@ -29,8 +29,16 @@ SM90_MAX_DYNAMIC_SHARED = 232448
 
 
 @pytest.fixture(scope="module")
-def report():
-    return tool.build()  # about a minute of nvcc on two cores
+def built(tmp_path_factory):
+    """The one compile of this module (about a minute of nvcc on two cores): the report, and the folder where
+    the shared object stays for the tests that load it."""
+    keep = tmp_path_factory.mktemp("proto-lib")
+    return tool.build(keep=keep), keep
+
+
+@pytest.fixture(scope="module")
+def report(built):
+    return built[0]
 
 
 @pytest.mark.skipif(bool(MISSING), reason=f"cannot compile the CUTLASS prototype: {MISSING}")
@@ -73,6 +81,54 @@ def test_checked_in_report_is_the_kernel_as_built(report):
         pytest.skip(f"checked-in report is from {saved['nvcc']}, CUTLASS {saved['cutlass_headers']}")
     for key in ("kernel", "info", "register_bound", "resources", "ptxas", "sass", "flags"):
         assert saved[key] == report[key], f"{key} differs: run python tools/cutlass_prototype.py and commit"
+
+
+@pytest.mark.skipif(bool(MISSING), reason=f"cannot compile the CUTLASS prototype: {MISSING}")
+def test_host_entry_points_are_in_the_object_and_check_their_arguments(built):
+    """The launcher benchmarks/cutlass_prototype_device.py calls on a GPU is exported from the same object, with
+    its workspace query and error message; without a device, a problem CUTLASS cannot run is refused before any
+    device call (no pointers; hidden rows not 16-byte aligned)."""
+    _, keep = built
+    lib_path = keep / tool.LIB_NAME
+    assert (keep / tool.HASH_FILE).read_text().strip() == tool.source_hash()
+    nm = shutil.which("nm")
+    if nm:
+        exported = set(re.findall(r"\bT (fusedloss_proto_\w+)", subprocess.run(
+            [nm, "-D", "--defined-only", str(lib_path)], capture_output=True, text=True, check=True).stdout))
+        assert exported == {"fusedloss_proto_softmax_partials", "fusedloss_proto_workspace_bytes",
+                            "fusedloss_proto_last_error", "fusedloss_proto_kernel_info"}, exported
+    device = _load_device_driver()
+    proto = device.Prototype(lib_path)  # binds every entry point: an absent one raises AttributeError
+    assert (proto.info["tile_m"], proto.info["tile_n"]) == (device.TILE_M, device.TILE_N)
+    # the persistent tile scheduler and the EVT node need no workspace, at the device check's shapes too
+    assert [proto.workspace_bytes(n, v, 4096) for n, v in ((4096, 128256), (16384, 151936))] == [0, 0]
+    invalid_problem = 4  # cutlass::Status::kErrorInvalidProblem
+    assert proto.run(None, None, 16, 1000, 64, None, None, None, None, None, 0, None) == invalid_problem
+    assert proto.last_error().decode().startswith("can_implement: Error Invalid Problem")
+    fake = 1 << 20  # never dereferenced: can_implement refuses d = 60 (rows of 120 bytes) first
+    assert proto.run(fake, fake, 16, 1000, 60, fake, fake, fake, fake, None, 0, None) == invalid_problem
+
+
+def _load_device_driver():
+    spec = importlib.util.spec_from_file_location("cutlass_prototype_device",
+                                                  ROOT / "benchmarks" / "cutlass_prototype_device.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_source_hash_follows_the_included_headers(tmp_path):
+    """A prebuilt object is trusted by this hash: it must change with any header the source includes."""
+    (tmp_path / "inc.h").write_text("#pragma once\n#include \"fusedloss/math.h\"\nconstexpr int k = 1;\n")
+    src = tmp_path / "k.cu"
+    src.write_text('#include "inc.h"\n')
+    first = tool.source_hash(src)
+    assert first == tool.source_hash(src) and len(first) == 16
+    (tmp_path / "inc.h").write_text("#pragma once\n#include \"fusedloss/math.h\"\nconstexpr int k = 2;\n")
+    assert tool.source_hash(src) != first
+    seen = set()
+    tool._local_includes(tool.SOURCE.resolve(), seen)  # the prototype: itself, its step and merge, math.h
+    assert {p.name for p in seen} == {"sm90_softmax_partials.cu", "softmax_partials.h", "math.h"}
 
 
 def test_the_prototype_is_not_part_of_the_library_or_its_build():

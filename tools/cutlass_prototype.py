@@ -2,6 +2,9 @@
 
     python tools/cutlass_prototype.py              # compile, print the table, write the results below
     python tools/cutlass_prototype.py --no-write   # compile and print only
+    python tools/cutlass_prototype.py --prebuild DIR
+        # compile only, into DIR/fusedloss_proto_sm90a.so with DIR/PROTO_SOURCES (the sources' hash) and
+        # DIR/prototype_build.json: what benchmarks/cutlass_prototype_device.py runs on a GPU without nvcc time
 
 csrc/prototypes/sm90_softmax_partials.cu is the logits GEMM with the softmax statistics in its epilogue, an EVT
 node on a TMA / WGMMA warp-specialised kernel (docs/design.md, "Beyond the bound of this design"). It is not part
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -44,6 +48,8 @@ ARCH = "90a"
 # warning); CUTLASS's own builds define it too.
 NVCC_FLAGS = [f"-gencode=arch=compute_{ARCH},code=sm_{ARCH}", "-std=c++17", "--expt-relaxed-constexpr", "-O3",
               "-DNDEBUG"]
+LIB_NAME = "fusedloss_proto_sm90a.so"  # the shared object's name wherever it is kept (prebuilt, device runs)
+HASH_FILE = "PROTO_SOURCES"  # beside a prebuilt one: source_hash() of what it was built from
 KERNEL_MARK = "Sm90RowSoftmaxPartials"  # the EVT node's name inside the kernel's mangled name
 INFO_FIELDS = ["threads", "min_blocks_per_sm", "dynamic_shared_bytes", "stages", "tile_m", "tile_n", "tile_k",
                "cluster_m", "cluster_n", "epi_tile_m", "epi_tile_n"]
@@ -80,14 +86,74 @@ def cutlass_dist():
     return dirs, dist.version
 
 
-def toolchain_missing() -> str:
-    """Why the prototype cannot be compiled here, or '' when it can."""
+def toolchain_missing(read_back: bool = True) -> str:
+    """Why the prototype cannot be compiled here (and, with ``read_back``, its SASS read), or '' when it can."""
     try:
-        find_cuobjdump(find_nvcc())
+        nvcc = find_nvcc()
+        if read_back:
+            find_cuobjdump(nvcc)
         cutlass_dist()
     except FileNotFoundError as exc:
         return str(exc)
     return ""
+
+
+def _local_includes(path: Path, seen: set) -> None:
+    """``path`` and every file it includes with quotes from csrc/ (or its own folder), transitively, into seen."""
+    seen.add(path)
+    for name in re.findall(r'^\s*#\s*include\s+"([^"]+)"', path.read_text(), re.M):
+        for base in (path.parent, ROOT / "csrc"):
+            dep = (base / name).resolve()
+            if dep.is_file():
+                if dep not in seen:
+                    _local_includes(dep, seen)
+                break
+
+
+def source_hash(source: Path = SOURCE) -> str:
+    """16 hex digits over the source, the repository headers it includes (transitively) and the nvcc flags:
+    a prebuilt shared object is run only when built from the same (the CUTLASS headers are the pinned wheel's)."""
+    files: set = set()
+    _local_includes(Path(source).resolve(), files)
+    h = hashlib.sha256(" ".join(NVCC_FLAGS).encode())
+    for f in sorted(files):
+        rel = f.relative_to(ROOT) if f.is_relative_to(ROOT) else f
+        h.update(f"\0{rel.as_posix()}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
+def compile_library(lib: Path, source: Path = SOURCE, extra: tuple = ()) -> tuple:
+    """nvcc ``source`` into the shared object ``lib`` with NVCC_FLAGS (+ ``extra``): (seconds, nvcc's stderr).
+    RuntimeError when nvcc fails, FileNotFoundError when nvcc or the CUTLASS wheel is missing."""
+    nvcc = find_nvcc()
+    includes, _ = cutlass_dist()
+    flags = NVCC_FLAGS + [f"-I{d}" for d in includes] + [f"-I{ROOT / 'csrc'}"]
+    cmd = [nvcc, *flags, *extra, "-shared", "-Xcompiler", "-fPIC", "-o", str(lib), str(source)]
+    t0 = time.perf_counter()
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
+    return seconds, r.stderr
+
+
+def prebuild(folder: Path, source: Path = SOURCE) -> dict:
+    """The shared object into ``folder`` for a GPU machine that should not spend nvcc's minute: LIB_NAME, its
+    source hash in HASH_FILE, and prototype_build.json (versions, flags, compile time)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    lib = folder / LIB_NAME
+    (folder / HASH_FILE).unlink(missing_ok=True)  # never a hash beside a library it does not describe
+    seconds, _ = compile_library(lib, source)
+    info = (ctypes.c_int * len(INFO_FIELDS))()
+    ctypes.CDLL(str(lib)).fusedloss_proto_kernel_info(info)  # it loads, and its host constants read back
+    _, wheel_version = cutlass_dist()
+    meta = {"library": LIB_NAME, "source_hash": source_hash(source), "commit": _commit(),
+            "nvcc": _version_line(find_nvcc()), "cutlass_wheel": f"nvidia-cutlass {wheel_version}",
+            "flags": NVCC_FLAGS, "compile_seconds": round(seconds, 1), "info": dict(zip(INFO_FIELDS, list(info)))}
+    (folder / "prototype_build.json").write_text(json.dumps(meta, indent=1) + "\n")
+    (folder / HASH_FILE).write_text(meta["source_hash"] + "\n")
+    return meta
 
 
 def _version_line(exe: str) -> str:
@@ -158,22 +224,20 @@ def sass_counts(sass: str, mark: str = KERNEL_MARK) -> dict:
     return counts
 
 
-def build(source: Path = SOURCE) -> dict:
-    """Compile ``source`` and read the kernel back: the report written to benchmarks/results."""
+def build(source: Path = SOURCE, keep: Path | None = None) -> dict:
+    """Compile ``source`` and read the kernel back: the report written to benchmarks/results. ``keep``: a folder
+    where the shared object stays (as LIB_NAME, with its HASH_FILE), for a caller that loads it afterwards."""
     nvcc = find_nvcc()
     cuobjdump = find_cuobjdump(nvcc)
     includes, wheel_version = cutlass_dist()
-    flags = NVCC_FLAGS + [f"-I{d}" for d in includes] + [f"-I{ROOT / 'csrc'}"]
     with tempfile.TemporaryDirectory() as tmp:
-        lib = Path(tmp) / "sm90_softmax_partials.so"
-        cmd = [nvcc, *flags, "-Xptxas=-v", "-shared", "-Xcompiler", "-fPIC", "-o", str(lib), str(source)]
-        t0 = time.perf_counter()
-        r = subprocess.run(cmd, capture_output=True, text=True)
-        seconds = time.perf_counter() - t0
-        if r.returncode != 0:
-            raise RuntimeError(f"nvcc failed ({r.returncode}):\n{r.stderr[-4000:]}")
-        warnings = sorted({ln.strip() for ln in r.stderr.splitlines() if "warning" in ln.lower()})
-        ptxas = parse_ptxas(r.stderr)
+        lib = Path(keep or tmp) / LIB_NAME
+        lib.parent.mkdir(parents=True, exist_ok=True)
+        seconds, stderr = compile_library(lib, source, ("-Xptxas=-v",))
+        if keep:
+            (lib.parent / HASH_FILE).write_text(source_hash(source) + "\n")
+        warnings = sorted({ln.strip() for ln in stderr.splitlines() if "warning" in ln.lower()})
+        ptxas = parse_ptxas(stderr)
         usage_text = subprocess.run([cuobjdump, "--dump-resource-usage", str(lib)], capture_output=True, text=True,
                                     check=True).stdout
         kernel, usage = parse_resource_usage(usage_text)
@@ -257,11 +321,26 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-write", action="store_true", help="print the table only")
     ap.add_argument("--out", type=Path, default=RESULTS, help="where the .md and .json go (default: %(default)s)")
+    ap.add_argument("--prebuild", type=Path, metavar="DIR",
+                    help=f"compile only, into DIR/{LIB_NAME} with DIR/{HASH_FILE}; no SASS read back")
+    ap.add_argument("--source-hash", action="store_true", help="print the sources' hash and exit")
     args = ap.parse_args(argv)
-    why = toolchain_missing()
+    if args.source_hash:
+        print(source_hash())
+        return 0
+    why = toolchain_missing(read_back=args.prebuild is None)
     if why:
         print(f"cutlass_prototype: cannot compile: {why}", file=sys.stderr)
         return 2
+    if args.prebuild is not None:
+        try:
+            meta = prebuild(args.prebuild)
+        except RuntimeError as exc:
+            print(f"cutlass_prototype: {exc}", file=sys.stderr)
+            return 1
+        print(f"cutlass_prototype: {args.prebuild / LIB_NAME} ({meta['compile_seconds']} s of nvcc), sources "
+              f"{meta['source_hash']}")
+        return 0
     report = build()
     text = render(report)
     print(text)

@@ -1,6 +1,7 @@
 // Compile-only prototype: the logits GEMM z = hidden @ W^T with the softmax statistics folded into its
 // epilogue (docs/design.md, "Beyond the bound of this design"). Not built by setup.py, not in the wheel, never
-// called by the library: tools/cutlass_prototype.py compiles it for sm_90a and reads its resources and SASS.
+// called by the library: tools/cutlass_prototype.py compiles it for sm_90a and reads its resources and SASS;
+// benchmarks/cutlass_prototype_device.py calls its host entry points (at the end) on a GPU.
 //
 // The GEMM is a CUTLASS 3 sm90 kernel (TMA loads, WGMMA, warp-specialised persistent cooperative schedule):
 //   A = hidden [N, D] bf16 row-major (K-major), B = W [V, D] bf16 row-major (K-major, i.e. CUTLASS's
@@ -18,6 +19,7 @@
 // maxima, so the node below is that node's per-row machinery (register state with stride 0 along N, the lane
 // shuffle tree, the m-major partial buffer) with the (m, t) merge instead of a functor.
 #include <cstdint>
+#include <cstdio>
 
 #include "cute/tensor.hpp"
 #include "cutlass/cutlass.h"
@@ -279,14 +281,17 @@ using Gemm = cutlass::gemm::device::GemmUniversalAdapter<GemmKernel>;
 
 }  // namespace fl_proto
 
-// Host launcher: compiled so that the argument plumbing is checked, never called (no GPU has run it yet).
-// part_m, part_t: [ceil(V / 256), round_up(N, 128)] fp32; target: [N] int64; target_logit: [N] fp32, pre-filled
-// by the caller (rows whose target is outside [0, V) are not written). Returns a cutlass::Status as int.
-extern "C" int fusedloss_proto_softmax_partials(const void* hidden, const void* weight, int n, int v, int d,
-                                                float* part_m, float* part_t, const int64_t* target,
-                                                float* target_logit, void* workspace, size_t workspace_bytes,
-                                                cudaStream_t stream) {
-  using namespace fl_proto;
+// ---------------------------------------------------------------------------------------------------------
+// Host entry points (extern "C", for ctypes: benchmarks/cutlass_prototype_device.py runs the kernel on a GPU
+// through them; docs/design.md, "The CUTLASS 3 prototype (compile-only)"). Host code only: the kernel above is
+// what tools/cutlass_prototype.py reads back, unchanged by them.
+// ---------------------------------------------------------------------------------------------------------
+namespace fl_proto {
+
+// The GEMM's arguments: A = hidden [n, d], B = W [v, d] (both K-major), the partial buffers of the EVT node.
+inline typename Gemm::Arguments make_arguments(const void* hidden, const void* weight, int n, int v, int d,
+                                               float* part_m, float* part_t, const int64_t* target,
+                                               float* target_logit) {
   using StrideA = typename GemmKernel::StrideA;
   using StrideB = typename GemmKernel::StrideB;
   using StrideD = typename GemmKernel::StrideD;
@@ -297,13 +302,55 @@ extern "C" int fusedloss_proto_softmax_partials(const void* hidden, const void* 
        static_cast<const Element*>(weight), cutlass::make_cute_packed_stride(StrideB{}, {v, d, 1})},
       {{}, nullptr, StrideD{}, nullptr, cutlass::make_cute_packed_stride(StrideD{}, {n, v, 1})}};
   args.epilogue.thread = {{}, {part_m, part_t, target, target_logit}};
-  Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return int(cutlass::Status::kErrorInvalidProblem);
-  if (Gemm::get_workspace_size(args) > workspace_bytes) return int(cutlass::Status::kErrorWorkspaceNull);
-  cutlass::Status status = gemm.initialize(args, workspace, stream);
-  if (status != cutlass::Status::kSuccess) return int(status);
-  return int(gemm.run(stream));
+  return args;
 }
+
+// What the last failed call said, for a caller that only sees the status code.
+thread_local char last_error[512] = "";
+
+inline int fail(cutlass::Status status, const char* where) {
+  const cudaError_t cuda = cudaGetLastError();  // also clears a non-sticky launch error
+  snprintf(last_error, sizeof(last_error), "%s: %s (CUDA: %s)", where, cutlass::cutlassGetStatusString(status),
+           cudaGetErrorString(cuda));
+  return int(status);
+}
+
+}  // namespace fl_proto
+
+// One launch on `stream` (a cudaStream_t; torch's current stream works: both runtimes share the device's
+// primary context). hidden: [n, d] bf16 and weight: [v, d] bf16, row-major, d % 8 == 0 (16-byte TMA rows).
+// part_m, part_t: [ceil(v / 256), round_up(n, 128)] fp32, element (row, tile) at row + tile * round_up(n, 128)
+// (rows >= n are padding the kernel may write); target: [n] int64; target_logit: [n] fp32, pre-filled by the
+// caller (rows whose target is outside [0, v) are not written). workspace: fusedloss_proto_workspace_bytes
+// bytes (nullptr when 0). Asynchronous; returns 0 (cutlass::Status::kSuccess) or a cutlass::Status, with
+// fusedloss_proto_last_error saying which step failed and the CUDA error beside it.
+extern "C" int fusedloss_proto_softmax_partials(const void* hidden, const void* weight, int n, int v, int d,
+                                                float* part_m, float* part_t, const int64_t* target,
+                                                float* target_logit, void* workspace, size_t workspace_bytes,
+                                                cudaStream_t stream) {
+  using namespace fl_proto;
+  auto args = make_arguments(hidden, weight, n, v, d, part_m, part_t, target, target_logit);
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    return fail(cutlass::Status::kErrorInvalidProblem, "can_implement");
+  }
+  if (Gemm::get_workspace_size(args) > workspace_bytes) return fail(cutlass::Status::kErrorWorkspaceNull, "workspace");
+  cutlass::Status status = gemm.initialize(args, workspace, stream);
+  if (status != cutlass::Status::kSuccess) return fail(status, "initialize");
+  status = gemm.run(stream);
+  if (status != cutlass::Status::kSuccess) return fail(status, "run");
+  last_error[0] = '\0';
+  return 0;
+}
+
+// The workspace the launch needs for (n, v, d), in bytes. Host arithmetic only: no device is touched.
+extern "C" size_t fusedloss_proto_workspace_bytes(int n, int v, int d) {
+  using namespace fl_proto;
+  return Gemm::get_workspace_size(make_arguments(nullptr, nullptr, n, v, d, nullptr, nullptr, nullptr, nullptr));
+}
+
+// The message of the calling thread's last failed launch ("" after a successful one).
+extern "C" const char* fusedloss_proto_last_error() { return fl_proto::last_error; }
 
 // The kernel's launch shape, for tools/cutlass_prototype.py (host constants only: no device is touched).
 // Order: threads per block, min blocks per SM, dynamic shared memory bytes, mainloop stages, CTA tile M, N, K,
