@@ -440,11 +440,11 @@ def test_eager_teacher_fold_matches_float64_and_the_torch_backend(divergence, dt
         zt = (p64.teacher_hidden @ p64.teacher_weight.T + p64.teacher_bias) * 1.1
         cap = _DIVERGENCES[divergence][3]
         zt = (zt if cap is None else cap * torch.tanh(zt / cap)) / 0.9
-        # the teacher at column 5, not at its duplicates (20, 40, 101): the product's own rounding (float64, a
-        # tile of columns here, the whole head there; the CPU's BLAS picks the order) is far below their spread
-        spread = (zt[tied][:, [20, 40, 101]] - zt[tied, 5, None]).abs().amin()
-        assert spread > 1e-3
-        assert (want["teacher_at_max"][tied].double() - zt[tied, 5]).abs().max() <= 1e-12 * spread
+        # the teacher at column 5, not at its duplicates (20, 40, 101, at least 1e-3 away): equal up to the
+        # float64 product's own rounding (a tile of columns there, the whole head here; BLAS picks the order)
+        assert (zt[tied][:, [20, 40, 101]] - zt[tied, 5, None]).abs().amin() > 1e-3
+        assert bool(((want["teacher_at_max"][tied].double() - zt[tied, 5]).abs()
+                     <= 16 * torch.finfo(F64).eps * zt[tied, 5].abs()).all())
         assert rel_err(got["teacher_at_max"][tied], zt[tied, 5]) <= stat_tol
     assert torch.isfinite(loss) or not torch.isfinite(t_loss)
     if bool(torch.isfinite(t_loss)):
