@@ -2,11 +2,23 @@
 ORPO, CPO/SimPO) straight from hidden states and the lm_head weight, never materialising the
 [tokens x vocab] logits.
 
-Public API: ``token_logprobs``, ``cross_entropy``, ``distillation_loss``, ``grpo_loss``, ``dpo_loss``,
-``kto_loss``, ``orpo_loss``, ``cpo_loss``, ``group_advantages``, ``backend_status``, and ``estimate`` (what
-fusedloss would save for a model and a batch; ``python -m fusedloss estimate``). ``fusedloss.reference``
-holds the same functions on materialised logits: the executable specification every backend is tested
-against. ``fusedloss.nn`` wraps each loss as a ``torch.nn.Module``.
+Three ways in, from the least code to the most control:
+
+1. A Hugging Face model: ``fusedloss.integrations.transformers.patch(model)`` makes
+   ``model(input_ids, labels=...)`` return the model's own causal-LM loss without its logits
+   (``unpatch(model)`` restores it).
+2. A trainer: ``fusedloss.integrations.trl.enable()`` routes TRL's trainers
+   through fusedloss (their fused LM-head paths: GRPO, RLOO, DPO, KTO, SFT, distillation);
+   ``fusedloss.integrations.verl.enable()``, ``.openrlhf`` and ``.axolotl`` do the same for
+   those frameworks.
+3. The functional API, from the hidden states and the head's weight: ``token_logprobs``, ``cross_entropy``,
+   ``distillation_loss``, ``sparse_distillation_loss``, ``grpo_loss``, ``dpo_loss``, ``kto_loss``,
+   ``orpo_loss``, ``cpo_loss``; ``group_advantages`` for GRPO's advantages. ``fusedloss.nn`` wraps each loss
+   as a ``torch.nn.Module``.
+
+``backend_status()`` says which backends (torch, Triton, CUDA) run here and why not; ``estimate`` says what
+fusedloss would save for a model and a batch (``python -m fusedloss estimate``). ``fusedloss.reference`` holds
+the same functions on materialised logits: the executable specification every backend is tested against.
 """
 
 from .core import backends as _backends

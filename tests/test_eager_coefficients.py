@@ -201,11 +201,14 @@ def _row_losses(case: str, monkeypatch):
     seen = []
     real = eager._chunk_function
 
-    def recording(row_loss, problem):
+    def recording(row_loss, problem, rows_of=None):
         seen.append((row_loss, problem))
-        return real(row_loss, problem)
+        return real(row_loss, problem, rows_of)
 
     monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    # the whole batch, ignored rows included, reaches the chunk function (tests/test_eager_ignored_rows.py pins
+    # that the eager path gathers them away first)
+    monkeypatch.setattr(eager, "valid_rows", lambda problem: None)
     monkeypatch.setattr(eager, "_chunk_function", recording)
     _loss(case, "torch", _inputs()).backward()
     monkeypatch.setattr(eager, "_chunk_function", real)
@@ -278,7 +281,9 @@ def test_eager_gradients_are_the_materialised_bits(backend_name, case, monkeypat
         calls = []
         real_fn = fn
 
-        def counting(row_loss, problem, real_fn=real_fn, calls=calls):
+        def counting(row_loss, problem, rows_of=None, real_fn=real_fn, calls=calls):
+            if rows_of is not None:  # the valid rows only: the row loss sees their positions in the batch
+                row_loss = (lambda loss_of: lambda stats, rows: loss_of(stats, rows_of[rows]))(row_loss)
             chunk_fn = real_fn(row_loss, problem)
 
             def counted(stats, rows):

@@ -38,3 +38,13 @@ def test_help_of_grpo_loss_holds_the_formulas_it_refers_to():
         assert loss_type in text
     for fn in (fusedloss.dpo_loss, fusedloss.cpo_loss, fusedloss.kto_loss):
         assert "module docstring" not in pydoc.render_doc(fn, renderer=pydoc.plaintext), fn.__name__
+
+
+def test_help_starts_with_the_three_ways_in():
+    """``help(fusedloss)`` names the patch, the trainer switches and the functional API before anything else."""
+    import fusedloss
+
+    head = "\n".join(fusedloss.__doc__.splitlines()[:20])
+    for way in ("integrations.transformers.patch(model)", "integrations.trl.enable()", "token_logprobs",
+                "cross_entropy", "grpo_loss"):
+        assert way in head, way

@@ -24,7 +24,7 @@ import torch
 
 from .. import config
 from . import backends
-from .problem import DeferredProduct, GradientNeeds, Statistics, StatsProblem
+from .problem import DeferredProduct, GradientNeeds, Statistics, StatsProblem, gathered_rows, valid_rows
 from .statistics import SECOND_ORDER_MESSAGE, autocast_off, dz_coefficients
 
 RowLoss = Callable[[Statistics, "slice | torch.Tensor"], torch.Tensor]
@@ -33,13 +33,16 @@ RowLoss = Callable[[Statistics, "slice | torch.Tensor"], torch.Tensor]
 per-row tensor of the loss."""
 
 
-def _chunk_function(row_loss: RowLoss, problem: StatsProblem):
+def _chunk_function(row_loss: RowLoss, problem: StatsProblem, rows_of: Optional[torch.Tensor] = None):
     """Wrap a row-local loss into ``chunk_fn(stats, rows) -> (chunk loss, [7, len(rows)] coefficients)``.
 
     ``stats`` may be the backend's own buffers, valid during the call: they are read, never written or kept.
     Each statistic is its own leaf, so autograd gives None for those the loss does not use, and
     ``dz_coefficients`` skips them: no zero gradient rows are formed and stacked per chunk (the small kernels
-    of a chunk, docs/design.md, "Plans and the cost model")."""
+    of a chunk, docs/design.md, "Plans and the cost model").
+
+    ``rows_of``: where ``problem``'s rows sit in the loss's batch (an index tensor) when the problem holds
+    only some of them; ``row_loss`` is then called with those positions."""
     vocab = problem.weight.shape[0]
     # per call, not per chunk: the ignored rows' mask, and the loss's seed gradient (autograd's ones_like)
     ignored = None if problem.targets is None else problem.targets < 0
@@ -48,7 +51,7 @@ def _chunk_function(row_loss: RowLoss, problem: StatsProblem):
     def chunk_fn(stats: Statistics, rows):
         with torch.enable_grad():
             leaves = Statistics(*(s.detach().requires_grad_(True) for s in stats))
-            loss = row_loss(leaves, rows)
+            loss = row_loss(leaves, rows if rows_of is None else rows_of[rows])
             if loss.numel() != 1:
                 raise RuntimeError(f"row_loss must return a scalar, got shape {tuple(loss.shape)}")
             key = (loss.shape, loss.dtype, loss.device)
@@ -66,13 +69,21 @@ class _EagerLoss(torch.autograd.Function):
     def forward(ctx, hidden, weight, bias, problem: StatsProblem, backend_name: str, row_loss: RowLoss,
                 needs: GradientNeeds):
         device = torch.cuda.device(hidden.device) if hidden.is_cuda else contextlib.nullcontext()
+        # Rows without a target (prompt tokens, padding, masked completion positions) add nothing to a
+        # row-local loss and get no gradient: they are gathered away before the products, which then cost
+        # only the valid rows' share (a padded GRPO batch: a quarter or more of all three products).
+        active = valid_rows(problem)
+        kept = problem if active is None else gathered_rows(problem, active)
         with device, autocast_off(hidden.device):
-            loss, grads = backends.get(backend_name).eager_gradients(problem, _chunk_function(row_loss, problem),
-                                                                      needs)
+            loss, grads = backends.get(backend_name).eager_gradients(
+                kept, _chunk_function(row_loss, kept, active), needs)
         # Saved (not kept on ctx) so that autograd frees them after the backward, and a second backward
         # without retain_graph=True raises as it does for any PyTorch graph. A deferred d weight saves its
         # two operands and its row mask in its place.
         dh, dw, db = grads
+        if dh is not None and active is not None:
+            dh = torch.zeros((problem.hidden.shape[0], dh.shape[1]), device=dh.device,
+                             dtype=dh.dtype).index_copy_(0, active, dh)
         ctx.deferred = dw.product if isinstance(dw, DeferredProduct) else None
         ctx.save_for_backward(dh, db, *((dw.lhs, dw.rhs, dw.rows) if ctx.deferred else (dw,)))
         ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)

@@ -82,6 +82,7 @@ Ignored rows (negative target) have all-zero coefficients, and a backend may ski
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 
@@ -185,3 +186,21 @@ class DeferredProduct(NamedTuple):
     rhs: torch.Tensor  # hidden [N, D]
     rows: torch.Tensor  # [N] bool: the rows inside the loss
     product: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def valid_rows(p: StatsProblem) -> Optional[torch.Tensor]:
+    """The rows with a target (``targets >= 0``) as an index tensor, or None when every row has one (or there
+    are no targets). One host sync: the row count sizes what follows."""
+    if p.targets is None:
+        return None
+    rows = torch.nonzero(p.targets >= 0).squeeze(1)
+    return None if rows.numel() == p.targets.numel() else rows
+
+
+def gathered_rows(p: StatsProblem, rows: torch.Tensor) -> StatsProblem:
+    """The problem restricted to the given rows (an index tensor), gathered once."""
+    def pick(t):
+        return None if t is None else t.index_select(0, rows)
+
+    return dataclasses.replace(p, hidden=pick(p.hidden), targets=pick(p.targets), teacher_hidden=pick(p.teacher_hidden))
+

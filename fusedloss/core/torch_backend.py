@@ -10,7 +10,6 @@ Triton and CUDA kernels do (``logits_gradient_tile``; docs/design.md, "The dz fo
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import NamedTuple, Optional
 
@@ -29,6 +28,8 @@ from .problem import (
     LogitTransform,
     Statistics,
     StatsProblem,
+    gathered_rows,
+    valid_rows,
 )
 
 
@@ -238,12 +239,12 @@ def _teacher_tile(p: StatsProblem, rows, v0: int, v1: int, out=None):
 def forward_statistics(p: StatsProblem) -> Statistics:
     # Ignored rows (padding, prompt tokens) cost nothing: run on the valid rows only. backward_gradients
     # recomputes the logits in these same row blocks.
-    rows = _valid_rows(p)
+    rows = valid_rows(p)
     if rows is None:
         return _forward_rows(p)
     full = torch.zeros((len(Statistics._fields), p.hidden.shape[0]), device=p.hidden.device, dtype=p.acc_dtype)
     if rows.numel():
-        full.index_copy_(1, rows, torch.stack(tuple(_forward_rows(_gathered_rows(p, rows)))))
+        full.index_copy_(1, rows, torch.stack(tuple(_forward_rows(gathered_rows(p, rows)))))
     return Statistics(*full.unbind(0))
 
 
@@ -513,13 +514,6 @@ def _zero_rows(t, rows):
     return t
 
 
-def _valid_rows(p: StatsProblem) -> Optional[torch.Tensor]:
-    """The rows the forward computes, as an index tensor (None: every row): those with a target >= 0."""
-    if p.targets is None:
-        return None
-    rows = torch.nonzero(p.targets >= 0).squeeze(1)  # one host sync: the row count sizes what follows
-    return None if rows.numel() == p.targets.numel() else rows
-
 
 def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds):
     """(d hidden, d weight, d bias), each None when not needed. Accumulates in fp32 (float64):
@@ -538,7 +532,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     v = w.shape[0]
     dw = torch.empty_like(w) if needs.weight else None  # every vocabulary tile writes its rows
     db = torch.empty_like(p.bias) if needs.bias else None
-    rows = _valid_rows(p)
+    rows = valid_rows(p)
 
     def pick(t):
         return t if rows is None or t is None else t.index_select(0, rows)
@@ -624,9 +618,10 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     acc = p.acc_dtype
     n, v = p.hidden.shape[0], p.weight.shape[0]
     dev = p.hidden.device
-    # Ignored rows (prompt tokens, padding) cost nothing: the valid rows are gathered once and chunked.
-    active = _valid_rows(p)
-    q = p if active is None else _gathered_rows(p, active)
+    # Ignored rows (prompt tokens, padding) cost nothing: the valid rows are gathered once and chunked (the
+    # eager path hands over only valid rows already, core/eager.py; a direct caller may not).
+    active = valid_rows(p)
+    q = p if active is None else gathered_rows(p, active)
     count = q.hidden.shape[0]
     dh = torch.empty((count, q.hidden.shape[1]), device=dev, dtype=acc) if needs.hidden else None
     # written by the first chunk's product (zeros only when there is none)
@@ -685,7 +680,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
 def _general_rows(q: StatsProblem, rows: slice, bad: torch.Tensor, coeffs, norms: RowNorms, v: int):
     """dz of the rows ``bad`` (indices into the chunk ``rows`` of ``q``) on the general route, from logits
     formed again from the heads: the fast route consumed the chunk's tiles."""
-    sub = _gathered_rows(q, bad + rows.start)
+    sub = gathered_rows(q, bad + rows.start)
     every = slice(0, bad.numel())
     z, c = _student_tile(sub, every, 0, v)
     zt = _teacher_tile(sub, every, 0, v)
@@ -693,9 +688,3 @@ def _general_rows(q: StatsProblem, rows: slice, bad: torch.Tensor, coeffs, norms
                                 None if sub.targets is None else sub.targets, 0, v)
 
 
-def _gathered_rows(p: StatsProblem, rows: torch.Tensor) -> StatsProblem:
-    """The problem restricted to the given rows (an index tensor), gathered once."""
-    def pick(t):
-        return None if t is None else t.index_select(0, rows)
-
-    return dataclasses.replace(p, hidden=pick(p.hidden), targets=pick(p.targets), teacher_hidden=pick(p.teacher_hidden))
