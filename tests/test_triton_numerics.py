@@ -429,8 +429,16 @@ def test_eager_teacher_fold_matches_float64_and_the_torch_backend(divergence, dt
     grad_tol = 1e-10 if dtype == F64 else 1e-5 if dtype == torch.float32 else 2e-3
     names = ["lse", "lse_t"] + (["kl_rev", "kl_rev_rel", "teacher_at_max"] if p.want_kl_rev else []) + (
         ["kl_fwd"] if p.want_kl_fwd else []) + (["jsd", "kl_qm"] if p.jsd_beta is not None else [])
+    # Which of the duplicated columns is the student's first maximum is decided by the computed logits: in
+    # float64 the duplicates are equal to the last bit, in float32/fp16 the BLAS under the interpreter may round
+    # one of them a unit above the others (its kernel for edge columns sums in another order). The statistics
+    # framed at that column (the teacher there, the reverse KL's log-ratio) are then the teacher at that
+    # duplicate: compared on the other rows here, and below against the teacher at one of the duplicates.
+    framed = {"kl_rev_rel", "teacher_at_max"}
+    exact_tie = dtype == F64
     for name in names:
-        assert rel_err(got[name], want[name]) <= stat_tol, (name, got[name], want[name])
+        rows = slice(None) if exact_tie or name not in framed else ~tied
+        assert rel_err(got[name][rows], want[name][rows]) <= stat_tol, (name, got[name], want[name])
     # lse_t as hi + lo: the residual carries what rounding hi dropped
     assert rel_err(got["lse_t"].double() + got["lse_t_lo"].double(), want["lse_t"] + want["lse_t_lo"]) <= stat_tol
     if p.want_kl_rev:
@@ -445,7 +453,11 @@ def test_eager_teacher_fold_matches_float64_and_the_torch_backend(divergence, dt
         assert (zt[tied][:, [20, 40, 101]] - zt[tied, 5, None]).abs().amin() > 1e-3
         assert bool(((want["teacher_at_max"][tied].double() - zt[tied, 5]).abs()
                      <= 16 * torch.finfo(F64).eps * zt[tied, 5].abs()).all())
-        assert rel_err(got["teacher_at_max"][tied], zt[tied, 5]) <= stat_tol
+        if exact_tie:
+            assert rel_err(got["teacher_at_max"][tied], zt[tied, 5]) <= stat_tol
+        else:  # the teacher at one of the student's duplicated maxima, whichever the rounding put first
+            gap = (got["teacher_at_max"][tied].double()[:, None] - zt[tied][:, [5, 20, 40, 101]]).abs().amin(1)
+            assert bool((gap <= stat_tol * zt[tied][:, [5, 20, 40, 101]].abs().amax(1)).all()), gap
     assert torch.isfinite(loss) or not torch.isfinite(t_loss)
     if bool(torch.isfinite(t_loss)):
         assert abs(float(loss) - float(t_loss)) <= stat_tol * 10 * max(1.0, abs(float(t_loss)))
