@@ -41,9 +41,28 @@ FP32_TOL = 1e-5
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
+    config.addinivalue_line("markers", "tooling: a check of the project's instruments (TOOLING_MODULES), run by CI")
+
+
+# The project's instruments rather than the library: the wheels and the extension's device code, the benchmark
+# and its device check, the cost model and its instruction counts, the compile harnesses, the CUTLASS prototype,
+# the frameworks' virtualenv and the transformers architecture sweep. Marked ``tooling``: the README's test
+# command (``-m "not tooling"``) runs what a user relies on in minutes; CI runs both.
+TOOLING_MODULES = {
+    "test_build.py", "test_driver_compat.py", "test_bench_device_script.py", "test_bench_main.py",
+    "test_bench_worker.py", "test_bench_model.py", "test_cost_model.py", "test_cost_model_launches.py",
+    "test_sass_counts.py", "test_triton_compile.py", "test_cutlass_prototype.py", "test_cutlass_prototype_device.py",
+    "test_cuda_device_scripts.py", "test_frameworks_env.py", "test_transformers_zoo.py", "test_skip_summary.py",
+    "test_triton_launches.py",
+}
+TOOLING_TESTS = ("test_kernels_compile_for_sm90",)
 
 
 def pytest_collection_modifyitems(config, items):
+    tooling = pytest.mark.tooling
+    for item in items:
+        if item.nodeid.split("::")[0].rsplit("/", 1)[-1] in TOOLING_MODULES or item.name.startswith(TOOLING_TESTS):
+            item.add_marker(tooling)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
