@@ -160,3 +160,44 @@ def test_covariance_losses_against_reference(which, name, monkeypatch):
     assert rel_err(got, want) <= tol
     for g, r in zip(got_grads, want_grads):
         assert r.norm() > 0 and rel_err(g, r) <= tol
+
+
+# --------------------------------------------------------------------------------------------------
+# Data-parallel means need the global count
+
+
+MEAN_MODES = {"token-mean": "num_items_in_batch", "seq-mean-token-sum": "global_batch_size",
+              "seq-mean-token-mean": "global_batch_size", "seq-mean-token-sum-norm": "global_batch_size"}
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "dppo_tv"])
+@pytest.mark.parametrize("mode", list(MEAN_MODES))
+def test_mean_over_processes_needs_the_global_count(mode, loss_type):
+    """With num_processes > 1, this rank's own count times the world size would scale the loss by the world
+    size: refused naming the missing count, as verl's agg_loss raises; with the count, verl's rule."""
+    inputs, _ = case("seq-mean-k2")
+    args = [inputs[k] for k in ("hidden", "weight", "completion_ids", "advantages", "completion_mask")]
+    kw = dict(old_logprobs=inputs["old_logprobs"], loss_type=loss_type, loss_agg_mode=mode, entropy_coef=0.01)
+    with pytest.raises(ValueError, match=f"{MEAN_MODES[mode]} is required with loss_agg_mode='{mode}' and "
+                                         "num_processes=4"):
+        fusedloss.grpo_loss(*args, num_processes=4, backend="torch", **kw)
+    count = {MEAN_MODES[mode]: 12 if mode == "token-mean" else 9}
+    got = fusedloss.grpo_loss(*args, num_processes=4, backend="torch", **count, **kw)
+    want = reference.grpo_loss(*args, num_processes=4, **count, **kw)
+    one = fusedloss.grpo_loss(*args, backend="torch", **count, **kw)
+    assert rel_err(got, want) <= 1e-12 and rel_err(got, 4 * one) <= 1e-12 and abs(got.item()) > 1e-3
+
+
+def test_sums_and_single_processes_need_no_global_count():
+    inputs, _ = case("seq-mean-k2")
+    args = [inputs[k] for k in ("hidden", "weight", "completion_ids", "advantages", "completion_mask")]
+    kw = dict(old_logprobs=inputs["old_logprobs"], backend="torch")
+    local = fusedloss.grpo_loss(*args, loss_agg_mode="token-sum", **kw)
+    assert rel_err(fusedloss.grpo_loss(*args, loss_agg_mode="token-sum", num_processes=3, **kw), 3 * local) <= 1e-14
+    for mode in MEAN_MODES:
+        fusedloss.grpo_loss(*args, loss_agg_mode=mode, num_processes=1, **kw)
+    # geo_mean's policy term is its own mean over completions: with no KL or entropy term nothing is aggregated
+    fusedloss.grpo_loss(*args, loss_type="geo_mean", num_processes=2, **kw)
+    with pytest.raises(ValueError, match="num_items_in_batch is required"):
+        fusedloss.grpo_loss(*args, loss_type="geo_mean", num_processes=2, entropy_coef=0.1, **kw)
+

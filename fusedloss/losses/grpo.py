@@ -112,7 +112,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
             ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"`` (by ``max_completion_length``, None: C);
             sequence means over ``global_batch_size`` completions (None: those with a token), times
             ``num_processes`` (verl's dp_size); the entropy bonus is aggregated the same way, over the mask.
-            None: the aggregation of ``loss_type`` below.
+            With ``num_processes > 1`` the means need the global count (``num_items_in_batch`` for
+            token-mean, ``global_batch_size`` for the sequence means): without it a ValueError, as verl
+            raises. None: the aggregation of ``loss_type`` below.
         global_batch_size: the completions a sequence-mean ``loss_agg_mode`` divides by (all ranks).
         cispo_two_sided: verl's cispo: the ratio clamped to ``[1 - epsilon_low, 1 + epsilon_high]``, its
             log clamped to +-20, instead of TRL's cap at ``epsilon_high``.
@@ -175,6 +177,7 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     v.require_positive_int("global_batch_size", global_batch_size, allow_none=True)
     v.require_positive_int("num_processes", num_processes)
     v.require_positive_int("max_completion_length", max_completion_length, allow_none=True)
+    _require_global_count(opts, num_processes, num_items_in_batch, global_batch_size)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
                              softcap=softcap, backend=backend, **head)
     batch = _Completions.of(logits, opts, completion_ids, advantages, completion_mask, old_logprobs=old_logprobs,
@@ -212,6 +215,26 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     if not return_details:
         return loss
     return loss, _details(logp, entropy, kl, ratio, phi, policy_loss, batch, opts)
+
+
+def _require_global_count(opts: "_Options", num_processes: int, num_items_in_batch, global_batch_size) -> None:
+    """verl's ``agg_loss`` refuses a mean over one rank's tokens or completions scaled by ``dp_size``: this
+    rank's count times the world size is the world size times the loss after the data-parallel average, a
+    learning rate silently scaled by ``num_processes``. The global count must be given."""
+    if num_processes == 1 or opts.loss_agg_mode in (None, "token-sum"):
+        return
+    if opts.loss_type == "geo_mean" and opts.beta == 0 and opts.entropy_coef == 0:
+        return  # its policy term has its own mean; nothing is aggregated by loss_agg_mode
+    if opts.loss_agg_mode == "token-mean":
+        missing, what = num_items_in_batch, "num_items_in_batch (verl's batch_num_tokens: the tokens of all ranks)"
+        name = "num_items_in_batch"
+    else:
+        missing, what = global_batch_size, "global_batch_size (the completions of all ranks)"
+        name = "global_batch_size"
+    if missing is None:
+        raise ValueError(f"{name} is required with loss_agg_mode={opts.loss_agg_mode!r} and num_processes="
+                         f"{num_processes}: the mean is over {what}, and this rank's own count times "
+                         f"num_processes would scale the loss by {num_processes} (verl's agg_loss refuses it too)")
 
 
 def _row_loss(batch: "_Completions", token_weight: torch.Tensor, entropy_weight: torch.Tensor, opts: "_Options"):

@@ -22,7 +22,9 @@ averaged by the data-parallel all-reduce)::
     seq-mean-token-sum-norm  seq-mean-token-sum / loss_scale_factor     (None: C)
 
 with ``global_batch_size`` None: the completions that have at least one token (fully masked ones count in
-no mean). Where verl divides 0 by 0 (no token, no completion) the loss is 0 here.
+no mean). The local fallbacks (``batch_num_tokens`` / ``global_batch_size`` None) hold for ``dp_size`` 1 only:
+``grpo_loss`` refuses them otherwise, as verl's ``agg_loss`` does. Where verl divides 0 by 0 (no token, no
+completion) the loss is 0 here.
 """
 
 from __future__ import annotations
