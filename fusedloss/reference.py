@@ -333,7 +333,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
               vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
               off_policy_mask_threshold=None, sampling_logprobs=None, top_entropy_quantile=1.0, entropy_coef=0.0,
               kl_loss_type=None, loss_agg_mode=None, global_batch_size=None, cispo_two_sided=False, dro_beta=None,
-              clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002, ppo_kl_coef=1.0,
+              clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002, ppo_kl_coef=0.1,
               max_completion_length=None,
               num_items_in_batch=None, num_processes=1, importance_weights=None, return_details=False):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` (gradient accumulation 1, one process), written in TRL's order.
@@ -342,9 +342,10 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     before any arithmetic, so that whatever was there produces nothing, gradient included. TRL's shapes
     are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio. ``kl_loss_type`` and
     ``loss_agg_mode`` are verl 0.9's (``kl_penalty``, ``agg_loss``), written as verl writes them, and so are
-    its losses dppo_tv, dppo_kl, dro, clip_cov, kl_cov, geo_mean and two-sided cispo (token-mean unless
+    its losses vanilla, dppo_tv, dppo_kl, dro, clip_cov, kl_cov, geo_mean and two-sided cispo (token-mean unless
     ``loss_agg_mode`` says)."""
-    if loss_type in ("dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean") and loss_agg_mode is None:
+    verl_losses = ("vanilla", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean")
+    if loss_type in verl_losses and loss_agg_mode is None:
         loss_agg_mode = "token-mean"
     if epsilon_high is None:
         epsilon_high = epsilon_low
@@ -411,6 +412,10 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         per_token_loss = -torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high).detach() * A * logp
     elif loss_type == "cispo":
         per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * A * logp
+    elif loss_type == "vanilla":  # PPO's clip and the dual clip at clip_ratio_c where A < 0, log-ratio within +-20
+        r = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+        clip_pg = torch.maximum(-A * r, -A * torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high))
+        per_token_loss = torch.where(A < 0, torch.min(-A * (3.0 if delta is None else delta), clip_pg), clip_pg)
     elif loss_type == "dro":
         per_token_loss = -(logp * A - 0.5 * dro_beta * (logp - old) ** 2)
     elif loss_type in ("dppo_tv", "dppo_kl"):  # binary trust-region masks, truncated importance sampling
@@ -536,7 +541,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         r = coef_1.detach()  # after the delta cap, as TRL measures it
         sign = A_trl if r.shape[1] == 1 else A
         low = high = region = low_min = high_max = None
-        unclipped = ("sapo", "vespo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean")
+        unclipped = ("sapo", "vespo", "vanilla", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean")
         if loss_type in unclipped or cispo_two_sided:
             pass  # no TRL clip metrics
         elif loss_type == "cispo":
