@@ -199,15 +199,18 @@ def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, redu
 
 def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=None, *, beta=1.0,
                       temperature=1.0, hard_weight=0.0, soft_weight=1.0, t_squared=False, bias=None,
-                      teacher_bias=None, ignore_index=-100, reduction="batchmean", num_items_in_batch=None):
+                      teacher_bias=None, logit_scale=1.0, softcap=None, teacher_logit_scale=1.0,
+                      teacher_softcap=None, ignore_index=-100, reduction="batchmean", num_items_in_batch=None):
     """TRL's ``generalized_jsd_loss`` between the student q = softmax(z_s / T) and the frozen teacher
-    p = softmax(z_t / T), plus ``hard_weight`` times the cross-entropy of the student at T = 1.
+    p = softmax(z_t / T), plus ``hard_weight`` times the cross-entropy of the student at T = 1; each model's
+    z is ``softcap(logit_scale * (h @ W.T + b))`` with its own scale and cap.
 
     beta == 0: KL(p || q); beta == 1: KL(q || p); else beta KL(p || m) + (1 - beta) KL(q || m) with
     m = (1 - beta) q + beta p."""
-    z_s = logits(hidden, weight, bias)
+    z_s = logits(hidden, weight, bias, logit_scale=logit_scale, softcap=softcap)
     with torch.no_grad():
-        z_t = logits(teacher_hidden, teacher_weight, teacher_bias).to(z_s.dtype)
+        z_t = logits(teacher_hidden, teacher_weight, teacher_bias, logit_scale=teacher_logit_scale,
+                     softcap=teacher_softcap).to(z_s.dtype)
     logq = torch.log_softmax(z_s / temperature, dim=-1)
     logp = torch.log_softmax(z_t / temperature, dim=-1)
     soft = _generalized_jsd(logq, logp, beta)
