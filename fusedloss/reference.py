@@ -199,15 +199,18 @@ def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, redu
 
 def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=None, *, beta=1.0,
                       temperature=1.0, hard_weight=0.0, soft_weight=1.0, t_squared=False, bias=None,
-                      teacher_bias=None, ignore_index=-100, reduction="batchmean", num_items_in_batch=None):
+                      teacher_bias=None, logit_scale=1.0, softcap=None, teacher_logit_scale=1.0,
+                      teacher_softcap=None, ignore_index=-100, reduction="batchmean", num_items_in_batch=None):
     """TRL's ``generalized_jsd_loss`` between the student q = softmax(z_s / T) and the frozen teacher
-    p = softmax(z_t / T), plus ``hard_weight`` times the cross-entropy of the student at T = 1.
+    p = softmax(z_t / T), plus ``hard_weight`` times the cross-entropy of the student at T = 1; each model's
+    z is ``softcap(logit_scale * (h @ W.T + b))`` with its own scale and cap.
 
     beta == 0: KL(p || q); beta == 1: KL(q || p); else beta KL(p || m) + (1 - beta) KL(q || m) with
     m = (1 - beta) q + beta p."""
-    z_s = logits(hidden, weight, bias)
+    z_s = logits(hidden, weight, bias, logit_scale=logit_scale, softcap=softcap)
     with torch.no_grad():
-        z_t = logits(teacher_hidden, teacher_weight, teacher_bias).to(z_s.dtype)
+        z_t = logits(teacher_hidden, teacher_weight, teacher_bias, logit_scale=teacher_logit_scale,
+                     softcap=teacher_softcap).to(z_s.dtype)
     logq = torch.log_softmax(z_s / temperature, dim=-1)
     logp = torch.log_softmax(z_t / temperature, dim=-1)
     soft = _generalized_jsd(logq, logp, beta)
@@ -333,7 +336,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
               vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
               off_policy_mask_threshold=None, sampling_logprobs=None, top_entropy_quantile=1.0, entropy_coef=0.0,
               kl_loss_type=None, loss_agg_mode=None, global_batch_size=None, cispo_two_sided=False, dro_beta=None,
-              clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002, ppo_kl_coef=1.0,
+              clip_cov_ratio=0.0002, clip_cov_lb=1.0, clip_cov_ub=5.0, kl_cov_ratio=0.0002, ppo_kl_coef=0.1,
               max_completion_length=None,
               num_items_in_batch=None, num_processes=1, importance_weights=None, return_details=False):
     """TRL 1.16 ``GRPOTrainer._compute_loss`` (gradient accumulation 1, one process), written in TRL's order.
@@ -342,9 +345,10 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
     before any arithmetic, so that whatever was there produces nothing, gradient included. TRL's shapes
     are kept: per-completion advantages are ``[B, 1]``, and so is a GSPO ratio. ``kl_loss_type`` and
     ``loss_agg_mode`` are verl 0.9's (``kl_penalty``, ``agg_loss``), written as verl writes them, and so are
-    its losses dppo_tv, dppo_kl, dro, clip_cov, kl_cov, geo_mean and two-sided cispo (token-mean unless
+    its losses vanilla, dppo_tv, dppo_kl, dro, clip_cov, kl_cov, geo_mean and two-sided cispo (token-mean unless
     ``loss_agg_mode`` says)."""
-    if loss_type in ("dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean") and loss_agg_mode is None:
+    verl_losses = ("vanilla", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean")
+    if loss_type in verl_losses and loss_agg_mode is None:
         loss_agg_mode = "token-mean"
     if epsilon_high is None:
         epsilon_high = epsilon_low
@@ -411,6 +415,10 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         per_token_loss = -torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high).detach() * A * logp
     elif loss_type == "cispo":
         per_token_loss = -torch.clamp(coef_1, max=epsilon_high).detach() * A * logp
+    elif loss_type == "vanilla":  # PPO's clip and the dual clip at clip_ratio_c where A < 0, log-ratio within +-20
+        r = torch.exp(torch.clamp(logp - old, -20.0, 20.0))
+        clip_pg = torch.maximum(-A * r, -A * torch.clamp(r, 1 - epsilon_low, 1 + epsilon_high))
+        per_token_loss = torch.where(A < 0, torch.min(-A * (3.0 if delta is None else delta), clip_pg), clip_pg)
     elif loss_type == "dro":
         per_token_loss = -(logp * A - 0.5 * dro_beta * (logp - old) ** 2)
     elif loss_type in ("dppo_tv", "dppo_kl"):  # binary trust-region masks, truncated importance sampling
@@ -536,7 +544,7 @@ def grpo_loss(hidden, weight, completion_ids, advantages, completion_mask, *, ol
         r = coef_1.detach()  # after the delta cap, as TRL measures it
         sign = A_trl if r.shape[1] == 1 else A
         low = high = region = low_min = high_max = None
-        unclipped = ("sapo", "vespo", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean")
+        unclipped = ("sapo", "vespo", "vanilla", "dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean")
         if loss_type in unclipped or cispo_two_sided:
             pass  # no TRL clip metrics
         elif loss_type == "cispo":

@@ -194,17 +194,21 @@ def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, redu
 
 def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=None, *, beta=1.0, temperature=1.0,
                       hard_weight=0.0, soft_weight=1.0, t_squared=False, bias=None, teacher_bias=None,
+                      logit_scale=1.0, softcap=None, teacher_logit_scale=1.0, teacher_softcap=None,
                       ignore_index=-100, reduction="batchmean", num_items_in_batch=None, cfg=EXACT):
     """TRL's generalized JSD between q = softmax(z_s / T) (student) and p = softmax(z_t / T) (teacher, frozen),
-    plus hard_weight times the student's cross-entropy at T = 1."""
+    plus hard_weight times the student's cross-entropy at T = 1; each side's z scaled and soft-capped by its
+    own logit_scale / softcap."""
     lead = hidden.shape[:-1]
     n = math.prod(lead)
     y = None if targets is None else targets.reshape(-1)
     valid = torch.ones(n, dtype=torch.bool) if y is None else y != ignore_index
     rows = torch.nonzero(valid).squeeze(1)
-    z_s = logits(_flat_rows(hidden).index_select(0, rows), weight, bias, cfg=cfg)
+    z_s = logits(_flat_rows(hidden).index_select(0, rows), weight, bias, logit_scale=logit_scale, softcap=softcap,
+                 cfg=cfg)
     with torch.no_grad():
-        z_t = logits(_flat_rows(teacher_hidden).index_select(0, rows), teacher_weight, teacher_bias, cfg=cfg)
+        z_t = logits(_flat_rows(teacher_hidden).index_select(0, rows), teacher_weight, teacher_bias,
+                     logit_scale=teacher_logit_scale, softcap=teacher_softcap, cfg=cfg)
     logq = log_softmax(z_s / temperature, cfg)
     logp = log_softmax(z_t / temperature, cfg).detach()
     if beta == 0:

@@ -37,6 +37,9 @@ CASES = {
                           kl_loss_type="kl"),
     "cispo-two-sided": dict(loss_type="cispo", cispo_two_sided=True, epsilon_high=0.28, loss_agg_mode="token-mean",
                             entropy_coef=0.01),
+    "vanilla": dict(loss_type="vanilla", epsilon_high=0.28, beta=0.05, kl_loss_type="k3", entropy_coef=0.01,
+                    use_bias_correction_kl=False),
+    "vanilla-seq-mean": dict(loss_type="vanilla", delta=2.0, loss_agg_mode="seq-mean-token-mean"),
     "dppo_tv": dict(loss_type="dppo_tv", epsilon_high=0.28, beta=0.05, kl_loss_type="k3"),
     "dppo_kl": dict(loss_type="dppo_kl", epsilon_low=0.05, epsilon_high=0.1, delta=1.5,
                     loss_agg_mode="seq-mean-token-mean"),
@@ -106,6 +109,8 @@ def test_the_options_change_the_loss():
     (dict(loss_type="cispo", cispo_two_sided=True, importance_sampling_level="sequence"), "importance_sampling_level"),
     (dict(loss_type="clip_cov", clip_cov_ratio=0.0), "clip_cov_ratio"),
     (dict(loss_type="kl_cov", kl_cov_ratio=-0.1), "kl_cov_ratio"),
+    (dict(loss_type="vanilla", delta=1.0), "delta must be > 1"),
+    (dict(loss_type="vanilla", importance_sampling_level="sequence"), "importance_sampling_level"),
 ])
 def test_bad_verl_options(options, match):
     inputs, _ = case("seq-mean-k2")
@@ -115,7 +120,8 @@ def test_bad_verl_options(options, match):
 
 
 @pytest.mark.parametrize("which", [b for b in ALL_BACKENDS if b != "triton"])
-@pytest.mark.parametrize("name", ["token-mean-k3", "seq-sum-abs", "seq-mean-k2", "cispo-two-sided", "dppo_kl", "dro"])
+@pytest.mark.parametrize("name", ["token-mean-k3", "seq-sum-abs", "seq-mean-k2", "cispo-two-sided", "dppo_kl", "dro",
+                                  "vanilla"])
 def test_eager_path(which, name, monkeypatch):
     """Token-level verl options are row-local: the eager 3-product path takes them (forced), entropy bonus
     aggregated by the same weights, and equals the reference."""
@@ -160,3 +166,114 @@ def test_covariance_losses_against_reference(which, name, monkeypatch):
     assert rel_err(got, want) <= tol
     for g, r in zip(got_grads, want_grads):
         assert r.norm() > 0 and rel_err(g, r) <= tol
+
+
+# --------------------------------------------------------------------------------------------------
+# Data-parallel means need the global count
+
+
+MEAN_MODES = {"token-mean": "num_items_in_batch", "seq-mean-token-sum": "global_batch_size",
+              "seq-mean-token-mean": "global_batch_size", "seq-mean-token-sum-norm": "global_batch_size"}
+
+
+@pytest.mark.parametrize("loss_type", ["bnpo", "vanilla"])
+@pytest.mark.parametrize("mode", list(MEAN_MODES))
+def test_mean_over_processes_needs_the_global_count(mode, loss_type):
+    """With num_processes > 1, this rank's own count times the world size would scale the loss by the world
+    size: refused naming the missing count, as verl's agg_loss raises; with the count, verl's rule."""
+    inputs, _ = case("seq-mean-k2")
+    args = [inputs[k] for k in ("hidden", "weight", "completion_ids", "advantages", "completion_mask")]
+    kw = dict(old_logprobs=inputs["old_logprobs"], loss_type=loss_type, loss_agg_mode=mode, entropy_coef=0.01)
+    with pytest.raises(ValueError, match=f"{MEAN_MODES[mode]} is required with loss_agg_mode='{mode}' and "
+                                         "num_processes=4"):
+        fusedloss.grpo_loss(*args, num_processes=4, backend="torch", **kw)
+    count = {MEAN_MODES[mode]: 12 if mode == "token-mean" else 9}
+    got = fusedloss.grpo_loss(*args, num_processes=4, backend="torch", **count, **kw)
+    want = reference.grpo_loss(*args, num_processes=4, **count, **kw)
+    one = fusedloss.grpo_loss(*args, backend="torch", **count, **kw)
+    assert rel_err(got, want) <= 1e-12 and rel_err(got, 4 * one) <= 1e-12 and abs(got.item()) > 1e-3
+
+
+def test_sums_and_single_processes_need_no_global_count():
+    inputs, _ = case("seq-mean-k2")
+    args = [inputs[k] for k in ("hidden", "weight", "completion_ids", "advantages", "completion_mask")]
+    kw = dict(old_logprobs=inputs["old_logprobs"], backend="torch")
+    local = fusedloss.grpo_loss(*args, loss_agg_mode="token-sum", **kw)
+    assert rel_err(fusedloss.grpo_loss(*args, loss_agg_mode="token-sum", num_processes=3, **kw), 3 * local) <= 1e-14
+    for mode in MEAN_MODES:
+        fusedloss.grpo_loss(*args, loss_agg_mode=mode, num_processes=1, **kw)
+    # geo_mean's policy term is its own mean over completions: with no KL or entropy term nothing is aggregated
+    fusedloss.grpo_loss(*args, loss_type="geo_mean", num_processes=2, **kw)
+    with pytest.raises(ValueError, match="num_items_in_batch is required"):
+        fusedloss.grpo_loss(*args, loss_type="geo_mean", num_processes=2, entropy_coef=0.1, **kw)
+
+
+# --------------------------------------------------------------------------------------------------
+# verl's defaults and its default loss, vanilla
+
+
+def test_verl_loss_defaults():
+    """verl's PolicyLossConfig / ActorConfig defaults for the options that carry verl's names (verl's own
+    classes are the oracle in tests/frameworks/test_verl_policy_loss.py): kl_cov's weight is 0.1, not the
+    1.0 compute_policy_loss_kl_cov falls back to when the config has none."""
+    import inspect
+
+    for fn in (fusedloss.grpo_loss, reference.grpo_loss):
+        defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+        assert defaults["ppo_kl_coef"] == 0.1 and defaults["kl_cov_ratio"] == 0.0002
+        assert (defaults["clip_cov_ratio"], defaults["clip_cov_lb"], defaults["clip_cov_ub"]) == (0.0002, 1.0, 5.0)
+        assert defaults["epsilon_low"] == 0.2 and defaults["epsilon_high"] is None
+
+
+def _verl_vanilla(logp, old, adv, mask, clip_low, clip_high, clip_ratio_c):
+    """verl 0.9's compute_policy_loss_vanilla, transcribed, then agg_loss's token-mean."""
+    negative_approx_kl = torch.clamp(logp - old, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    pg_losses1 = -adv * ratio
+    pg_losses2 = -adv * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_losses3 = -adv * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_losses = torch.where(adv < 0, clip_pg_losses2, clip_pg_losses1)
+    return (pg_losses * mask).sum() / mask.sum()
+
+
+@pytest.mark.parametrize("which", ALL_BACKENDS)
+def test_vanilla_is_verls_dual_clip(which, monkeypatch):
+    """loss_type="vanilla" against verl's formula on materialised float64 logits, loss and gradients, with
+    tokens past the dual clip and log-ratios of +-25 (verl clamps them at 20); TRL's dapo with delta=3.0
+    equals it on the same data but for that clamp."""
+    backend, device = _backend(which, monkeypatch)
+    inputs = grpo_data(lengths=(5, 3, 2))
+    old = inputs["old_logprobs"].clone()
+    logp = reference.token_logprobs(inputs["hidden"], inputs["weight"], inputs["completion_ids"]).detach()
+    old[0, 1] = logp[0, 1] + 25.0  # advantage 1.3 > 0: a ratio of e^-25, clamped to e^-20 by verl
+    old[1, 0] = logp[1, 0] - 25.0  # advantage -0.4 < 0: past the dual clip
+    old[1, 1] = logp[1, 1] - 1.5  # e^1.5 = 4.5: past the dual clip at 3
+    adv, mask = inputs["advantages"], inputs["completion_mask"]
+    assert adv[0] > 0 and adv[1] < 0 and bool(mask[0, 1] and mask[1, 0] and mask[1, 1])
+    positional = ("hidden", "weight", "completion_ids", "advantages", "completion_mask")
+    results = {}
+    for name, fn, where, options in (
+            ("verl", None, "cpu", {}), ("vanilla", fusedloss.grpo_loss, device, dict(loss_type="vanilla")),
+            ("dapo", fusedloss.grpo_loss, device, dict(loss_type="dapo", delta=3.0, loss_agg_mode="token-mean"))):
+        leaves = {k: inputs[k].detach().to(where).requires_grad_() for k in ("hidden", "weight")}
+        if fn is None:
+            z = leaves["hidden"] @ leaves["weight"].T
+            lp = torch.log_softmax(z, -1).gather(-1, inputs["completion_ids"].unsqueeze(-1)).squeeze(-1)
+            loss = _verl_vanilla(lp, old, adv.unsqueeze(-1), mask.to(F64), 0.2, 0.28, 3.0)
+        else:
+            args = [leaves.get(k, inputs[k].to(where)) for k in positional]
+            loss = fn(*args, old_logprobs=old.to(where), epsilon_high=0.28, backend=backend, **options)
+        results[name] = (loss, torch.autograd.grad(loss, list(leaves.values())))
+    (want, want_grads), (got, got_grads) = results["verl"], results["vanilla"]
+    tol = max(fp64_tol(backend), 1e-12)
+    assert rel_err(got, want) <= tol
+    for g, r in zip(got_grads, want_grads):
+        assert r.norm() > 0 and rel_err(g, r) <= tol
+    # the clamp: verl's -A e^-20 where TRL's surrogate has -A e^-25 (1.3 (e^-20 - e^-25) / tokens)
+    dapo = results["dapo"][0]
+    assert 1e-10 < abs(dapo.item() - want.item()) < 1e-9
+    ref = reference.grpo_loss(*[inputs[k] for k in positional], old_logprobs=old, loss_type="vanilla",
+                              epsilon_high=0.28)
+    assert rel_err(ref, want) <= 1e-13

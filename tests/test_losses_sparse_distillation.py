@@ -323,3 +323,50 @@ def test_several_targets_half_no_worse_than_naive(dtype):
         runs[name] = (logp, entropy, *grads(logp.sum() + entropy.sum(), leaves))
     for got, naive, exact in zip(runs["fused"], runs["naive"], runs["exact"]):
         assert rel_err(got, exact) <= max(rel_err(naive, exact), FP32_TOL)
+
+
+@pytest.mark.parametrize("where,value", [((1, 0, 0), math.nan), ((1, 2, 2), math.nan), ((1, 2, 2), math.inf),
+                                         ((0, 4, 0), math.inf)],
+                         ids=["nan-top1", "nan-column-3", "inf-column-3", "inf-top1"])
+def test_non_finite_teacher_logprobs_where_read(where, value):
+    """beta == 0 reads the first loss_top_k log-probs of every scored position: -inf there is an absent entry
+    (TRL's padding), NaN or +inf a broken teacher, refused naming the argument (TRL's ``> -inf`` test would
+    keep +inf, a loss of ~1e308 with NaN gradients, and drop NaN as absent)."""
+    top_ids, top_lp, labels, _ = served_teacher(4, seed=13)
+    h, w, _ = head(bias=False)
+    assert labels[where[:2]] != -100
+    bad = top_lp.clone()
+    bad[where] = value
+    with pytest.raises(ValueError, match="teacher_logprobs holds NaN or \\+inf at 1 of 8 scored positions"):
+        fusedloss.sparse_distillation_loss(h, w, top_ids, bad, labels, beta=0.0, backend="torch")
+    with pytest.raises(ValueError, match="teacher_logprobs"):
+        fusedloss.sparse_distillation_loss(h, w, top_ids, bad, labels, beta=0.0, loss_add_tail=False, backend="torch")
+    if where[-1] == 0:  # the top-1, read by the mixed divergence too
+        with pytest.raises(ValueError, match="teacher_logprobs is missing"):
+            fusedloss.sparse_distillation_loss(h, w, top_ids, bad, labels, beta=0.5, loss_top_k=1,
+                                               teacher_target_logprobs=torch.zeros(B, T, dtype=torch.float64),
+                                               backend="torch")
+
+
+def test_non_finite_teacher_logprobs_where_not_read(backend, device):
+    """NaN or +inf at positions that are not scored, or past loss_top_k, are never read: the loss and its
+    gradients are those with -inf there (TRL's padding), equal to TRL's own on that data; -inf inside the
+    scored top-k stays an absent entry."""
+    top_ids, top_lp, labels, _ = served_teacher(4, seed=13)
+    assert bool((top_lp[labels != -100][:, :3] == -math.inf).any())  # absent entries among those read
+    noisy = top_lp.clone()
+    noisy[0, 0] = torch.tensor([math.nan, math.inf, math.nan, math.inf])  # labels[0, 0] == -100
+    noisy[2, 1, 1] = math.nan  # the fully ignored row
+    noisy[1, 3, 3] = math.inf  # past loss_top_k=3
+    noisy[1, 4, 3] = math.nan
+    assert bool(labels[0, 0] == -100) and bool(labels[1, 3] != -100)
+    h, w, b = head()
+    want = trl_loss(h, w, b, top_ids[..., :3], top_lp[..., :3], labels, None, beta=0.0, loss_add_tail=True)
+    want_grads = grads(want, (h, w, b))
+    hd, wd, bd = (t.detach().to(device).requires_grad_() for t in (h, w, b))
+    got = fusedloss.sparse_distillation_loss(hd, wd, top_ids.to(device), noisy.to(device), labels.to(device),
+                                             beta=0.0, loss_top_k=3, bias=bd, backend=backend)
+    tol = fp64_tol(backend)
+    assert rel_err(got, want) <= tol
+    for name, g, r in zip("hwb", grads(got, (hd, wd, bd)), want_grads):
+        assert r.norm() > 0 and rel_err(g, r) <= tol, (name, rel_err(g, r))

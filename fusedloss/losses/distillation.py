@@ -4,7 +4,9 @@
     beta == 1 : KL(q || p)   reverse KL, student first (on-policy distillation, MiniLLM)
     otherwise : beta KL(p || m) + (1 - beta) KL(q || m),  m = (1 - beta) q + beta p
 
-with q = softmax(z_s / T) the student, p = softmax(z_t / T) the teacher. Per token::
+with q = softmax(z_s / T) the student, p = softmax(z_t / T) the teacher, each model's raw logits first scaled
+and soft-capped by its own ``logit_scale`` / ``softcap`` (a Gemma 2 teacher's ``final_logit_softcapping``, a
+Cohere teacher's ``logit_scale``: leaving them out distils towards a different distribution). Per token::
 
     soft_weight * soft * (T**2 if t_squared else 1) + hard_weight * CE(z_s at T = 1, y)
 """
@@ -24,18 +26,21 @@ from .reductions import reduced_token_loss
 
 
 @shared_options(*RUN, "eager", *SHARDING)
-@shared_arguments("bias", "ignore_index", "backend", *RUN, "eager", *SHARDING)
+@shared_arguments("bias", "logit_scale", "softcap", "ignore_index", "backend", *RUN, "eager", *SHARDING)
 def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
                       teacher_weight: torch.Tensor, targets: Optional[torch.Tensor] = None, *, beta: float = 1.0,
                       temperature: float = 1.0, hard_weight: float = 0.0, soft_weight: float = 1.0,
                       t_squared: bool = False, bias: Optional[torch.Tensor] = None,
-                      teacher_bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
+                      teacher_bias: Optional[torch.Tensor] = None, logit_scale: float = 1.0,
+                      softcap: Optional[float] = None, teacher_logit_scale: float = 1.0,
+                      teacher_softcap: Optional[float] = None, ignore_index: int = -100,
                       reduction: Literal["batchmean", "sum", "none"] = "batchmean", num_items_in_batch=None,
                       backend: str = "auto", **head) -> torch.Tensor:
     """Distillation from a frozen teacher over the full vocabulary (TRL's ``generalized_jsd_loss`` convention),
     from both models' hidden states, without either's logits.
 
-    With q = softmax(student logits / T) and p = softmax(teacher logits / T), per token::
+    With q = softmax(student logits / T) and p = softmax(teacher logits / T), each model's logits
+    ``softcap(logit_scale * (h @ W.T + b))`` with its own scale and cap, per token::
 
         soft = KL(p || q)                                  beta == 0 (forward KL, Hinton)
                KL(q || p)                                  beta == 1 (reverse KL, on-policy distillation)
@@ -54,6 +59,9 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden
         beta: in ``[0, 1]``, see above. temperature: T, applied to both models.
         hard_weight, soft_weight, t_squared: the mixture above.
         teacher_bias: ``[V]`` teacher lm_head bias, or None.
+        teacher_logit_scale, teacher_softcap: the teacher's ``logit_scale`` and ``softcap`` (its config's, e.g.
+            Gemma 2's ``final_logit_softcapping``), applied to its logits before the temperature as the
+            student's own ``logit_scale`` and ``softcap`` (below) are to the student's; None: no cap.
         reduction: ``"batchmean"`` (sum / number of scored tokens, 0 when none), ``"sum"`` or ``"none"``
             (per-token ``[...]``).
         num_items_in_batch: when given (> 0), the loss is ``sum / num_items_in_batch``.
@@ -74,10 +82,14 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden
     v.require_real("soft_weight", soft_weight)
     v.require_choice("reduction", reduction, ("batchmean", "sum", "none"))
     v.require_bool("t_squared", t_squared)
-    student = implicit_logits(hidden, weight, bias, temperature=temperature, backend=backend, **head)
+    v.require_real("teacher_logit_scale", teacher_logit_scale)
+    v.require_real("teacher_softcap", teacher_softcap, positive=True, allow_none=True)
+    student = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
+                              softcap=softcap, backend=backend, **head)
     # The teacher's head is laid out as the student's (its gradient is never asked: no reduction option).
     placement = {k: head[k] for k in SHARDING if k != "reduce_hidden_grad"}
-    teacher = implicit_logits(teacher_hidden, teacher_weight, teacher_bias, temperature=temperature, backend="torch",
+    teacher = implicit_logits(teacher_hidden, teacher_weight, teacher_bias, temperature=temperature,
+                              logit_scale=teacher_logit_scale, softcap=teacher_softcap, backend="torch",
                               hidden_name="teacher_hidden", weight_name="teacher_weight", bias_name="teacher_bias",
                               **placement)
     if teacher.lead_shape != student.lead_shape:
@@ -99,7 +111,7 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden
     else:
         tgt = student.targets("targets", targets, ignore_index)
 
-    frozen = TeacherHead(teacher.hidden, teacher.weight, teacher.bias, float(temperature))
+    frozen = TeacherHead(teacher.hidden, teacher.weight, teacher.bias, *teacher.transform)
     soft_kind = {0.0: "want_kl_fwd", 1.0: "want_kl_rev"}.get(float(beta))
     wants = {soft_kind: True} if soft_kind else {"jsd_beta": float(beta)}
     valid = torch.ones(student.num_rows, dtype=torch.bool, device=hidden.device) if tgt is None else tgt >= 0
@@ -107,7 +119,8 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden
     # The label term is read at temperature 1: from the same pass when T is 1, else from a second one.
     label_logp = None
     if hard_weight != 0 and temperature != 1:
-        label_logp = student.statistics(targets=tgt, transform=LogitTransform()).logp
+        at_one = LogitTransform(1.0, student.transform.logit_scale, student.transform.softcap)
+        label_logp = student.statistics(targets=tgt, transform=at_one).logp
 
     def per_token(stats, rows):
         soft = stats.kl_fwd if beta == 0 else stats.kl_rev if beta == 1 else stats.jsd

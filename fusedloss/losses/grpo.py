@@ -45,9 +45,10 @@ _MASK_NOT_LABELS = (" inside completion_mask, where every id must be a token: gr
                     "instead of -100 labels use completion_mask, 0 at the tokens outside the loss (padding)")
 _VESPO_LOG_W_MIN = math.log(1e-8)  # TRL's clamp range of VESPO's log sequence weight
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "dppo_tv", "dppo_kl",
-                   "dro", "clip_cov", "kl_cov", "geo_mean"]
-_VERL_CLIP_RATIO_C = 3.0  # verl's ActorConfig.clip_ratio_c: DPPO's ratio truncation when delta is None
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo", "vanilla", "dppo_tv",
+                   "dppo_kl", "dro", "clip_cov", "kl_cov", "geo_mean"]
+# verl's ActorConfig.clip_ratio_c: the dual clip of vanilla and DPPO's ratio truncation when delta is None
+_VERL_CLIP_RATIO_C = 3.0
 
 
 @shared_options(*RUN, "eager", *SHARDING)
@@ -66,7 +67,7 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
               loss_agg_mode: Optional[str] = None, global_batch_size: Optional[int] = None,
               cispo_two_sided: bool = False, dro_beta: Optional[float] = None, clip_cov_ratio: float = 0.0002,
               clip_cov_lb: float = 1.0, clip_cov_ub: float = 5.0, kl_cov_ratio: float = 0.0002,
-              ppo_kl_coef: float = 1.0, max_completion_length: Optional[int] = None, num_items_in_batch=None,
+              ppo_kl_coef: float = 0.1, max_completion_length: Optional[int] = None, num_items_in_batch=None,
               num_processes: int = 1,
               importance_weights: Optional[torch.Tensor] = None, return_details: bool = False,
               backend: str = "auto", **head) -> Union[torch.Tensor, tuple[torch.Tensor, GRPODetails]]:
@@ -84,13 +85,14 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         ref_logprobs: ``[B, C]`` reference-model log-probs; required when ``beta != 0``.
         temperature, logit_scale, softcap: the logits ``softcap(logit_scale * (h @ W.T + b)) / temperature``.
         loss_type: grpo, bnpo, dr_grpo, dapo, cispo, sapo, luspo or vespo (formulas under "Loss types"
-            below), or verl's ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, ``"clip_cov"``, ``"kl_cov"``,
-            ``"geo_mean"`` (``losses/verl_terms.py``; aggregated by ``loss_agg_mode``, None: ``"token-mean"``;
+            below), or verl's ``"vanilla"`` (its default: PPO's clip with the dual clip ``delta``),
+            ``"dppo_tv"``, ``"dppo_kl"``, ``"dro"``, ``"clip_cov"``, ``"kl_cov"``, ``"geo_mean"``
+            (``losses/verl_terms.py``; aggregated by ``loss_agg_mode``, None: ``"token-mean"``;
             geo_mean's policy term is a mean over completions, its KL and entropy terms follow
             ``loss_agg_mode``). epsilon_low, epsilon_high: clip range (``epsilon_high`` None: ``epsilon_low``;
             cispo's cap is ``epsilon_high``; DPPO's divergence thresholds). delta: two-sided clipping cap of
-            the grpo-family ratio (INTELLECT-2), None for none; DPPO's ratio truncation (None: verl's 3.0);
-            other loss types ignore it.
+            the grpo-family ratio (INTELLECT-2), None for none; vanilla's dual-clip bound (> 1) and DPPO's
+            ratio truncation, verl's ``clip_ratio_c`` (None: verl's 3.0); other loss types ignore it.
         beta: KL coefficient. use_bias_correction_kl: multiply the k3 KL term by the differentiable ratio
             (DeepSeek-V3.2; TRL 1.16's default True).
         importance_sampling_level: ``"token"`` or ``"sequence"`` (GSPO).
@@ -112,7 +114,9 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
             ``"seq-mean-token-mean"``, ``"seq-mean-token-sum-norm"`` (by ``max_completion_length``, None: C);
             sequence means over ``global_batch_size`` completions (None: those with a token), times
             ``num_processes`` (verl's dp_size); the entropy bonus is aggregated the same way, over the mask.
-            None: the aggregation of ``loss_type`` below.
+            With ``num_processes > 1`` the means need the global count (``num_items_in_batch`` for
+            token-mean, ``global_batch_size`` for the sequence means): without it a ValueError, as verl
+            raises. None: the aggregation of ``loss_type`` below.
         global_batch_size: the completions a sequence-mean ``loss_agg_mode`` divides by (all ranks).
         cispo_two_sided: verl's cispo: the ratio clamped to ``[1 - epsilon_low, 1 + epsilon_high]``, its
             log clamped to +-20, instead of TRL's cap at ``epsilon_high``.
@@ -120,7 +124,7 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
         clip_cov_ratio, clip_cov_lb, clip_cov_ub: ``clip_cov``'s share of tokens drawn (torch's global
             generator, as verl) among those whose covariance lies in ``(clip_cov_lb, clip_cov_ub)``.
         kl_cov_ratio, ppo_kl_coef: ``kl_cov``'s share of tokens of largest covariance, and their
-            ``|logp - old|`` penalty's weight.
+            ``|logp - old|`` penalty's weight (verl's ``PolicyLossConfig`` defaults, 0.0002 and 0.1).
         max_completion_length: dr_grpo's constant (None: C).
         num_items_in_batch: dapo/cispo/vespo normaliser (int or tensor; None: the mask's sum).
         num_processes: the dapo/cispo/vespo normaliser is ``max(1, num_items_in_batch) / num_processes``.
@@ -157,6 +161,27 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     ratio in the KL term is TRL's differentiable ``coef_1``, before the delta cap: on-policy its value is 1 but
     its gradient is not zero.
 
+    For verl users: verl's option names are ``epsilon_low/high`` = ``clip_ratio_low/high``, ``delta`` =
+    ``clip_ratio_c``, ``beta`` = ``kl_loss_coef`` (no ``use_kl_loss``: ``beta=0`` is off),
+    ``num_items_in_batch`` = ``batch_num_tokens``, ``num_processes`` = ``dp_size``,
+    ``max_completion_length`` = ``loss_scale_factor``, ``importance_weights`` = ``rollout_is_weights``;
+    ``entropy_coef``, ``global_batch_size`` and the options of verl's own losses keep verl's names and
+    defaults. The defaults that follow TRL and differ from verl's, to set explicitly for verl's loss:
+
+    * ``use_bias_correction_kl=True`` (TRL) multiplies the KL term by the ratio; verl has no such factor:
+      pass ``False``.
+    * ``kl_loss_type=None`` is TRL's unclamped k3; verl's default is ``"low_var_kl"`` (k3 with its clamps).
+    * ``loss_type="cispo"`` is TRL's one-sided cap at ``epsilon_high``; verl's cispo is
+      ``cispo_two_sided=True``.
+    * ``loss_type="dapo"`` (TRL's default) has no dual clip. verl's default ``"vanilla"`` (PPO's clip, and the
+      dual clip at ``delta``, None: 3.0, where A < 0) is a loss type of its own here; ``loss_type="dapo",
+      delta=3.0, loss_agg_mode="token-mean"`` equals it but where ``|logp - old| > 20``, which verl clamps.
+    * ``loss_agg_mode=None`` aggregates TRL's way for TRL's loss types; verl's own loss types, vanilla
+      included, default to verl's ``"token-mean"``.
+    * seq-mean-token-mean and geo_mean divide a completion's sum by ``count + 1e-8`` as verl writes it; verl's
+      trainer passes a bool mask, whose integer count turns the 1e-8 into nothing in float32 (a 1e-8 / count
+      relative difference).
+
     Example::
 
         loss = fusedloss.grpo_loss(h, model.lm_head.weight, ids, adv, mask, old_logprobs=old,
@@ -175,6 +200,7 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     v.require_positive_int("global_batch_size", global_batch_size, allow_none=True)
     v.require_positive_int("num_processes", num_processes)
     v.require_positive_int("max_completion_length", max_completion_length, allow_none=True)
+    _require_global_count(opts, num_processes, num_items_in_batch, global_batch_size)
     logits = implicit_logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale,
                              softcap=softcap, backend=backend, **head)
     batch = _Completions.of(logits, opts, completion_ids, advantages, completion_mask, old_logprobs=old_logprobs,
@@ -212,6 +238,26 @@ def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.
     if not return_details:
         return loss
     return loss, _details(logp, entropy, kl, ratio, phi, policy_loss, batch, opts)
+
+
+def _require_global_count(opts: "_Options", num_processes: int, num_items_in_batch, global_batch_size) -> None:
+    """verl's ``agg_loss`` refuses a mean over one rank's tokens or completions scaled by ``dp_size``: this
+    rank's count times the world size is the world size times the loss after the data-parallel average, a
+    learning rate silently scaled by ``num_processes``. The global count must be given."""
+    if num_processes == 1 or opts.loss_agg_mode in (None, "token-sum"):
+        return
+    if opts.loss_type == "geo_mean" and opts.beta == 0 and opts.entropy_coef == 0:
+        return  # its policy term has its own mean; nothing is aggregated by loss_agg_mode
+    if opts.loss_agg_mode == "token-mean":
+        missing, what = num_items_in_batch, "num_items_in_batch (verl's batch_num_tokens: the tokens of all ranks)"
+        name = "num_items_in_batch"
+    else:
+        missing, what = global_batch_size, "global_batch_size (the completions of all ranks)"
+        name = "global_batch_size"
+    if missing is None:
+        raise ValueError(f"{name} is required with loss_agg_mode={opts.loss_agg_mode!r} and num_processes="
+                         f"{num_processes}: the mean is over {what}, and this rank's own count times "
+                         f"num_processes would scale the loss by {num_processes} (verl's agg_loss refuses it too)")
 
 
 def _row_loss(batch: "_Completions", token_weight: torch.Tensor, entropy_weight: torch.Tensor, opts: "_Options"):
@@ -268,7 +314,7 @@ class _Options:
     clip_cov_lb: float = 1.0
     clip_cov_ub: float = 5.0
     kl_cov_ratio: float = 0.0002
-    ppo_kl_coef: float = 1.0
+    ppo_kl_coef: float = 0.1
 
     @classmethod
     def of(cls, *, epsilon_high, **options) -> "_Options":
@@ -295,6 +341,9 @@ class _Options:
         v.require_real("epsilon_low", options["epsilon_low"], nonnegative=True)
         v.require_real("epsilon_high", epsilon_high, nonnegative=True, allow_none=True)
         v.require_real("delta", options["delta"], positive=True, allow_none=True)
+        if options["loss_type"] == "vanilla" and options["delta"] is not None and not options["delta"] > 1:
+            raise ValueError(f"delta must be > 1 with loss_type='vanilla' (its dual-clip bound, verl's clip_ratio_c, "
+                             f"which verl requires > 1), got {options['delta']!r}")
         v.require_bool("use_bias_correction_kl", options["use_bias_correction_kl"])
         for name in ("beta", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg", "entropy_coef"):
             v.require_real(name, options[name])

@@ -69,7 +69,8 @@ def sparse_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
         teacher_ids: integer ``[..., K]`` the teacher's top-k token ids per position (sorted, top-1 first),
             read only where ``teacher_logprobs`` is finite; may be None when ``beta == 1``.
         teacher_logprobs: ``[..., K]`` the teacher's log-probs of those ids (-inf: no entry); may be None when
-            ``beta == 1``.
+            ``beta == 1``. NaN or +inf where read (a scored position, the first ``loss_top_k`` columns; with
+            ``beta > 0`` the top-1, which must then be finite) is a ValueError; elsewhere never read.
         targets: integer ``[...]`` the sampled tokens (TRL's completion labels): positions whose target is
             ignore_index are not scored; required when ``beta > 0`` (the sampled token is on the support).
             None with ``beta == 0``: every position is scored.
@@ -198,6 +199,8 @@ def _teacher_top_k(logits, teacher_ids, teacher_logprobs, loss_top_k, beta, scor
     lp = teacher_logprobs[..., :k].reshape(n, k).to(acc)
     if beta > 0:
         _require_finite("teacher_logprobs", lp[:, 0], scored, "the forward-KL term (the teacher's top-1)")
+    else:
+        _require_log_probs("teacher_logprobs", lp, scored)
     present = scored.unsqueeze(-1) & (lp > -math.inf)
     ids = teacher_ids[..., :k].reshape(n, k)
     ids = v.map_targets("teacher_ids", torch.where(present, ids, -1), logits.vocab_size, -1).reshape(n, k)
@@ -212,6 +215,18 @@ def _require_finite(name: str, values: torch.Tensor, scored: torch.Tensor, why: 
                     lambda: f"{name} is missing (not finite) at {int(missing.sum())} of {int(scored.sum())} scored "
                             f"positions; {why} needs it at every scored position",
                     f"{name} is missing (not finite) at a scored position")
+
+
+def _require_log_probs(name: str, values: torch.Tensor, scored: torch.Tensor) -> None:
+    """The top-k log-probs read at scored positions are log-probabilities or -inf (no entry, as TRL pads): a
+    NaN or +inf there is a broken teacher, refused rather than dropped as absent (TRL's ``> -inf`` test keeps
+    +inf and drops NaN). Positions that are not scored and columns past ``loss_top_k`` are never read."""
+    bad = scored.unsqueeze(-1) & (torch.isnan(values) | (values == math.inf))
+    v.refuse_values(bad.any(),
+                    lambda: f"{name} holds NaN or +inf at {int(bad.any(-1).sum())} of {int(scored.sum())} scored "
+                            f"positions (in the first {values.shape[-1]} columns, the ones read): a log-prob is "
+                            f"finite, or -inf where the teacher returned no entry",
+                    f"{name} holds NaN or +inf at a scored position")
 
 
 def with_tail(log_probs: torch.Tensor, support: torch.Tensor):

@@ -22,7 +22,9 @@ averaged by the data-parallel all-reduce)::
     seq-mean-token-sum-norm  seq-mean-token-sum / loss_scale_factor     (None: C)
 
 with ``global_batch_size`` None: the completions that have at least one token (fully masked ones count in
-no mean). Where verl divides 0 by 0 (no token, no completion) the loss is 0 here.
+no mean). The local fallbacks (``batch_num_tokens`` / ``global_batch_size`` None) hold for ``dp_size`` 1 only:
+``grpo_loss`` refuses them otherwise, as verl's ``agg_loss`` does. Where verl divides 0 by 0 (no token, no
+completion) the loss is 0 here.
 """
 
 from __future__ import annotations
@@ -85,6 +87,9 @@ def aggregation_weights(m: torch.Tensor, mode: str, *, batch_num_tokens=None, dp
 # verl's policy losses (``@register_policy_loss``) that TRL lacks, per token, before the aggregation. r is
 # the ratio exp(clamp(logp - old, -20, 20)), A the advantage, sg stop-gradient, p = e^logp, p_old = e^old:
 #
+#   vanilla   PPO's clip with the dual clip (verl's default policy loss): u = max(-A r, -A clamp(r, 1 - eps_low,
+#             1 + eps_high)), then min(-A c, u) where A < 0, u elsewhere (c > 1). The same as TRL's clipped
+#             surrogate with delta = c, but for the clamp of the log-ratio to +-20 inside r (no gradient past it)
 #   dppo_tv   -A sg(min(r, c)) logp [A > 0 ? p - p_old <= eps_high : p - p_old >= -eps_low]
 #   dppo_kl   -A sg(min(r, c)) logp [A > 0 ? D <= eps_high or p <= p_old : D <= eps_low or p >= p_old],
 #             D = p_old (old - logp) + (1 - p_old) log((1 - p_old + 1e-8) / (1 - p + 1e-8)) (binary KL)
@@ -100,11 +105,12 @@ def aggregation_weights(m: torch.Tensor, mode: str, *, batch_num_tokens=None, dp
 #             eps_high)))), d = logp - old, s = sign(A), token means over the mask with +1e-8; times the geometric
 #             mean of the importance weights; then the plain mean over the B completions
 #
-# (DPPO's eps are divergence thresholds, c its truncation of the ratio: verl's clip_ratio_low/high, _c.)
+# (DPPO's eps are divergence thresholds, c its truncation of the ratio: verl's clip_ratio_low/high, _c; vanilla's
+# c is its dual-clip bound, verl's clip_ratio_c too.)
 # ------------------------------------------------------------------------------------------------
 
 COVARIANCE_LOSS_TYPES = ("clip_cov", "kl_cov")  # their token selection needs the whole batch
-VERL_LOSS_TYPES = ("dppo_tv", "dppo_kl", "dro", "geo_mean") + COVARIANCE_LOSS_TYPES
+VERL_LOSS_TYPES = ("vanilla", "dppo_tv", "dppo_kl", "dro", "geo_mean") + COVARIANCE_LOSS_TYPES
 _LOG_RATIO_CLAMP = 20.0
 _DPPO_EPS = 1e-8  # verl's guard in the binary KL
 _MASKED_MEAN_EPS = 1e-8  # verl's masked_mean: sum / (count + 1e-8)
@@ -125,6 +131,10 @@ def policy_term(kind: str, logp, old, adv, *, epsilon_low: float, epsilon_high: 
     """Per-token loss of verl's ``kind`` (``VERL_LOSS_TYPES``)."""
     if kind == "dro":
         return -(logp * adv - 0.5 * dro_beta * (logp - old).square())
+    if kind == "vanilla":  # verl's compute_policy_loss_vanilla, in its order
+        ratio = _clamped_ratio(logp, old)
+        surrogate = torch.maximum(-adv * ratio, -adv * torch.clamp(ratio, 1 - epsilon_low, 1 + epsilon_high))
+        return torch.where(adv < 0, torch.minimum(-adv * clip_ratio_c, surrogate), surrogate)
     truncated = torch.clamp(_clamped_ratio(logp, old), max=clip_ratio_c).detach()
     with torch.no_grad():
         prob, old_prob = torch.exp(logp), torch.exp(old)

@@ -90,10 +90,11 @@ def verl_loss(head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl
 
 def fused_loss(fn, head, ids, mask, old, ref, adv, *, loss_agg_mode, kl_loss_type, kl_coef, entropy_coeff,
                batch_num_tokens=None, dp_size=1, global_batch_size=None, loss_scale_factor=None, loss_mode="vanilla",
-               clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dro_beta=None, **run):
-    """``run``: the backend, and clip_cov's / kl_cov's options (verl's names)."""
+               clip_low=CLIP_LOW, clip_high=CLIP_HIGH, dro_beta=None, loss_type=None, **run):
+    """``run``: the backend, and clip_cov's / kl_cov's options (verl's names). ``loss_type``: fusedloss's
+    name for ``loss_mode`` (None: bnpo with the dual clip for vanilla, verl's name otherwise)."""
     h, w, b = head
-    loss_type = {"vanilla": "bnpo"}.get(loss_mode, loss_mode)
+    loss_type = loss_type or {"vanilla": "bnpo"}.get(loss_mode, loss_mode)
     return fn(h, w, ids, adv, mask, old_logprobs=old, ref_logprobs=ref, bias=b, loss_type=loss_type,
               cispo_two_sided=loss_mode == "cispo", dro_beta=dro_beta,
               epsilon_low=clip_low, epsilon_high=clip_high, delta=CLIP_C, beta=kl_coef, use_bias_correction_kl=False,
@@ -207,3 +208,38 @@ def test_clip_cov_draw_follows_the_seed():
 def test_rollout_importance_weights_match_verl(loss_mode, options):
     check(dict(loss_agg_mode="token-mean", loss_mode=loss_mode, kl_loss_type="k3", kl_coef=0.05, entropy_coeff=0.0,
                **options), with_weights=True)
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_vanilla_loss_type_matches_verl(mode):
+    """``loss_type="vanilla"`` is verl's default policy loss under its own name (its log-ratio clamp
+    included), with rollout importance weights."""
+    head, ids, mask, old, ref, adv = batch()
+    weights = 0.5 + torch.rand(B, C, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    options = dict(loss_agg_mode=mode, kl_loss_type="k3", kl_coef=0.05, entropy_coeff=0.01)
+    leaves = [t.detach().clone().requires_grad_() for t in head]
+    want = verl_loss(leaves, ids, mask, old, ref, adv, importance_weights=weights, **options)
+    want_grads = torch.autograd.grad(want, leaves)
+    mine = [t.detach().clone().requires_grad_() for t in head]
+    got = fused_loss(fusedloss.grpo_loss, mine, ids, mask, old, ref, adv, loss_type="vanilla",
+                     importance_weights=weights, backend="torch", **options)
+    assert rel_err(got, want) <= 1e-12
+    for g, r in zip(torch.autograd.grad(got, mine), want_grads):
+        assert r.norm() > 0 and rel_err(g, r) <= 1e-12
+
+
+def test_verl_option_defaults():
+    """The options that carry verl's names default to verl's values (kl_cov's ppo_kl_coef is 0.1 in
+    PolicyLossConfig, not the 1.0 compute_policy_loss_kl_cov falls back to without a config), and DPPO's
+    truncation / vanilla's dual clip (``delta=None``) to ActorConfig's clip_ratio_c."""
+    import inspect
+
+    policy = PolicyLossConfig()
+    actor = ActorConfig(strategy="fsdp", rollout_n=1, use_dynamic_bsz=True, ppo_max_token_len_per_gpu=1024)
+    for fn in (fusedloss.grpo_loss, fusedloss.reference.grpo_loss):
+        defaults = {k: p.default for k, p in inspect.signature(fn).parameters.items()}
+        for name in ("ppo_kl_coef", "kl_cov_ratio", "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"):
+            assert defaults[name] == getattr(policy, name), (fn.__module__, name)
+        assert defaults["epsilon_low"] == actor.clip_ratio
+    assert policy.loss_mode == "vanilla"
+    assert fusedloss.losses.grpo._VERL_CLIP_RATIO_C == actor.clip_ratio_c
