@@ -18,11 +18,15 @@ model's forward the same way; ``lm_head(model)`` gives the head and the observed
 
 Handled: tied embeddings (the head weight *is* the embedding parameter; its gradient collects both uses),
 PEFT-wrapped models (adapters run in the model's forward; a LoRA on the head itself is folded into the head
-weight), FSDP2 (the head goes to fusedloss as the parameter it is: a sharded DTensor when the head is its own
-FSDP unit, which the core gathers once per forward and once per backward and whose gradient it reduce-scatters
-and averages as FSDP does, docs/design.md "Distributed"), ``device_map`` splits (hidden states move to the
-head's device). Not handled: DeepSpeed ZeRO-3 partitioned heads (gather them around the call), prompt-learning
-PEFT (virtual tokens live in the PEFT forward), a LoRA on an FSDP2-sharded head.
+weight; PEFT's heads for added tokens, ``modules_to_save=["lm_head"]`` and ``trainable_token_indices``, are read
+as the weight they apply), FSDP2 (the head goes to fusedloss as the parameter it is: a sharded DTensor when the
+head is its own FSDP unit, which the core gathers once per forward and once per backward and whose gradient it
+reduce-scatters and averages as FSDP does, docs/design.md "Distributed"), ``device_map`` splits (hidden states
+move to the head's device), DeepSpeed ZeRO-3 heads under ``patch`` (checked inside the head's forward, where
+ZeRO-3 has gathered them; the loss gathers them again), several threads calling one model, ``nn.DataParallel``
+replicas, ``torch.save`` / pickle / ``copy.deepcopy`` of a patched model (it stays patched). Not handled: ZeRO-3
+heads in the helpers (gather them around the call), prompt-learning PEFT (virtual tokens live in the PEFT
+forward), a LoRA on an FSDP2-sharded or ZeRO-3 head.
 """
 
 from __future__ import annotations
@@ -1016,6 +1020,11 @@ def patch(model, *, backend: str = "auto"):
     and the HF ``Trainer``; a ``copy.deepcopy`` of a patched model is patched too. Patch before wrapping the
     model (``torch.compile``, DDP, FSDP; a wrapped model is refused). Returns ``model``; ``unpatch(model)``
     restores it exactly. ``backend`` is passed to ``fusedloss.cross_entropy``.
+
+    A patched model saved whole (``torch.save(model)``, pickle) loads patched. Each labelled call keeps what it
+    records on its own thread: threads may share one patched model, and ``nn.DataParallel`` replicas run their
+    own parameters. Adapters or a resize that wrap or replace the head after ``patch`` are refused at the next
+    labelled call with the fix: call ``patch(model)`` again, which taps the new head.
 
     Every labelled call checks the model's own post-processing of its head's output on a few probe rows
     against fusedloss's formula (the first one, with autograd on, its gradient too): an architecture whose
