@@ -893,6 +893,16 @@ def test_a_zero3_partitioned_head_is_read_gathered(monkeypatch):
     fl_hf.patch(fl_hf.unpatch(model), backend="torch")
     model(input_ids, attention_mask=attention_mask, labels=labels)
     assert checked == [(V, 32)]
+    fl_hf.unpatch(model)  # the helpers: the same log-probs and head gradient
+    plain = make_model("llama")
+    ref_logp = fl_hf.causal_lm_logprobs(plain, input_ids, attention_mask, backend="torch")
+    logp = fl_hf.causal_lm_logprobs(model, input_ids, attention_mask, backend="torch")
+    assert ((logp - ref_logp).abs().max() / ref_logp.abs().max()) < 1e-10
+    cotangent = torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).reshape(logp.shape)
+    (head_grad,) = torch.autograd.grad((cotangent * logp).sum(), model.lm_head.weight)
+    (ref_head_grad,) = torch.autograd.grad((cotangent * ref_logp).sum(), plain.lm_head.weight)
+    assert head_grad.shape == (V, 32)
+    assert_each_close({"lm_head.weight": head_grad}, {"lm_head.weight": ref_head_grad}, 1e-10)
 
 
 @pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # PEFT on a tied head

@@ -22,11 +22,10 @@ weight; PEFT's heads for added tokens, ``modules_to_save=["lm_head"]`` and ``tra
 as the weight they apply), FSDP2 (the head goes to fusedloss as the parameter it is: a sharded DTensor when the
 head is its own FSDP unit, which the core gathers once per forward and once per backward and whose gradient it
 reduce-scatters and averages as FSDP does, docs/design.md "Distributed"), ``device_map`` splits (hidden states
-move to the head's device), DeepSpeed ZeRO-3 heads under ``patch`` (checked inside the head's forward, where
-ZeRO-3 has gathered them; the loss gathers them again), several threads calling one model, ``nn.DataParallel``
-replicas, ``torch.save`` / pickle / ``copy.deepcopy`` of a patched model (it stays patched). Not handled: ZeRO-3
-heads in the helpers (gather them around the call), prompt-learning PEFT (virtual tokens live in the PEFT
-forward), a LoRA on an FSDP2-sharded or ZeRO-3 head.
+move to the head's device), DeepSpeed ZeRO-3 heads (checked inside the head's forward, where ZeRO-3 has
+gathered them; fusedloss's loss gathers them again), several threads calling one model, ``nn.DataParallel``
+replicas, ``torch.save`` / pickle / ``copy.deepcopy`` of a patched model (it stays patched). Not handled:
+prompt-learning PEFT (virtual tokens live in the PEFT forward), a LoRA on an FSDP2-sharded or ZeRO-3 head.
 """
 
 from __future__ import annotations
@@ -185,13 +184,13 @@ def _peft_class(module: str, name: str):
         return None
 
 
-def _is_instance(head, module: str, name: str) -> bool:
+def _is_peft_instance(head, module: str, name: str) -> bool:
     cls = _peft_class(module, name)
     return cls is not None and isinstance(head, cls)
 
 
 def _is_trainable_tokens(layer) -> bool:
-    return _is_instance(layer, "peft.tuners.trainable_tokens.layer", "TrainableTokensLayer")
+    return _is_peft_instance(layer, "peft.tuners.trainable_tokens.layer", "TrainableTokensLayer")
 
 
 def _head_layer(head):
@@ -199,12 +198,12 @@ def _head_layer(head):
     ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) runs its active adapter's trained copy of the head
     (the original when adapters are off), a ``TrainableTokensWrapper`` (``trainable_token_indices`` on a tied
     model) runs its ``TrainableTokensLayer``; both as their ``forward`` decides. Any other head is its own layer."""
-    if _is_instance(head, "peft.utils.other", "ModulesToSaveWrapper"):
+    if _is_peft_instance(head, "peft.utils.other", "ModulesToSaveWrapper"):
         active = head.active_adapters
         if head.disable_adapters or not active or any(a not in head._adapters for a in active):
             return head.original_module
         return head.modules_to_save[active[0]]
-    if _is_instance(head, "peft.utils.other", "TrainableTokensWrapper"):
+    if _is_peft_instance(head, "peft.utils.other", "TrainableTokensWrapper"):
         return head.token_adapter
     return head
 
