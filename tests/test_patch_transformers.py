@@ -559,3 +559,371 @@ def test_pre_shifted_labels_get_the_answer():
     input_ids, attention_mask, labels = batch(19)
     with pytest.raises(ValueError, match="labels are shifted for you: pass labels the length of input_ids"):
         model(input_ids, attention_mask=attention_mask, labels=labels[:, 1:])
+
+
+# --------------------------------------------------------------------------------------------------
+# Training conditions: saved whole, several threads, DataParallel replicas, PEFT's heads for added tokens,
+# adapters added after patch, the user's own errors, sharded heads, sparse label masks
+
+
+def test_a_patched_model_saved_whole_loads_patched_and_exact(tmp_path):
+    """``torch.save(model)`` / pickle keep the patch: the loaded model's loss is its own model's, without logits."""
+    import copy
+    import pickle
+
+    model = fl_hf.patch(make_model("qwen2-tied"), backend="torch")
+    input_ids, attention_mask, labels = batch(20)
+    model(input_ids, attention_mask=attention_mask, labels=labels).loss.backward()  # a call observed before saving
+    torch.save(model, tmp_path / "model.pt")
+    for loaded in (torch.load(tmp_path / "model.pt", weights_only=False), pickle.loads(pickle.dumps(model)),
+                   copy.deepcopy(model)):
+        with torch.no_grad():  # its own parameters, not the original's
+            loaded.model.layers[0].mlp.down_proj.weight.add_(0.1)
+        ref_loss = hf_formula(loaded(input_ids, attention_mask=attention_mask).logits, labels)
+        ref = param_grads(loaded, ref_loss)
+        out = loaded(input_ids, attention_mask=attention_mask, labels=labels)
+        assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+        assert_each_close(param_grads(loaded, out.loss), ref, 1e-10)
+        fl_hf.unpatch(loaded)
+        assert not {"forward", "_loss_function", "_fusedloss_patch"} & set(vars(loaded))
+        assert not loaded._forward_pre_hooks and not loaded.get_output_embeddings()._forward_pre_hooks
+        assert loaded(input_ids, attention_mask=attention_mask, labels=labels).logits is not None
+    assert "forward" in vars(model)  # the original stays patched
+
+
+def _in_step(threads):
+    """A forward pre-hook for the final norm that holds each call until ``threads`` calls are inside the model's
+    forward at once: the calls interleave between their head taps and their losses."""
+    import threading
+
+    barrier = threading.Barrier(threads)
+
+    def hook(module, args):
+        barrier.wait(timeout=30)
+
+    return hook
+
+
+def _run_threads(work, n):
+    import threading
+
+    results, errors = [None] * n, []
+
+    def run(i):
+        try:
+            results[i] = work(i)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return results
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2-softcap"])
+def test_threads_calling_one_patched_model_get_the_single_thread_results(name):
+    """What a call records is its thread's: N threads x M labelled calls on one model, interleaved inside the
+    forward, give exactly the losses and gradients of the same calls made one at a time."""
+    n, m = 3, 3
+    model = fl_hf.patch(make_model(name), backend="torch")
+    params = [p for p in model.parameters() if p.requires_grad]
+    batches = [[batch(30 + i * m + j, b=2 + (i + j) % 2, t=7 + 2 * j) for j in range(m)] for i in range(n)]
+
+    def step(input_ids, attention_mask, labels):
+        loss = model(input_ids, attention_mask=attention_mask, labels=labels).loss
+        return loss.detach(), torch.autograd.grad(loss, params)
+
+    alone = [[step(*b) for b in row] for row in batches]
+    hook = model.model.norm.register_forward_pre_hook(_in_step(n))
+    try:
+        together = _run_threads(lambda i: [step(*b) for b in batches[i]], n)
+    finally:
+        hook.remove()
+    for i in range(n):
+        for j in range(m):
+            (loss, grads), (ref_loss, ref_grads) = together[i][j], alone[i][j]
+            assert torch.equal(loss, ref_loss), (i, j, loss, ref_loss)
+            assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads)), (i, j)
+    with torch.no_grad():  # and against the model's own loss
+        assert rel(alone[0][0][0], hf_formula(model(*batches[0][0][:1], attention_mask=batches[0][0][1]).logits,
+                                              batches[0][0][2])) < 1e-10
+
+
+def test_threads_calling_the_helpers_on_one_model_get_the_single_thread_results():
+    model = make_model("llama")
+    ids = [batch(40 + i)[0] for i in range(3)]
+    alone = [fl_hf.causal_lm_logprobs(model, x, backend="torch").detach() for x in ids]
+    hook = model.model.norm.register_forward_pre_hook(_in_step(3))
+    try:
+        together = _run_threads(lambda i: fl_hf.causal_lm_logprobs(model, ids[i], backend="torch").detach(), 3)
+    finally:
+        hook.remove()
+    assert all(torch.equal(a, b) for a, b in zip(together, alone))
+    assert "forward" not in vars(model.lm_head) and "_fusedloss_patch" not in vars(model.lm_head)
+
+
+def _replicate(model, scales):
+    """What ``nn.DataParallel``'s ``replicate`` makes of a module tree, on the CPU: per replica, a shallow copy of
+    every module (``_replicate_for_data_parallel``: its ``__dict__`` copied, so the replica shares the original's
+    instance attributes) holding its own copies of the parameters (here ``scale * p``, differentiable, so that
+    a replica running the original's parameters gives another number)."""
+    replicas = []
+    for scale in scales:
+        copies, modules = {}, {}
+        for module in model.modules():
+            modules[module] = module._replicate_for_data_parallel()
+        for module, replica in modules.items():
+            for key, child in module._modules.items():
+                replica._modules[key] = None if child is None else modules[child]
+            for key, param in module._parameters.items():
+                if param is None:
+                    replica._parameters[key] = None
+                else:  # non-leaf copies, set as plain attributes, as replicate() does
+                    setattr(replica, key, copies.setdefault(param, param * scale))
+        replicas.append(modules[model])
+    return replicas
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2-tied"])
+def test_data_parallel_replicas_run_their_own_modules(name):
+    """DataParallel runs shallow copies of the patched model in one thread each: every replica's loss is the one
+    its own parameters give, and the gradients reach the original parameters as without the patch."""
+    scales = (1.0, 1.25, 0.75)
+    inputs = [batch(50 + i) for i in range(len(scales))]
+
+    def run(patched):
+        model = make_model(name)
+        if patched:
+            fl_hf.patch(model, backend="torch")
+        replicas = _replicate(model, scales)
+
+        def loss(i):
+            input_ids, attention_mask, labels = inputs[i]
+            if not patched:
+                return hf_formula(replicas[i](input_ids, attention_mask=attention_mask).logits, labels)
+            out = replicas[i](input_ids, attention_mask=attention_mask, labels=labels)
+            assert out.logits is None
+            return out.loss
+
+        hook = model.model.norm.register_forward_pre_hook(_in_step(len(scales)))
+        try:
+            losses = torch.stack(_run_threads(loss, len(scales)))
+        finally:
+            hook.remove()
+        return losses.detach(), param_grads(model, losses.sum())
+
+    losses, grads = run(True)
+    ref_losses, ref_grads = run(False)
+    assert len(set(ref_losses.tolist())) == len(scales)
+    assert ((losses - ref_losses).abs() / ref_losses).max() < 1e-10
+    assert_each_close(grads, ref_grads, 1e-10)
+
+
+def _peft_added_tokens(name, recipe):
+    peft = pytest.importorskip("peft")
+    model = make_model(name)
+    extra = ({"modules_to_save": ["lm_head"]} if recipe == "modules_to_save"
+             else {"trainable_token_indices": {"embed_tokens": [3, 5, 7, 11]}})
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0,
+                          init_lora_weights=False, **extra)
+    pm = peft.get_peft_model(model, cfg)
+    with torch.no_grad():  # trained rows that differ from the base head's
+        for n, p in pm.named_parameters():
+            if "modules_to_save" in n or "trainable_tokens_delta" in n:
+                p.mul_(1.5).add_(0.05)
+    return pm
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # PEFT on a tied head
+@pytest.mark.parametrize("name, recipe", [("llama", "modules_to_save"), ("qwen2-tied", "modules_to_save"),
+                                          ("qwen2-tied", "trainable_token_indices")])
+def test_peft_heads_for_added_tokens(name, recipe):
+    """PEFT's recipes for training added tokens wrap the head (ModulesToSaveWrapper, TrainableTokensWrapper):
+    the loss and every gradient, the trained head rows' included, are the PEFT model's own; with the adapters
+    off too."""
+    pm = _peft_added_tokens(name, recipe)
+    input_ids, attention_mask, labels = batch(21)
+    ref_loss = hf_formula(pm(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
+    ref = param_grads(pm, ref_loss)
+    trained = [n for n in ref if "modules_to_save" in n or "trainable_tokens_delta" in n]
+    assert trained and all(ref[n].norm() > 0 for n in trained)
+    fl_hf.patch(pm, backend="torch")
+    out = pm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert_each_close(param_grads(pm, out.loss), ref, 1e-10)
+    with pm.disable_adapter():
+        fl_hf.unpatch(pm)
+        off = hf_formula(pm(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
+        fl_hf.patch(pm, backend="torch")
+        got = pm(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
+    assert rel(got, off) < 1e-10 and rel(off, ref_loss) > 1e-6
+
+
+def test_a_lora_on_the_head_added_after_patch_names_the_fix():
+    peft = pytest.importorskip("peft")
+    model = fl_hf.patch(make_model("llama"), backend="torch")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0,
+                          init_lora_weights=False)
+    pm = peft.get_peft_model(model, cfg)
+    input_ids, attention_mask, labels = batch(22)
+    with pytest.raises(RuntimeError, match=r"wrapped or replaced after patch\(\) .* call "
+                                           r"fusedloss.integrations.transformers.patch\(model\) again after adding "
+                                           "adapters"):
+        pm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    ref_loss = hf_formula(pm(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
+    ref = param_grads(pm, ref_loss)
+    fl_hf.patch(pm, backend="torch")
+    out = pm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert_each_close(param_grads(pm, out.loss), ref, 1e-10)
+
+
+class _UsersError(Exception):
+    pass
+
+
+@pytest.mark.parametrize("where", ["forward hook", "forward pre-hook"])
+@pytest.mark.parametrize("model_class", ["llama", "own loss"])
+def test_an_error_raised_in_the_head_reaches_the_caller_as_it_is(where, model_class):
+    """The user's exception from the LM head (a hook on it) is not re-labelled as an unsupported architecture,
+    whether or not the model computes its loss through self.loss_function; the next call is exact."""
+    if model_class == "llama":
+        model = make_model("llama")
+    else:
+        torch.manual_seed(0)
+        model = _OwnLossLlama(CONFIGS["llama"]()).to(torch.float64)
+    fl_hf.patch(model, backend="torch")
+    raised = []
+
+    def hook(*args):
+        raised.append(_UsersError("from the user's hook"))
+        raise raised[-1]
+
+    register = model.lm_head.register_forward_hook if where == "forward hook" else \
+        model.lm_head.register_forward_pre_hook
+    handle = register(hook)
+    input_ids, attention_mask, labels = batch(23)
+    with pytest.raises(_UsersError) as info:
+        model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert info.value is raised[-1]
+    with pytest.raises(_UsersError) as info:  # the helpers too
+        fl_hf.causal_lm_logprobs(model, input_ids, attention_mask, backend="torch")
+    assert info.value is raised[-1]
+    handle.remove()
+    if model_class == "llama":
+        ref = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels)
+        assert rel(model(input_ids, attention_mask=attention_mask, labels=labels).loss, ref) < 1e-10
+
+
+class _FakeZero3:
+    """DeepSpeed ZeRO-3 as the LM head sees it, without DeepSpeed: the head's parameters hold an empty partition
+    except inside its own forward (a pre-hook gathers them, a hook releases them) and inside
+    ``deepspeed.zero.GatheredParameters``; ``ds_id`` / ``ds_status`` / ``ds_shape`` as DeepSpeed sets them."""
+
+    class Status:
+        AVAILABLE, NOT_AVAILABLE = "AVAILABLE", "NOT_AVAILABLE"
+
+    def __init__(self, module):
+        self.full = {}
+        for param in module.parameters(recurse=False):
+            self.full[param] = param.data
+            param.ds_id, param.ds_shape = len(self.full), tuple(param.shape)
+            self.release([param])
+        module.register_forward_pre_hook(lambda m, args: self.gather(list(self.full)))
+        module.register_forward_hook(lambda m, args, out: self.release(list(self.full)))
+
+    def gather(self, params):
+        for p in params:
+            p.data, p.ds_status = self.full[p], self.Status.AVAILABLE
+
+    def release(self, params):
+        for p in params:
+            p.data, p.ds_status = torch.empty(0, dtype=p.dtype), self.Status.NOT_AVAILABLE
+
+    def module(self):
+        import contextlib
+        import types
+
+        zero3 = self
+
+        @contextlib.contextmanager
+        def gathered_parameters(params, modifier_rank=None):
+            zero3.gather(params)
+            try:
+                yield
+            finally:
+                zero3.release(params)
+
+        ds = types.ModuleType("deepspeed")
+        ds.zero = types.SimpleNamespace(GatheredParameters=gathered_parameters)
+        status = types.ModuleType("deepspeed.runtime.zero.partition_parameters")
+        status.ZeroParamStatus = self.Status
+        return {"deepspeed": ds, "deepspeed.runtime": types.ModuleType("deepspeed.runtime"),
+                "deepspeed.runtime.zero": types.ModuleType("deepspeed.runtime.zero"),
+                "deepspeed.runtime.zero.partition_parameters": status}
+
+
+def test_a_zero3_partitioned_head_is_read_gathered(monkeypatch):
+    """A ZeRO-3 head holds an empty partition outside its forward: the patch takes it, checks the head's output
+    against the gathered weight (inside the head's forward), and the loss gathers it again; the loss and every
+    gradient are the model's own."""
+    import sys
+
+    model = make_model("llama")
+    input_ids, attention_mask, labels = batch(24)
+    ref_loss = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels)
+    ref = param_grads(model, ref_loss)
+    zero3 = _FakeZero3(model.lm_head)
+    for name, module in zero3.module().items():
+        monkeypatch.setitem(sys.modules, name, module)
+    assert model.lm_head.weight.numel() == 0
+    fl_hf.patch(model, backend="torch")
+    out = model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert model.lm_head.weight.numel() == 0  # released after the head's forward: the loss gathered it itself
+    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    got = param_grads(model, out.loss)
+    assert_each_close(got, ref, 1e-10)
+    checked = []  # the head check reads the gathered weight, not the empty partition
+    check = fl_hf._check_head_product
+    monkeypatch.setattr(fl_hf, "_check_head_product", lambda call, w, b: (checked.append(w.shape), check(call, w, b)))
+    fl_hf.patch(fl_hf.unpatch(model), backend="torch")
+    model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert checked == [(V, 32)]
+    fl_hf.unpatch(model)  # the helpers: the same log-probs and head gradient
+    plain = make_model("llama")
+    ref_logp = fl_hf.causal_lm_logprobs(plain, input_ids, attention_mask, backend="torch")
+    logp = fl_hf.causal_lm_logprobs(model, input_ids, attention_mask, backend="torch")
+    assert ((logp - ref_logp).abs().max() / ref_logp.abs().max()) < 1e-10
+    cotangent = torch.linspace(-1, 1, logp.numel(), dtype=logp.dtype).reshape(logp.shape)
+    (head_grad,) = torch.autograd.grad((cotangent * logp).sum(), model.lm_head.weight)
+    (ref_head_grad,) = torch.autograd.grad((cotangent * ref_logp).sum(), plain.lm_head.weight)
+    assert head_grad.shape == (V, 32)
+    assert_each_close({"lm_head.weight": head_grad}, {"lm_head.weight": ref_head_grad}, 1e-10)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`:UserWarning")  # PEFT on a tied head
+def test_a_last_turn_only_label_mask_gets_the_models_own_gradients():
+    """Labels -100 everywhere but the last turn (no probe row of the head lands on a scored position): with
+    LoRA, the loss and every gradient are the model's own, and the adapters' gradients are not zero."""
+    peft = pytest.importorskip("peft")
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "lm_head"], lora_dropout=0.0,
+                          init_lora_weights=False)
+    pm = peft.get_peft_model(make_model("gemma2-softcap"), cfg)
+    g = torch.Generator().manual_seed(25)
+    input_ids = torch.randint(3, V, (2, 40), generator=g)
+    labels = torch.full_like(input_ids, -100)
+    labels[0, 31:36] = input_ids[0, 31:36]  # the last assistant turn, then padding
+    labels[1, 37:] = input_ids[1, 37:]
+    ref_loss = hf_formula(pm(input_ids=input_ids).logits, labels)
+    ref = param_grads(pm, ref_loss)
+    fl_hf.patch(pm, backend="torch")
+    out = pm(input_ids=input_ids, labels=labels)
+    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    got = param_grads(pm, out.loss)
+    assert_each_close(got, ref, 1e-10)
+    lora = [n for n in got if "lora" in n]
+    assert len(lora) == 2 * 2 * 2 + 2 and all(got[n].norm() > 0 for n in lora)

@@ -18,16 +18,20 @@ model's forward the same way; ``lm_head(model)`` gives the head and the observed
 
 Handled: tied embeddings (the head weight *is* the embedding parameter; its gradient collects both uses),
 PEFT-wrapped models (adapters run in the model's forward; a LoRA on the head itself is folded into the head
-weight), FSDP2 (the head goes to fusedloss as the parameter it is: a sharded DTensor when the head is its own
-FSDP unit, which the core gathers once per forward and once per backward and whose gradient it reduce-scatters
-and averages as FSDP does, docs/design.md "Distributed"), ``device_map`` splits (hidden states move to the
-head's device). Not handled: DeepSpeed ZeRO-3 partitioned heads (gather them around the call), prompt-learning
-PEFT (virtual tokens live in the PEFT forward), a LoRA on an FSDP2-sharded head.
+weight; PEFT's heads for added tokens, ``modules_to_save=["lm_head"]`` and ``trainable_token_indices``, are read
+as the weight they apply), FSDP2 (the head goes to fusedloss as the parameter it is: a sharded DTensor when the
+head is its own FSDP unit, which the core gathers once per forward and once per backward and whose gradient it
+reduce-scatters and averages as FSDP does, docs/design.md "Distributed"), ``device_map`` splits (hidden states
+move to the head's device), DeepSpeed ZeRO-3 heads (checked inside the head's forward, where ZeRO-3 has
+gathered them; fusedloss's loss gathers them again), several threads calling one model, ``nn.DataParallel``
+replicas, ``torch.save`` / pickle / ``copy.deepcopy`` of a patched model (it stays patched). Not handled:
+prompt-learning PEFT (virtual tokens live in the PEFT forward), a LoRA on an FSDP2-sharded or ZeRO-3 head.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from typing import NamedTuple, Optional, Union
 
@@ -167,6 +171,43 @@ def _causal_lm(model):
     return model
 
 
+def _peft_class(module: str, name: str):
+    """A PEFT class, or None where PEFT is not imported (no model can hold one then) or does not have it."""
+    import importlib
+    import sys
+
+    if "peft" not in sys.modules:
+        return None
+    try:
+        return getattr(importlib.import_module(module), name, None)
+    except ImportError:
+        return None
+
+
+def _is_peft_instance(head, module: str, name: str) -> bool:
+    cls = _peft_class(module, name)
+    return cls is not None and isinstance(head, cls)
+
+
+def _is_trainable_tokens(layer) -> bool:
+    return _is_peft_instance(layer, "peft.tuners.trainable_tokens.layer", "TrainableTokensLayer")
+
+
+def _head_layer(head):
+    """The layer that computes a head's output. PEFT's recipes for training added tokens wrap the head: a
+    ``ModulesToSaveWrapper`` (``modules_to_save=["lm_head"]``) runs its active adapter's trained copy of the head
+    (the original when adapters are off), a ``TrainableTokensWrapper`` (``trainable_token_indices`` on a tied
+    model) runs its ``TrainableTokensLayer``; both as their ``forward`` decides. Any other head is its own layer."""
+    if _is_peft_instance(head, "peft.utils.other", "ModulesToSaveWrapper"):
+        active = head.active_adapters
+        if head.disable_adapters or not active or any(a not in head._adapters for a in active):
+            return head.original_module
+        return head.modules_to_save[active[0]]
+    if _is_peft_instance(head, "peft.utils.other", "TrainableTokensWrapper"):
+        return head.token_adapter
+    return head
+
+
 def _peft_head(head) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """Weight and bias of a PEFT-wrapped head, with unmerged LoRA deltas folded in (differentiably)."""
     base = head.get_base_layer()
@@ -187,10 +228,30 @@ def _peft_head(head) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     return weight, bias
 
 
+def _trainable_tokens_head(layer) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """Weight and bias of PEFT's ``TrainableTokensLayer`` on a linear head, as its forward computes them: the
+    base weight with the trained token rows swapped in (differentiably in both) and no bias, or the base layer
+    itself when the adapters are off or merged."""
+    base = layer.get_base_layer()
+    active = layer.active_adapters
+    if layer.disable_adapters or not active or layer.merged:
+        return base.weight, getattr(base, "bias", None)
+    return layer.get_merged_weights(active), None
+
+
+def _weight_shape(weight: torch.Tensor) -> torch.Size:
+    """The shape of the whole parameter: a DeepSpeed ZeRO-3 parameter holds an empty partition outside its
+    module's forward."""
+    from ..distributed import zero3
+
+    return zero3.full_shape(weight) if zero3.is_partitioned(weight) else weight.shape
+
+
 def _output_head(lm):
     """``lm.get_output_embeddings()``, refused unless it is one linear layer fusedloss can stand in for: a
     module whose ``weight`` is its ``[V, D]`` matrix, with ``nn.Linear``'s forward and no parameter beyond
-    ``weight`` and ``bias`` (a learned scale inside the head would otherwise get no gradient)."""
+    ``weight`` and ``bias`` (a learned scale inside the head would otherwise get no gradient). A LoRA layer on
+    it, or PEFT's wrappers for training added tokens (``_head_layer``), are read through."""
     if not hasattr(lm, "get_output_embeddings"):
         raise ValueError(f"{type(lm).__name__} is not a transformers causal LM with an LM head "
                          "(get_output_embeddings() is needed)")
@@ -198,9 +259,10 @@ def _output_head(lm):
     name = type(lm).__name__
     if head is None:
         raise ValueError(f"{name} has no LM head (get_output_embeddings() returned None)")
-    base = head.get_base_layer() if _is_peft_layer(head) else head
+    layer = _head_layer(head)
+    base = layer.get_base_layer() if _is_peft_layer(layer) else layer
     weight = getattr(base, "weight", None)
-    if not isinstance(base, torch.nn.Module) or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+    if not isinstance(base, torch.nn.Module) or not isinstance(weight, torch.Tensor) or len(_weight_shape(weight)) != 2:
         raise ValueError(f"fusedloss: {name}'s LM head is a {type(base).__name__}, not one module with a "
                          "[vocab, hidden] weight (e.g. one head per codebook): fusedloss.integrations.transformers "
                          "does not support this architecture")
@@ -217,9 +279,13 @@ def _output_head(lm):
 
 
 def _head_tensors(head) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    if _is_peft_layer(head):
-        return _peft_head(head)
-    return head.weight, getattr(head, "bias", None)
+    """The weight and bias the head's forward applies (adapters folded in), differentiable in its parameters."""
+    layer = _head_layer(head)
+    if _is_trainable_tokens(layer):
+        return _trainable_tokens_head(layer)
+    if _is_peft_layer(layer):
+        return _peft_head(layer)
+    return layer.weight, getattr(layer, "bias", None)
 
 
 # The post-processing each head was last seen to apply (keyed by the head module: a copy.deepcopy of a model
@@ -285,6 +351,12 @@ def _probe_forward(lm) -> _Transform:
 # product runs. The model then does with those rows what it does with logits (scale, soft-cap, cut the
 # vocabulary, cast), and hands them to ``self.loss_function`` (the patch) or returns them (the helpers), where
 # ``_observe`` compares them with fusedloss's formula on the same rows.
+#
+# What one forward records is a ``_Call`` of the thread that runs it, never state of the model: one patched model
+# serves several threads at once (an evaluation server; ``nn.DataParallel``, which runs each replica in a thread
+# of its own). The forwards the tap installs are ``_ModuleForward`` objects, not bound methods: they pickle and
+# deep-copy with their module, and run on the module actually entered (a DataParallel replica shares its
+# original's instance attributes, ``_enter_hook`` names it).
 
 _PATCH_ATTR = "_fusedloss_patch"
 _PROBE_ROWS = 4
@@ -299,55 +371,152 @@ class _Observation(NamedTuple):
     z: torch.Tensor  # [k, V] the head's own output on them
 
 
+class _Call:
+    """One tapped forward, on the thread that runs it: the modules it runs (a DataParallel replica's, not the
+    original's), what the head recorded, and the counts that say how the model used them."""
+
+    def __init__(self, tap: "_Tap", lm, head, logits_to_keep, outer: Optional["_Call"]):
+        self.tap, self.lm, self.head, self.logits_to_keep, self.outer = tap, lm, head, logits_to_keep, outer
+        self.hidden: Optional[torch.Tensor] = None
+        self.observation: Optional[_Observation] = None
+        self.head_calls = self.loss_calls = 0
+        self.in_loss = False
+
+
 class _Tap:
-    """The head tap of one model: its state during one forward, and what was observed."""
+    """The head tap of one model: what every call shares (the head's own forward, the post-processing observed,
+    the checks done) and, per thread, the call in progress (``call``)."""
 
     def __init__(self, lm, head):
         self.lm, self.head = lm, head
         self.saved_head_forward = head.__dict__.get("forward")
-        self.armed = False
-        self.hidden = self.observation = None
-        self.head_calls = self.loss_calls = 0
-        self.in_loss = False
-        self.logits_to_keep = 0
         self.transform: Optional[_Transform] = None  # the last observed post-processing
         self.head_checked = self.grad_checked = False
+        self.users: Optional[int] = None  # a helper's temporary tap: the calls in flight (None: the patch's)
+        self._threads = threading.local()
 
-    def head_forward(self):
+    def __getstate__(self):  # pickle, copy.deepcopy: a call in flight is no part of a copy
+        state = dict(self.__dict__)
+        del state["_threads"]
+        return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._threads = threading.local()
+
+    @property
+    def call(self) -> Optional[_Call]:
+        """The tapped forward this thread is running, if any."""
+        return getattr(self._threads, "call", None)
+
+    def arm(self, lm, head, logits_to_keep=0) -> _Call:
+        call = _Call(self, lm, head, logits_to_keep, self.call)
+        self._threads.call = call
+        return call
+
+    def disarm(self, call: _Call) -> None:
+        self._threads.call = call.outer
+
+    def head_forward(self, head):
+        """The forward the tap wraps, run on ``head`` (the original head or a replica of it)."""
         saved = self.saved_head_forward
-        return saved if saved is not None else type(self.head).forward.__get__(self.head)
+        return saved if saved is not None else type(head).forward.__get__(head)
 
-    def arm(self, logits_to_keep=0):
-        self.armed, self.hidden, self.observation = True, None, None
-        self.head_calls = self.loss_calls = 0
-        self.in_loss, self.logits_to_keep = False, logits_to_keep
 
-    def disarm(self):
-        self.armed, self.hidden, self.observation = False, None, None
+class _Method:
+    """``function(owner, *args, **kwargs)``, set on ``owner`` as an instance attribute. A bound method of a
+    module-level function pickles as ``getattr(owner, function name)``, which fails at load; this object pickles
+    (and deep-copies) with its owner."""
+
+    def __init__(self, function, owner):
+        self.function, self.owner = function, owner
+
+    def __call__(self, *args, **kwargs):
+        return self.function(self.owner, *args, **kwargs)
+
+
+class _ModuleForward(_Method):
+    """A tapped module's ``forward``: runs ``function`` on the module entered, its owner or a DataParallel replica
+    of it (``_entered``), and shows the signature of the module class's forward (the Trainer keeps the dataset
+    columns the forward names, and passes ``num_items_in_batch`` when it takes ``**kwargs``)."""
+
+    def __call__(self, *args, **kwargs):
+        return self.function(_entered(self), *args, **kwargs)
+
+    @property
+    def __signature__(self):
+        import inspect
+
+        return inspect.signature(type(self.owner).forward.__get__(self.owner))
+
+    @property
+    def __wrapped__(self):  # what accelerate's unwrap_model walks back to
+        return type(self.owner).forward
+
+    @property
+    def __name__(self):
+        return "forward"
+
+
+_ENTERING = threading.local()
+
+
+def _enter_hook(module, args) -> None:
+    """Forward pre-hook of the patched modules: names the module this thread enters. ``nn.DataParallel``'s
+    replicas are shallow copies that share the original's ``forward`` attribute, whose owner is the original."""
+    _ENTERING.module = module
+
+
+def _entered(forward: _ModuleForward):
+    """The module whose call is running ``forward``: the one ``_enter_hook`` named, when it holds this very
+    forward (itself or a replica), else the owner (a direct ``module.forward(...)`` call)."""
+    module = getattr(_ENTERING, "module", None)
+    _ENTERING.module = None
+    if module is not None and module.__dict__.get("forward") is forward:
+        return module
+    return forward.owner
+
+
+def _raised_in(module, error: BaseException) -> bool:
+    """Whether ``error`` was raised inside a call of ``module`` (its forward or its hooks): the head's own code
+    or a user's hook on it, not the model's code around it."""
+    impl = torch.nn.Module._call_impl.__code__
+    tb = error.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code is impl and frame.f_locals.get("self") is module:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _tapped_head_forward(head, hidden, *args, **kwargs):
-    """``head.forward`` of a tapped LM head (bound to the head)."""
+    """``head.forward`` of a tapped LM head (``head``: the one entered)."""
     state = head.__dict__[_PATCH_ATTR]
-    if not state.armed:
-        return state.head_forward()(hidden, *args, **kwargs)
-    state.head_calls += 1
-    if state.hidden is not None:
-        raise _Refusal(f"fusedloss: {type(state.lm).__name__} runs its LM head twice in one forward; "
+    call = state.call
+    if call is None:
+        return state.head_forward(head)(hidden, *args, **kwargs)
+    call.head_calls += 1
+    if call.hidden is not None:
+        raise _Refusal(f"fusedloss: {type(call.lm).__name__} runs its LM head twice in one forward; "
                        "fusedloss.integrations.transformers does not support this architecture")
-    state.hidden = hidden
+    call.hidden = hidden
     rows = hidden.reshape(-1, hidden.shape[-1])
     k = min(_PROBE_ROWS, rows.shape[0])
     index = torch.linspace(0, rows.shape[0] - 1, k).round().long().to(rows.device)
     probe = rows.detach()[index]
     if torch.is_grad_enabled():
         probe.requires_grad_()
-    weight, bias = _head_tensors(head)
+    with torch.no_grad():  # read here, where the head's own forward runs: gathered (ZeRO-3, FSDP2) if sharded
+        weight, bias = _head_tensors(head)
     if _is_dtensor(weight):  # a head sharded outside FSDP's forward: its own forward cannot run on plain rows
         z = torch.nn.functional.linear(probe, weight.full_tensor(), None if bias is None else bias.full_tensor())
     else:
-        z = state.head_forward()(probe, *args, **kwargs)
-    state.observation = _Observation(probe, z)
+        z = state.head_forward(head)(probe, *args, **kwargs)
+    call.observation = _Observation(probe, z)
+    if not state.head_checked:
+        _check_head_product(call, weight, bias)
+        state.head_checked = True
     return z.reshape((1,) * max(hidden.dim() - 2, 0) + tuple(z.shape))
 
 
@@ -355,33 +524,41 @@ def _is_dtensor(t) -> bool:
     return type(t).__name__ == "DTensor"
 
 
+_TAPPING = threading.Lock()  # installs and removes helpers' temporary taps
+
+
 class _Tapped:
-    """``with _Tapped(lm) as state``: the model's head tapped for one forward (the patch's tap when the model
-    is patched, else one installed for the block and removed after it)."""
+    """``with _Tapped(lm, head) as call``: one forward of the model with its head tapped, on this thread (the
+    patch's tap when the model is patched, else a temporary one, installed while any thread's helper runs)."""
 
     def __init__(self, lm, head):
         self.lm, self.head = lm, head
-        self.state = lm.__dict__.get(_PATCH_ATTR)
-        self.installed = self.state is None or self.state.head is not head
-        if self.installed and head.__dict__.get(_PATCH_ATTR) is not None:
-            raise RuntimeError("fusedloss: the LM head is already tapped (a helper called from inside another "
-                               "helper's forward?)")
 
-    def __enter__(self) -> _Tap:
-        import types
-
-        if self.installed:
-            self.state = _Tap(self.lm, self.head)
-            self.head.__dict__[_PATCH_ATTR] = self.state
-            self.head.forward = types.MethodType(_tapped_head_forward, self.head)
-        self.state.arm()
-        return self.state
+    def __enter__(self) -> _Call:
+        with _TAPPING:
+            state = self.head.__dict__.get(_PATCH_ATTR)
+            if state is not None and state.call is not None:
+                raise RuntimeError("fusedloss: the LM head is already tapped (a helper called from inside another "
+                                   "helper's forward?)")
+            if state is None:
+                state = _Tap(self.lm, self.head)
+                state.users = 0
+                self.head.__dict__[_PATCH_ATTR] = state
+                self.head.forward = _ModuleForward(_tapped_head_forward, self.head)
+            if state.users is not None:
+                state.users += 1
+        self.state = state
+        self.call = state.arm(self.lm, self.head)
+        return self.call
 
     def __exit__(self, *exc):
-        self.state.disarm()
-        if self.installed:
-            self.head.__dict__.pop(_PATCH_ATTR, None)
-            _restore(self.head, "forward", self.state.saved_head_forward)
+        self.state.disarm(self.call)
+        with _TAPPING:
+            if self.state.users is not None:
+                self.state.users -= 1
+                if self.state.users == 0:
+                    self.head.__dict__.pop(_PATCH_ATTR, None)
+                    _restore(self.head, "forward", self.state.saved_head_forward)
         return False
 
 
@@ -406,12 +583,12 @@ def _refuse(lm, why: str):
                    "this architecture (it gives no number it cannot reproduce exactly)")
 
 
-def _observe(state: _Tap, logits, *, gradient: bool = True) -> _Transform:
+def _observe(call: _Call, logits, *, gradient: bool = True) -> _Transform:
     """The post-processing the model applied to the head's output on the probe rows (``logits``: what the
     model made of them), checked against fusedloss's formula; refused with the reason when none fits.
     ``gradient=False``: values only (the logits left the model's forward, where wrappers may have hooked a
     backward on them)."""
-    lm, obs = state.lm, state.observation
+    state, lm, obs = call.tap, call.lm, call.observation
     if obs is None:
         _refuse(lm, "did not call its LM head before computing its loss")
     z = obs.z
@@ -426,8 +603,6 @@ def _observe(state: _Tap, logits, *, gradient: bool = True) -> _Transform:
     y = logits.reshape(k, -1)
     eps = max(torch.finfo(z.dtype).eps, torch.finfo(y.dtype).eps) if y.is_floating_point() else 1.0
     zd, yd = z.detach().double(), y.detach().double()
-    if not state.head_checked:
-        _check_head_product(state, zd)
     candidates = _candidate_transforms(lm.config, vocab, y.shape[-1])
     if state.transform is not None and state.transform.vocab_size == candidates[0].vocab_size:
         candidates.insert(0, state.transform)  # the processing seen last time, checked first
@@ -442,7 +617,7 @@ def _observe(state: _Tap, logits, *, gradient: bool = True) -> _Transform:
                     f"{ratio.item():.4g} x the head's output{cut}, but not exactly any candidate "
                     f"({', '.join(_describe(t) for t in candidates)})")
     if gradient and torch.is_grad_enabled() and y.requires_grad and z.requires_grad and not state.grad_checked:
-        _check_gradient(state, chosen, obs, y, eps)
+        _check_gradient(call, chosen, y, eps)
         state.grad_checked = True
     state.transform = chosen
     _OBSERVED[state.head] = chosen
@@ -453,15 +628,19 @@ def _describe(t: _Transform) -> str:
     return f"logit_scale={t.logit_scale:.6g}" + ("" if t.softcap is None else f" softcap={t.softcap:.6g}")
 
 
-def _check_head_product(state: _Tap, z: torch.Tensor) -> None:
-    """Once per tap: the head's own output on the probe rows is ``h @ weight.T + bias`` (a LoRA on the head
-    folded into the weight as fusedloss receives it)."""
-    h = state.observation.hidden.detach().double()
-    weight, bias = _head_tensors(state.head)
+def _check_head_product(call: _Call, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> None:
+    """Once per tap, inside the head's forward (where a ZeRO-3 or FSDP2 head is gathered): the head's own output
+    on the probe rows is ``h @ weight.T + bias`` of the weight and bias fusedloss receives (a LoRA on the head,
+    PEFT's trained token rows folded in)."""
+    obs = call.observation
+    h, z = obs.hidden.detach().double(), obs.z.detach().double()
     with torch.no_grad():
         if _is_dtensor(weight):
             weight, bias = weight.full_tensor(), None if bias is None else bias.full_tensor()
-        eps = torch.finfo(state.observation.z.dtype).eps
+        if tuple(weight.shape) != (z.shape[-1], h.shape[-1]):
+            _refuse(call.lm, f"has an LM head whose output ({z.shape[-1]} logits of {h.shape[-1]} inputs) does not "
+                             f"match the weight it exposes ({tuple(weight.shape)})")
+        eps = torch.finfo(obs.z.dtype).eps
         for start in range(0, weight.shape[0], 8192):  # the head in float64 a slice at a time
             w = weight[start:start + 8192].double()
             b = None if bias is None else bias[start:start + 8192].double()
@@ -470,15 +649,15 @@ def _check_head_product(state: _Tap, z: torch.Tensor) -> None:
             got = z[:, start:start + 8192]
             ok = (got - product).abs() <= 16 * eps * bound + 1e-300
             if not bool((ok | (got.isnan() & product.isnan())).all()):
-                _refuse(state.lm, "has an LM head whose output is not h @ weight.T + bias of the weight and bias "
-                                  "it exposes")
-    state.head_checked = True
+                _refuse(call.lm, "has an LM head whose output is not h @ weight.T + bias of the weight and bias "
+                                 "it exposes")
 
 
-def _check_gradient(state: _Tap, t: _Transform, obs: _Observation, y: torch.Tensor, eps: float) -> None:
+def _check_gradient(call: _Call, t: _Transform, y: torch.Tensor, eps: float) -> None:
     """Once, with autograd recording: the post-processing reaches no parameter beyond the head's (fusedloss
     would give it no gradient), and its gradient with respect to the head's output is the formula's (a
     transform can be the identity at one point and differ in its slope)."""
+    obs = call.observation
     reached, stack, seen = [], [y.grad_fn], set()
     while stack:
         node = stack.pop()
@@ -490,16 +669,16 @@ def _check_gradient(state: _Tap, t: _Transform, obs: _Observation, y: torch.Tens
             reached.append(variable)
         stack.extend(next_node for next_node, _ in node.next_functions)
     if reached:
-        names = {id(p): n for n, p in state.lm.named_parameters()}
+        names = {id(p): n for n, p in call.lm.named_parameters()}
         what = ", ".join(names.get(id(p), f"a tensor of shape {tuple(p.shape)}") for p in reached)
-        _refuse(state.lm, f"applies learned parameters to its logits ({what}): fusedloss would give them no "
-                          "gradient")
+        _refuse(call.lm, f"applies learned parameters to its logits ({what}): fusedloss would give them no "
+                         "gradient")
     cotangent = torch.linspace(-1.0, 1.0, y.numel(), dtype=y.dtype, device=y.device).reshape(y.shape)
     (got,) = torch.autograd.grad(y, obs.z, cotangent.reshape(y.shape), retain_graph=True)
     expected = t.vjp(obs.z.detach().double(), cotangent.double().reshape(obs.z.shape[0], -1))
     if not _close(expected, got.detach().double().reshape(expected.shape), eps):
-        _refuse(state.lm, "post-processes its head's output with a gradient that is not the one of "
-                          f"{_describe(t)} (the values agree on the probe rows, the slopes do not)")
+        _refuse(call.lm, "post-processes its head's output with a gradient that is not the one of "
+                         f"{_describe(t)} (the values agree on the probe rows, the slopes do not)")
 
 
 def _is_fsdp(module) -> bool:
@@ -523,24 +702,24 @@ def _observed_forward(lm, kwargs: dict) -> tuple[torch.Tensor, _Transform]:
     head = _output_head(lm)
     if _forward_accepts(lm, "use_cache"):
         kwargs.setdefault("use_cache", False)
-    with _Tapped(lm, head) as state:
+    with _Tapped(lm, head) as call:
         try:
             out = lm(**kwargs)
         except _Refusal:
             raise
         except Exception as error:
-            if state.head_calls:
+            if call.head_calls and not _raised_in(head, error):  # the head's own errors and its hooks' are not ours
                 raise _Refusal(f"fusedloss: {type(lm).__name__} could not post-process its head's output on the "
                                "probe rows (it raised); fusedloss.integrations.transformers does not support this "
                                "architecture") from error
             raise
-        hidden = state.hidden
+        hidden = call.hidden
         if hidden is None:
             _refuse(lm, "did not call its LM head in its forward")
         logits = getattr(out, "logits", None) if not isinstance(out, tuple) else out[0]
         # FSDP2 hooks its pre-backward on the root's outputs: a backward through them here, mid-step, would
         # run it. Such a model's gradient check is the patch's (inside the forward, before the hooks).
-        transform = _observe(state, logits, gradient=not _is_fsdp(lm))
+        transform = _observe(call, logits, gradient=not _is_fsdp(lm))
     return hidden, transform
 
 
@@ -657,7 +836,7 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.T
 # ------------------------------------------------------------------------------------------------ patch
 #
 # How the patch works (docs/design.md, "Configuration"): the model keeps its own forward. Three instance
-# attributes are set, and ``unpatch`` removes them:
+# attributes and two forward pre-hooks are set, and ``unpatch`` removes them:
 #
 #   * ``lm.forward``: with ``labels`` it arms the tap, calls the model's own forward, and returns its output
 #     with ``logits=None``; without labels it is the model's own forward, untouched.
@@ -667,11 +846,14 @@ def completion_logprobs(model, prompt_ids: torch.Tensor, completion_ids: torch.T
 #     ``ForCausalLMLoss``; it checks the probe rows (``_observe``) and computes that same loss from the recorded
 #     head input with ``fusedloss.cross_entropy``. Whatever the model does around its loss (an MoE router loss
 #     added to it, gradient checkpointing of its layers, accelerate's output casting) stays the model's own.
+#   * ``_enter_hook`` on the model and its head: names the module a forward enters (a DataParallel replica).
 #
-# The three are methods bound to their module, and the patch state lives in the modules' ``__dict__``: a
-# ``copy.deepcopy`` of a patched model (TRL's reference models are made that way) is a patched copy that
-# runs its own parameters. A model that computes its loss any other way (its own cross-entropy on the probe
-# rows raises, or it never calls ``self.loss_function``) is refused at its first labelled call.
+# The attributes are ``_Method`` objects and the patch state lives in the modules' ``__dict__``: a
+# ``copy.deepcopy`` of a patched model (TRL's reference models are made that way) is a patched copy that runs
+# its own parameters, and a patched model saved whole (``torch.save(model)``, pickle) loads patched. The state of
+# a call in flight is its thread's (``_Tap.call``). A model that computes its loss any other way (its own
+# cross-entropy on the probe rows raises, or it never calls ``self.loss_function``) is refused at its first
+# labelled call.
 
 
 class _Patch(_Tap):
@@ -684,15 +866,20 @@ class _Patch(_Tap):
         self.backend = backend
         self.saved = {"lm.forward": lm.__dict__.get("forward"), "lm._loss_function": lm.__dict__.get("_loss_function")}
         self.had_loss_function = "_loss_function" in lm.__dict__
+        forward = inspect.unwrap(type(lm).forward)
         names = [q.name for q in inspect.signature(type(lm).forward).parameters.values()
                  if q.kind in (q.POSITIONAL_ONLY, q.POSITIONAL_OR_KEYWORD)][1:]  # without self
         self.labels_at = names.index("labels") if "labels" in names else None
         self.keep_at = names.index("logits_to_keep") if "logits_to_keep" in names else None
+        # transformers' causal LMs name self.loss_function in their forward: an error between their head and their
+        # loss is not their own loss code failing on the probe rows
+        self.names_loss_function = "loss_function" in getattr(getattr(forward, "__code__", None), "co_names", ())
 
-    def model_forward(self):
-        """The forward the patch wraps: an earlier instance attribute (e.g. accelerate's), else the class's."""
+    def model_forward(self, lm):
+        """The forward the patch wraps, run on ``lm`` (the model or a replica of it): an earlier instance
+        attribute (e.g. accelerate's), else the class's."""
         saved = self.saved["lm.forward"]
-        return saved if saved is not None else type(self.lm).forward.__get__(self.lm)
+        return saved if saved is not None else type(lm).forward.__get__(lm)
 
 
 def _keep_positions(labels: torch.Tensor, logits_to_keep) -> torch.Tensor:
@@ -707,34 +894,44 @@ def _keep_positions(labels: torch.Tensor, logits_to_keep) -> torch.Tensor:
 
 
 def _patched_forward(lm, *args, **kwargs):
-    """``lm.forward`` of a patched model (bound to ``lm``)."""
+    """``lm.forward`` of a patched model (``lm``: the one entered)."""
     state = lm.__dict__[_PATCH_ATTR]
-    forward = state.model_forward()
+    forward = state.model_forward(lm)
     labels = kwargs.get("labels")
     if labels is None and state.labels_at is not None and len(args) > state.labels_at:
         labels = args[state.labels_at]
     if labels is None:
         return forward(*args, **kwargs)
+    head = lm.get_output_embeddings()
+    if head is None or head.__dict__.get(_PATCH_ATTR) is not state:
+        now = type(head)
+        raise RuntimeError(f"fusedloss patch: the LM head of {type(lm).__name__} was wrapped or replaced after "
+                           f"patch() (it is now a {now.__module__}.{now.__qualname__}: a PEFT adapter on the head, "
+                           "resize_token_embeddings, ...); call fusedloss.integrations.transformers.patch(model) "
+                           "again after adding adapters or resizing: it taps the new head")
     keep = kwargs.get("logits_to_keep",
                       args[state.keep_at] if state.keep_at is not None and len(args) > state.keep_at else 0)
     return_dict = kwargs.pop("return_dict", None)
     want_tuple = return_dict is False or (return_dict is None and getattr(lm.config, "return_dict", True) is False)
     if want_tuple or return_dict is not None:
         kwargs["return_dict"] = True  # the probe rows must not reach a tuple
-    state.arm(keep)
+    call = state.arm(lm, head, keep)
     try:
         out = forward(*args, **kwargs)
     except _Refusal:
         raise
     except Exception as error:
-        if state.head_calls and not state.in_loss:  # the model's own code failed on the probe rows
+        # Between the head and the loss, a model that computes its loss itself fails on the probe rows. An error
+        # of the head's own (its forward, a user's hook on it), or of a model that calls self.loss_function,
+        # is the caller's to see as it is.
+        if call.head_calls and not call.in_loss and not state.names_loss_function and not _raised_in(head, error):
             raise _Refusal(f"fusedloss patch: {type(lm).__name__} computes its loss itself, not through "
                            "self.loss_function (its own loss code raised on the head's probe rows); "
                            "integrations.transformers.patch does not support this architecture") from error
         raise
     finally:
-        state.disarm()
-    if state.loss_calls != 1:
+        state.disarm(call)
+    if call.loss_calls != 1:
         raise _Refusal(f"fusedloss patch: {type(lm).__name__} computes its loss itself, not through "
                        "self.loss_function; integrations.transformers.patch does not support this architecture")
     # A new output without the field: a ModelOutput keeps a key once set, even when set to None.
@@ -746,21 +943,23 @@ def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_ite
                           shift_labels=None, **kwargs):
     """transformers' ``ForCausalLMLoss`` computed from the head's recorded input: the labels shifted left by
     one (or ``shift_labels`` as given), ``ignore_index`` skipped, the mean over valid tokens, or the sum /
-    ``num_items_in_batch`` under gradient accumulation (bound to ``lm``). ``logits`` are the model's
-    post-processing of the probe rows: they decide the logit processing (``_observe``)."""
+    ``num_items_in_batch`` under gradient accumulation (``lm``: the patched model; the call is this thread's).
+    ``logits`` are the model's post-processing of the probe rows: they decide the logit processing (``_observe``)."""
     state = lm.__dict__[_PATCH_ATTR]
-    state.in_loss = True
-    hidden, state.hidden = state.hidden, None
+    call = state.call
+    hidden = None if call is None else call.hidden
     if hidden is None:
         raise RuntimeError("fusedloss patch: the model computed its loss without calling its patched LM head "
                            "first; if the head was replaced after patch() (resize_token_embeddings, ...), call "
-                           "patch(model) again, else this architecture is not supported by "
-                           "integrations.transformers.patch")
-    state.loss_calls += 1
-    transform = _observe(state, logits)
+                           "fusedloss.integrations.transformers.patch(model) again, else this architecture is not "
+                           "supported by integrations.transformers.patch")
+    call.in_loss = True
+    call.hidden = None
+    call.loss_calls += 1
+    transform = _observe(call, logits)
     if shift_labels is None:
         shift_labels = torch.nn.functional.pad(labels, (0, 1), value=ignore_index)[..., 1:]
-    targets = _keep_positions(shift_labels, state.logits_to_keep)
+    targets = _keep_positions(shift_labels, call.logits_to_keep)
     if tuple(targets.shape) != tuple(hidden.shape[:-1]):
         hint = ""
         if labels is not None and labels.dim() == hidden.dim() - 1 and labels.shape[-1] == hidden.shape[-2] - 1:
@@ -768,7 +967,7 @@ def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_ite
                     "already shifted as shift_labels=")
         raise ValueError(f"fusedloss patch: the head scored positions of shape {tuple(hidden.shape[:-1])} "
                          f"but the labels give {tuple(targets.shape)}{hint}")
-    head = _as_lm_head(state.head, transform)  # a DTensor head goes to the core as it is
+    head = _as_lm_head(call.head, transform)  # a DTensor or ZeRO-3 head goes to the core as it is
     hidden = hidden.to(head.weight.device)
     loss = fusedloss.cross_entropy(
         hidden, head.weight, targets.to(hidden.device), ignore_index=ignore_index,
@@ -821,6 +1020,11 @@ def patch(model, *, backend: str = "auto"):
     model (``torch.compile``, DDP, FSDP; a wrapped model is refused). Returns ``model``; ``unpatch(model)``
     restores it exactly. ``backend`` is passed to ``fusedloss.cross_entropy``.
 
+    A patched model saved whole (``torch.save(model)``, pickle) loads patched. Each labelled call keeps what it
+    records on its own thread: threads may share one patched model, and ``nn.DataParallel`` replicas run their
+    own parameters. Adapters or a resize that wrap or replace the head after ``patch`` are refused at the next
+    labelled call with the fix: call ``patch(model)`` again, which taps the new head.
+
     Every labelled call checks the model's own post-processing of its head's output on a few probe rows
     against fusedloss's formula (the first one, with autograd on, its gradient too): an architecture whose
     loss fusedloss cannot reproduce exactly is refused with the reason, at ``patch`` (a head that is not one
@@ -831,9 +1035,6 @@ def patch(model, *, backend: str = "auto"):
         model = fusedloss.integrations.transformers.patch(AutoModelForCausalLM.from_pretrained(name))
         loss = model(input_ids, attention_mask=attention_mask, labels=input_ids).loss
     """
-    import functools
-    import types
-
     from ..core import backends as _backends
 
     if backend not in _backends.BACKEND_NAMES:
@@ -848,7 +1049,7 @@ def patch(model, *, backend: str = "auto"):
         if lm.__dict__[_PATCH_ATTR].head is head:
             lm.__dict__[_PATCH_ATTR].backend = backend  # idempotent: a second patch only changes the backend
             return model
-        unpatch(model)  # the head was replaced since (resize_token_embeddings, ...): patch the new one
+        unpatch(model)  # the head was replaced or wrapped since (resize_token_embeddings, a LoRA): tap the new one
     from transformers.loss.loss_utils import ForCausalLMLoss
 
     if lm.loss_function is not ForCausalLMLoss:
@@ -859,23 +1060,18 @@ def patch(model, *, backend: str = "auto"):
     state = _Patch(lm, head, backend)
     lm.__dict__[_PATCH_ATTR] = state
     head.__dict__[_PATCH_ATTR] = state
-
-    def forward(self, *args, **kwargs):
-        return _patched_forward(self, *args, **kwargs)
-
-    # The signature users and the Trainer see is the model's own (the Trainer keeps the dataset columns
-    # the forward names, and passes num_items_in_batch when it takes **kwargs).
-    functools.update_wrapper(forward, type(lm).forward)
-    lm.forward = types.MethodType(forward, lm)
-    head.forward = types.MethodType(_tapped_head_forward, head)
-    lm.loss_function = types.MethodType(_fused_causal_lm_loss, lm)
+    lm.forward = _ModuleForward(_patched_forward, lm)
+    head.forward = _ModuleForward(_tapped_head_forward, head)
+    lm.loss_function = _Method(_fused_causal_lm_loss, lm)
+    for module in (lm, head):
+        module.register_forward_pre_hook(_enter_hook)
     return model
 
 
 def unpatch(model):
     """Undo ``patch(model)``: the model's forward, its head's forward and its loss function are the ones it
-    had before (instance attributes that were not there are removed). Returns ``model``; a model that is
-    not patched is returned unchanged."""
+    had before (instance attributes that were not there are removed, and so are the patch's hooks). Returns
+    ``model``; a model that is not patched is returned unchanged."""
     lm = _causal_lm(model)
     state = lm.__dict__.pop(_PATCH_ATTR, None)
     if state is None:
@@ -887,4 +1083,8 @@ def unpatch(model):
         lm.__dict__["_loss_function"] = state.saved["lm._loss_function"]
     else:
         lm.__dict__.pop("_loss_function", None)
+    for module in (lm, state.head):
+        hooks = module._forward_pre_hooks
+        for key in [key for key, hook in hooks.items() if hook is _enter_hook]:
+            del hooks[key]
     return model
