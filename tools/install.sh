@@ -4,7 +4,7 @@
 # Run it inside the virtualenv you want it in:  bash tools/install.sh
 #
 # torch: an installed torch is kept. Otherwise torch==2.13.0 is installed, the version every test, benchmark
-# table and TRL/transformers parity check in the README was run with (the package itself needs torch>=2.5, and
+# table and TRL/transformers parity check in the README was run with (the package itself needs torch>=2.8, and
 # the benchmark compares against torch 2.13's F.linear_cross_entropy). Without an NVIDIA driver (no
 # nvidia-smi) it is the CPU build: from a local wheelhouse pip already knows (find-links) if it has one, else
 # from the PyTorch CPU index ($TORCH_INDEX_URL), so that a CPU machine never downloads the multi-GB CUDA build.
@@ -44,7 +44,9 @@ else
 fi
 
 # Build with this environment's tools (no isolated build environment to download, no second compile).
-pip_install setuptools wheel "pybind11>=2.12" ninja
+# setuptools >= 77 reads pyproject.toml's SPDX licence string; a fresh virtualenv may hold an older one, which
+# `-U` replaces. Below 82: torch 2.11 (the H100/H200 images' torch) requires setuptools<82.
+pip_install -U "setuptools>=77,<82" wheel "pybind11>=2.12" ninja
 pip_install --no-build-isolation -e ".[test,bench,integrations]"
 "$PYTHON" -c "import fusedloss; print('fusedloss install: backends:', fusedloss.backend_status())"
 

@@ -28,6 +28,17 @@ def _on_device_of(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _traced(tensors) -> bool:
+    """A compiler traces this call: Dynamo, or AOTAutograd tracing a registered backward with fake tensors.
+    Before torch 2.13 ``torch.compiler.is_compiling()`` is False inside AOTAutograd's backward trace, so the
+    fake mode (active, or carried by the tensors) is asked as well."""
+    if torch.compiler.is_compiling():
+        return True
+    from torch._guards import detect_fake_mode
+
+    return detect_fake_mode(tensors) is not None
+
+
 # ------------------------------------------------------------------------------------------------
 # Autocast and higher-order gradients, decided once for every backend and device.
 # ------------------------------------------------------------------------------------------------
@@ -224,14 +235,6 @@ def _fill_negative_zeros(coeffs: torch.Tensor, rows: list) -> None:
             coeffs[r].fill_(-0.0)
 
 
-def _traced() -> bool:
-    """True while torch.compile traces, its backward graph included. Before torch 2.13,
-    ``torch.compiler.is_compiling()`` is False inside AOTAutograd's trace of the backward, which runs under a
-    fake tensor mode: without this an ``out=`` buffer would fix the token count there, and every new sequence
-    length would compile again."""
-    return torch.compiler.is_compiling() or torch._guards.detect_fake_mode() is not None
-
-
 def dz_coefficients(grad, stats, jsd_beta: Optional[float], targets: Optional[torch.Tensor], vocab_size: int, *,
                     ignored: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Per-row coefficients (a, c0, ..., c5) of the logits gradient (problem.py), from the gradients of the
@@ -264,8 +267,8 @@ def dz_coefficients(grad, stats, jsd_beta: Optional[float], targets: Optional[to
     # Out of place, formed apart and stacked: under create_graph=True (the gradients require grad, and out= ops
     # cannot be differentiated; the backward op's own error is then the one raised), and under torch.compile
     # (out= ops would fix the token count of the graph; the compiler fuses the small ops anyway).
-    tracked = _traced() or (
-        torch.is_grad_enabled() and any(isinstance(x, torch.Tensor) and x.requires_grad for x in (*g, *s)))
+    tensors = [x for x in (*g, *s) if isinstance(x, torch.Tensor)]
+    tracked = _traced(tensors) or (torch.is_grad_enabled() and any(x.requires_grad for x in tensors))
     # (a, c0, c1, c2, c3, c4, c5); +0.0 where nothing is written. Each coefficient's last op writes its row.
     coeffs = None if tracked else torch.zeros((NUM_COEFFS, *s.lse.shape), dtype=dtype, device=s.lse.device)
     out = (None,) * NUM_COEFFS if tracked else coeffs.unbind(0)

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 from functools import lru_cache
 from types import SimpleNamespace
@@ -75,12 +76,36 @@ def _interpret_requested() -> bool:
     return config.interpreting_triton()
 
 
+# The Triton releases the kernels are compiled and tested with (pyproject.toml's ``triton`` extra; the CI's
+# compile check and compatibility jobs run the oldest): an older one lacks language features they use.
+TRITON_RANGE = ((3, 4), (3, 10))
+
+
+def _unsupported_triton() -> Optional[str]:
+    """Why the installed Triton is too old for the kernels, or None."""
+    import triton
+
+    version = getattr(triton, "__version__", "0")
+    parts = []
+    for piece in version.split("+")[0].split(".")[:2]:
+        digits = "".join(itertools.takewhile(str.isdigit, piece))
+        parts.append(int(digits or 0))
+    low, high = TRITON_RANGE
+    if tuple(parts) < low:
+        return (f"triton {version} is too old: fusedloss's Triton kernels need triton>={low[0]}.{low[1]},"
+                f"<{high[0]}.{high[1]}")
+    return None
+
+
 def availability() -> str:
     """"available", or why the Triton kernels cannot run here."""
     try:
         import triton  # noqa: F401
     except ImportError:
         return "triton not installed"
+    too_old = _unsupported_triton()
+    if too_old:
+        return too_old
     if _KERNELS is not None and _KERNELS.interpreted != _interpret_requested():
         return ("TRITON_INTERPRET changed after the Triton kernels were first used in this process; "
                 "set it before using fusedloss")
@@ -116,18 +141,25 @@ def _kernels() -> SimpleNamespace:
 
 
 def _interpreter_numpy_compat() -> None:
-    """Triton 3.6's interpreter turns a scalar tensor into a Python int with ``int(array)``, which
-    NumPy >= 2.4 rejects for its 1-element arrays, so every loop with a runtime bound (``range(0, D,
-    BLOCK_K)``) fails there. Wrap the interpreter's tensor patch to convert with ``.item()``."""
+    """Triton's interpreter (3.4 to 3.6 at least) turns a scalar tensor into a Python int with
+    ``int(array)``, which NumPy >= 2.4 rejects for its 1-element arrays, so every loop with a runtime bound
+    (``range(0, D, BLOCK_K)``) fails there. Wrap the interpreter's tensor patch to convert with ``.item()``."""
     from triton.runtime import interpreter
 
     original = getattr(interpreter, "_patch_lang_tensor", None)
     if original is None or getattr(original, "_fusedloss_compat", False):
         return
 
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+    def index(self):
+        return int(self.handle.data.item())
+
+    # Triton >= 3.6 patches through a scope that restores the class afterwards; older ones set attributes.
+    def patched(tensor, *scope):
+        original(tensor, *scope)
+        if scope:
+            scope[0].set_attr(tensor, "__index__", index)
+        else:
+            tensor.__index__ = index
 
     patched._fusedloss_compat = True
     interpreter._patch_lang_tensor = patched
