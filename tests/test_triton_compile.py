@@ -25,6 +25,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_LIMIT = 227 * 1024
 ARCHS = ("sm_90a", "sm_100a", "sm_120", "gfx942", "gfx950")
@@ -49,6 +51,35 @@ def test_one_compiled_variant_across_sequence_lengths():
         assert kernels, scenario
         for kernel, variants in kernels.items():
             assert variants == 1, f"{scenario}: {kernel} compiled {variants} variants across N in {report['ns']}"
+
+
+# The instructions the products of each target must compile to (a legacy or scalar fallback would be slow).
+MMA = {"sm_100a": "tcgen05.mma", "sm_120": "mma.sync", "gfx942": "v_mfma", "gfx950": "v_mfma"}
+
+
+@pytest.mark.parametrize("arch", [a for a in ARCHS if a != "sm_90a"])
+def test_default_tiles_compile_per_architecture(arch):
+    """The variants the planner runs by default on B200/GB200 (sm_100a), RTX 50 / RTX PRO 6000 (sm_120),
+    MI300X/MI325X (gfx942) and MI355X (gfx950), for bf16, fp16 and fp32, compiled with this environment's
+    Triton: no spills (ptxas; on AMD no VGPR spill and no scratch), shared memory (LDS) within the target's
+    block limit, the products on the target's matrix instructions. sm_90a compiles every variant, not only
+    the defaults, in test_triton_backend.py::test_kernels_compile_for_sm90."""
+    report = run_harness("compile", args=("--arch", arch, "--defaults"))
+    results = report["results"]
+    assert report["arch"] == arch and all(r["default"] for r in results)
+    assert {r["dtype"] for r in results} == {"bfloat16", "float16", "float32"}
+    assert {r["kernel"] for r in results} == {"statistics_forward_kernel", "jsd_forward_kernel",
+                                              "logits_gradient_kernel", "packed_gradient_kernel",
+                                              "teacher_fold_kernel"}
+    for r in results:
+        what = f"{arch} {r['dtype']} {r['kernel']} {r['config']} {r['flags']}: {r['log']}"
+        assert r["ok"], what
+        assert max(r["spill_stores"], r["spill_loads"], r["stack"]) == 0, what
+        assert r.get("vgpr_spills", 0) == 0, what
+        assert 0 <= r["shared"] <= report["shared_limit"], what
+        assert r["registers"] > 0, what
+        if "LOAD_LOGITS" not in (r["flags"] or []):
+            assert r["mma"] == MMA[arch], what
 
 
 # ----------------------------------------------------------------------------------------------------------

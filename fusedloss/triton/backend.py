@@ -206,8 +206,27 @@ INTERPRETER_TILES = TileConfig(16, 32, 16, 4, 1, slots=4)
 # (the default tables above are sm_80/sm_90's). The key is the tile family of the device's target
 # (``tile_family``); every default tile compiles for that target without spills and within its shared memory
 # (LDS) with every supported Triton (tests/test_triton_compile.py, "--arch").
-ARCH_CANDIDATES: dict = {}
-ARCH_EAGER_TILES: dict = {}
+ARCH_CANDIDATES: dict = {
+    # RTX 50 / RTX PRO 6000 (mma.sync, 99 KB of shared memory): the 128 x 128 lean tile spills 16-24 bytes per
+    # thread there, 64 x 128 none; an fp32 teacher's two products fit 64 x 32 (64 x 64 spills 112-144 bytes).
+    "sm_120": {
+        ("half", "lean"): (TileConfig(64, 128, 64, 8, 4), TileConfig(64, 128, 64, 8, 3)),
+        ("fp32", "teacher"): (TileConfig(64, 32, 16, 8, 3),),
+    },
+    # MI300X/MI325X (64 KiB of LDS): 4 stages keep three operand buffers in LDS (96 KiB for 128 x 128 x 64 bf16,
+    # 72 KiB for 64 x 128); 3 stages keep two (64 and 48 KiB).
+    "gfx942": {
+        ("half", "lean"): (TileConfig(128, 128, 64, 8, 3), TileConfig(64, 128, 64, 8, 3)),
+        ("half", "heavy"): (TileConfig(64, 128, 64, 8, 3),),
+    },
+}
+ARCH_EAGER_TILES: dict = {
+    # B200/GB200/B300 (tcgen05): the eager forward's 128 x 128 tile and its logits store spill 80-132 bytes per
+    # thread; 64 x 128 none (198-232 registers).
+    "sm_100": {("half", "lean"): TileConfig(64, 128, 64, 8, 4)},
+    "sm_120": {("half", "lean"): TileConfig(64, 128, 64, 8, 4)},
+    "gfx942": {("half", "lean"): TileConfig(128, 128, 64, 8, 3)},
+}
 # Shared memory (LDS on AMD) one block may hold, per tile family: what the default tiles must fit.
 SHARED_LIMITS = {"sm_90": 227 * 1024, "sm_100": 227 * 1024, "sm_120": 99 * 1024, "gfx942": 64 * 1024,
                  "gfx950": 160 * 1024}
