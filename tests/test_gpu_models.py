@@ -160,3 +160,22 @@ def test_amd_never_gets_tf32x3_even_when_asked(monkeypatch):
     p = _problem(torch.float32)
     assert tb.fp32_precision(p, (9, 4), "gfx942") == "ieee"
     assert tb.fp32_precision(p, (9, 0), "sm_90") == "tf32x3"
+
+
+@pytest.mark.parametrize("name, capability, arch, want", [
+    ("AMD Instinct MI300X", (9, 4), "gfx942", "MI300X figures for AMD Instinct MI300X (gfx942, 304 CUs, 192 GB)"),
+    ("NVIDIA GeForce RTX 5090", (12, 0), "", "RTX 5090 figures for NVIDIA GeForce RTX 5090 (sm_120, 170 SMs, 32 GB)"),
+])
+def test_backend_status_says_which_gpu_the_plans_price(monkeypatch, name, capability, arch, want):
+    sms = 304 if arch else 170
+    props = SimpleNamespace(name=name, major=capability[0], minor=capability[1], multi_processor_count=sms,
+                            total_memory=(192 if arch else 32) * 10**9, gcnArchName=f"{arch}:sramecc+:xnack-")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
+    monkeypatch.setattr(torch.version, "hip", "6.4" if arch else None)
+    backends._device_gpu.cache_clear()
+    try:
+        assert backends.gpu_model() == want
+    finally:
+        backends._device_gpu.cache_clear()
