@@ -6,15 +6,16 @@ added when nvcc is available, steered by FUSEDLOSS_CUDA:
 * unset: build it when nvcc is found at $CUDA_HOME/bin/nvcc, /usr/local/cuda/bin/nvcc, /usr/local/bin/nvcc
   or on PATH.
 
-The extension is compiled by nvcc (kernels.cu, for sm_80 and sm_90a) and the host C++ compiler (host.cpp,
-bindings.cpp) through ninja, and linked with the CUDA runtime *statically*: the .so needs no libcudart at
-import, and no torch headers or libraries at all (pointers and streams cross the boundary as integers),
-so one wheel works with any torch version. Never imports torch.
+The extension is compiled by nvcc (kernels.cu, for sm_80, sm_90a and, with CUDA >= 12.8, sm_100a) and the
+host C++ compiler (host.cpp, bindings.cpp) through ninja, and linked with the CUDA runtime *statically*: the
+.so needs no libcudart at import, and no torch headers or libraries at all (pointers and streams cross the
+boundary as integers), so one wheel works with any torch version. Never imports torch.
 
 The outcome is recorded in a generated ``fusedloss/_build_info.py`` so that
 ``fusedloss.backend_status()["cuda"]`` can say why the CUDA backend is missing.
 
-Environment knobs: FUSEDLOSS_CUDA_ARCHS (default "80;90a"), FUSEDLOSS_NVCC_THREADS (default 2),
+Environment knobs: FUSEDLOSS_CUDA_ARCHS (default "80;90a;100a", without 100a before CUDA 12.8),
+FUSEDLOSS_NVCC_THREADS (default 2),
 CXX (host compiler, default c++), MAX_JOBS (ninja parallelism).
 """
 
@@ -82,9 +83,19 @@ def nvcc_version(nvcc: str) -> str:
     return lines[-1].strip() if lines else "unknown"
 
 
+# The cubins built unless FUSEDLOSS_CUDA_ARCHS names others: A100 (sm_80, and the PTX every newer GPU can JIT),
+# H100/H200 (sm_90a) and B200/GB200 (sm_100a), each with the oldest nvcc that can build it; a toolkit too old for
+# one (CUDA 12.4, the release wheels': no sm_100a before 12.8) leaves it out, and those GPUs JIT the PTX.
+DEFAULT_ARCHS = (("80", (11, 0)), ("90a", (12, 0)), ("100a", (12, 8)))
+
+
 def archs() -> list[str]:
-    spec = os.environ.get("FUSEDLOSS_CUDA_ARCHS", "80;90a")
-    return [a.strip() for a in spec.replace(",", ";").split(";") if a.strip()]
+    spec = os.environ.get("FUSEDLOSS_CUDA_ARCHS", "").strip()
+    if spec:
+        return [a.strip() for a in spec.replace(",", ";").split(";") if a.strip()]
+    runtime = runtime_version(NVCC) if NVCC else None
+    have = tuple(int(x) for x in runtime.split(".")) if runtime else (0, 0)
+    return [arch for arch, since in DEFAULT_ARCHS if have >= since or runtime is None and arch != "100a"]
 
 
 # The oldest Linux driver each CUDA major version's runtime runs on (CUDA minor version compatibility,

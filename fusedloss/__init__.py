@@ -59,8 +59,9 @@ def __dir__():
 
 
 def backend_status() -> dict:
-    """``{"torch": ..., "triton": ..., "cuda": ...}``: "available", or why that backend cannot run here."""
-    return _backends.status()
+    """``{"torch": ..., "triton": ..., "cuda": ..., "gpu": ...}``: "available", or why that backend cannot run
+    here; ``"gpu"``: which GPU model's figures the plans use for the current device."""
+    return {**_backends.status(), "gpu": _backends.gpu_model()}
 
 
 __all__ = [

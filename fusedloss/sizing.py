@@ -136,7 +136,8 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         op: the loss as the cost model names it: ``"cross_entropy"`` (SFT), ``"grpo"`` (token-level GRPO),
             ``"token_logprobs"``, ``"token_logprobs_entropy"``, ``"grpo_sequence"`` (GSPO) or ``"dpo"``.
         gpu: whose memory sizes fusedloss's default workspace (an eighth of the free memory, bounded; half the
-            GPU's memory is taken as free): one of ``fusedloss.core.cost.GPUS``.
+            GPU's memory is taken as free): one of ``fusedloss.core.cost.GPUS``, in any case, or a name that
+            contains one ("a100-80gb", "NVIDIA H100 80GB HBM3", "RTX 5090").
         workspace_mb: fusedloss's workspace, as ``workspace_mb=`` or ``FUSEDLOSS_WORKSPACE_MB`` set it.
 
     Returns:
@@ -157,8 +158,7 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    if gpu not in cost.GPUS:
-        raise ValueError(f"gpu must be one of {tuple(cost.GPUS)}, got {gpu!r}")
+    gpu = cost.gpu_key(gpu)  # ValueError naming the known GPUs
     if workspace_mb is not None and not (isinstance(workspace_mb, (int, float)) and workspace_mb > 0):
         raise ValueError(f"workspace_mb must be a positive number or None, got {workspace_mb!r}")
 

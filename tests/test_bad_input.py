@@ -148,7 +148,7 @@ def test_unknown_backend(op):
 def test_unavailable_backend_says_why(op):
     name, f = op
     status = fusedloss.backend_status()
-    unavailable = [b for b, s in status.items() if s != "available"]
+    unavailable = [b for b, s in status.items() if b != "gpu" and s != "available"]
     if not unavailable:
         pytest.skip("every backend is available here")
     h, w, t = head()

@@ -311,6 +311,7 @@ def test_stream_capture_keeps_the_tiles_tuned_before_it(monkeypatch):
     monkeypatch.setattr(tb, "_TUNED", {})
     monkeypatch.delenv("FUSEDLOSS_DETERMINISTIC", raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    monkeypatch.setattr(tb, "device_target", lambda device: "sm_90")
     p = _gpu_problem()
     configs = tb.candidates(torch.bfloat16, "lean")
     assert tb.tiles_for(p) == configs[0]  # nothing tuned yet, and nothing may be timed
@@ -325,6 +326,7 @@ def test_choosing_the_path_times_no_kernel(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(tb, "gpu_of", lambda device: H200)
+    monkeypatch.setattr(tb, "device_target", lambda device: "sm_90")
     monkeypatch.setattr(tb, "_free_bytes", lambda device: H200.memory_bytes // 2)
 
     def no_timing(*args):

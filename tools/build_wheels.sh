@@ -9,8 +9,9 @@
 #
 # The toolkit decides the drivers. The CUDA runtime is linked into the extension statically, so its major
 # version sets the oldest driver the wheel runs on: CUDA 12.x needs a Linux driver >= 525.60.13, 13.x needs
-# >= 580.65.06. The cubins (sm_80, sm_90a) take the ELF format of the toolkit's ptxas (12.x: ELF ABI 7, which
-# every driver >= 525 loads; 13.x: ABI 8, drivers >= 580), and the PTX for newer GPUs (compute_80) its ISA.
+# >= 580.65.06. The cubins (sm_80, sm_90a; sm_100a too from CUDA 12.8 on, setup.py's DEFAULT_ARCHS) take the ELF
+# format of the toolkit's ptxas (12.x: ELF ABI 7, which every driver >= 525 loads; 13.x: ABI 8, drivers >= 580),
+# and the PTX for newer GPUs (compute_80) its ISA. With CUDA 12.4 a B200 JIT-compiles that PTX once per machine.
 # So the release wheels are built with CUDA 12: the toolkit is, in this order,
 #   1. CUDA_HOME, when given;
 #   2. CUDA 12.4 from Debian's packages, fetched once by tools/fetch_cuda12.sh into CUDA12_PREFIX

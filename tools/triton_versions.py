@@ -59,14 +59,16 @@ def install(version: str) -> Path:
     return target
 
 
-def compile_report(version: str | None, dtypes: tuple = ()) -> dict:
+def compile_report(version: str | None, dtypes: tuple = (), arch: str = "sm_90a", defaults: bool = False) -> dict:
     """The compile harness's report (tests/test_triton_compile.py) with ``version`` first on the path (None:
-    this environment's Triton)."""
+    this environment's Triton), for ``arch`` (sm_90a, sm_100a, sm_120, gfx942, gfx950; ``defaults``: only the
+    variants the planner picks by default there)."""
     sys.path.insert(0, str(ROOT / "tests"))
     from test_triton_compile import run_harness
 
     extra = () if version is None else (str(target_dir(version)),)
-    return run_harness("compile", extra_path=extra, args=dtypes)
+    return run_harness("compile", extra_path=extra, args=("--arch", arch, *(("--defaults",) if defaults else ()),
+                                                          *dtypes))
 
 
 def _table(reports: dict) -> str:

@@ -19,6 +19,7 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 import torch
 
 from .. import config
+from . import cost
 from .problem import GradientNeeds, Statistics, StatsProblem
 
 
@@ -184,3 +185,36 @@ def free_bytes(device: torch.device) -> Optional[int]:
         free, _ = torch.cuda.mem_get_info(index)
         _DEVICE_FREE[index] = free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
     return _DEVICE_FREE[index]
+
+
+def device_gpu(device: torch.device) -> cost.GPUSpec:
+    """The cost model's GPU for tensors on ``device`` (``cost.gpu_for_device``: by the device's name, else its
+    architecture, with its own SM count and memory); the H200 the model targets for CPU (host mode) and meta
+    tensors. Both GPU backends plan with it."""
+    if device.type != "cuda":
+        return cost.GPUS["h200"]
+    return _device_gpu(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=16)
+def _device_gpu(index: int) -> cost.GPUSpec:
+    props = torch.cuda.get_device_properties(index)
+    arch = (getattr(props, "gcnArchName", "") or "").split(":")[0] if torch.version.hip is not None else ""
+    return cost.gpu_for_device(props.name, (props.major, props.minor), props.multi_processor_count,
+                               props.total_memory, arch)
+
+
+def gpu_model() -> str:
+    """What ``backend_status()["gpu"]`` says: the GPU model the cost model prices the current device as."""
+    try:
+        visible = torch.cuda.is_available()
+    except Exception:  # a broken driver install: the backends say why
+        visible = False
+    if not visible:
+        return "no GPU visible (plans price an H200)"
+    index = torch.cuda.current_device()
+    spec = _device_gpu(index)
+    props = torch.cuda.get_device_properties(index)
+    arch = (getattr(props, "gcnArchName", "") or "").split(":")[0] if torch.version.hip is not None else ""
+    return (f"{spec.name} figures for {props.name} ({arch or f'sm_{props.major}{props.minor}'}, "
+            f"{spec.sm_count} {'CUs' if arch else 'SMs'}, {spec.memory_bytes / 1e9:.0f} GB)")

@@ -61,7 +61,87 @@ GPUS = {
     # B200: ~2250 TFLOP/s bf16 dense (datasheet), 8 TB/s datasheet, ~7 effective; ~1.9 GHz boost.
     "b200": GPUSpec("B200", {"bfloat16": 2000.0, "float16": 2000.0, "tf32": 1000.0, "float32": 75.0, "float64": 37.0},
                     hbm_tbps=7.0, l2_bytes=126 * 2**20, sm_count=148, memory_bytes=180 * 10**9, sm_clock_ghz=1.9),
+    # The entries below are datasheet figures, none measured: the dense bf16/fp16 tensor rate (half the sparse
+    # one), and the datasheet memory bandwidth times 0.85 as the effective rate (the H200's measured copy reaches
+    # 0.9 of its 4.8 TB/s, a streaming kernel ~0.83). Until a device run replaces them.
+    # GB200 (NVL72, per GPU): 2500 TFLOP/s bf16 dense, 8 TB/s HBM3e, 186 GB, 148 SMs.
+    "gb200": GPUSpec("GB200", {"bfloat16": 2500.0, "float16": 2500.0, "tf32": 1250.0, "float32": 80.0,
+                               "float64": 40.0},
+                     hbm_tbps=6.8, l2_bytes=126 * 2**20, sm_count=148, memory_bytes=186 * 10**9, sm_clock_ghz=1.9),
+    # B300 (HGX B300, Blackwell Ultra, sm_103): 2250 TFLOP/s bf16 dense, 8 TB/s HBM3e, 288 GB, 160 SMs; fp64
+    # 1.25 TFLOP/s per GPU (the datasheet's 10 TFLOP/s for eight).
+    "b300": GPUSpec("B300", {"bfloat16": 2250.0, "float16": 2250.0, "tf32": 1125.0, "float32": 75.0, "float64": 1.25},
+                    hbm_tbps=6.8, l2_bytes=126 * 2**20, sm_count=160, memory_bytes=288 * 10**9, sm_clock_ghz=1.9),
+    # GeForce RTX 5090 (sm_120): 209.5 TFLOP/s bf16 dense with fp32 accumulation, 1.79 TB/s GDDR7, 32 GB, 170 SMs,
+    # 96 MB L2, 2.41 GHz boost; fp32 104.8 TFLOP/s (CUDA cores), fp64 1/64 of it.
+    "rtx5090": GPUSpec("RTX 5090", {"bfloat16": 209.5, "float16": 209.5, "tf32": 104.8, "float32": 104.8,
+                                    "float64": 1.6},
+                       hbm_tbps=1.52, l2_bytes=96 * 2**20, sm_count=170, memory_bytes=32 * 10**9, sm_clock_ghz=2.41),
+    # RTX PRO 6000 Blackwell (sm_120): 503.8 TFLOP/s bf16 dense, 1.79 TB/s GDDR7, 96 GB, 188 SMs, 128 MB L2,
+    # 2.62 GHz boost; fp32 126 TFLOP/s (CUDA cores), fp64 1/64 of it.
+    "rtx-pro-6000": GPUSpec("RTX PRO 6000 Blackwell", {"bfloat16": 503.8, "float16": 503.8, "tf32": 251.9,
+                                                        "float32": 126.0, "float64": 2.0},
+                            hbm_tbps=1.52, l2_bytes=128 * 2**20, sm_count=188, memory_bytes=96 * 10**9,
+                            sm_clock_ghz=2.62),
+    # AMD Instinct (CDNA3 gfx942, CDNA4 gfx950): sm_count is the compute units, l2 the L2 caches of all XCDs (the
+    # 256 MB Infinity Cache behind them is not counted). MI300X: 1307.4 TFLOP/s bf16 dense, 5.3 TB/s HBM3,
+    # 192 GB, 304 CUs, 2.1 GHz; fp32 and fp64 matrix 163.4 TFLOP/s.
+    "mi300x": GPUSpec("MI300X", {"bfloat16": 1307.4, "float16": 1307.4, "tf32": 653.7, "float32": 163.4,
+                                 "float64": 163.4},
+                      hbm_tbps=4.5, l2_bytes=32 * 2**20, sm_count=304, memory_bytes=192 * 10**9, sm_clock_ghz=2.1),
+    # MI325X: the MI300X's compute with 6.0 TB/s HBM3e and 256 GB.
+    "mi325x": GPUSpec("MI325X", {"bfloat16": 1307.4, "float16": 1307.4, "tf32": 653.7, "float32": 163.4,
+                                 "float64": 163.4},
+                      hbm_tbps=5.1, l2_bytes=32 * 2**20, sm_count=304, memory_bytes=256 * 10**9, sm_clock_ghz=2.1),
+    # MI355X: 2516.6 TFLOP/s bf16 dense, 8 TB/s HBM3e, 288 GB, 256 CUs, 2.4 GHz; fp32 157.3 TFLOP/s (vector), fp64
+    # matrix 78.6; no TF32 (CDNA4), so its "tf32" is the fp32 rate.
+    "mi355x": GPUSpec("MI355X", {"bfloat16": 2516.6, "float16": 2516.6, "tf32": 157.3, "float32": 157.3,
+                                 "float64": 78.6},
+                      hbm_tbps=6.8, l2_bytes=32 * 2**20, sm_count=256, memory_bytes=288 * 10**9, sm_clock_ghz=2.4),
 }
+
+
+def gpu_key(name: str) -> str:
+    """The ``GPUS`` key of a GPU named by the user ("H100", "a100-80gb", "B200", "RTX 5090", "MI300X", a device
+    name as torch reports it); ValueError naming the known ones when none matches."""
+    key = _key_by_name(name) if isinstance(name, str) else None
+    if key is None:
+        raise ValueError(f"gpu must be one of {tuple(GPUS)} (any case; a device name such as 'NVIDIA H100 80GB HBM3' "
+                         f"works too), got {name!r}")
+    return key
+
+
+def _key_by_name(name: str) -> Optional[str]:
+    squashed = "".join(ch for ch in name.upper() if ch.isalnum())
+    if name.lower() in GPUS:
+        return name.lower()
+    # the most specific names first: GB200 before B200, GH200 (an H100 or H200 die beside a Grace CPU) before H200
+    for key, markers in (("rtx-pro-6000", ("RTXPRO6000",)), ("rtx5090", ("RTX5090", "5090")),
+                         ("gb200", ("GB200",)), ("b300", ("GB300", "B300")), ("b200", ("B200", "B100")),
+                         ("h100", ("GH200", "H100", "H800")), ("h200", ("H200",)), ("a100", ("A100", "A800")),
+                         ("mi355x", ("MI355", "MI350")), ("mi325x", ("MI325",)), ("mi300x", ("MI300",))):
+        if any(m in squashed for m in markers):
+            return key
+    return None
+
+
+def gpu_for_device(name: str, capability: tuple, sm_count: int, memory_bytes: int, arch: str = "") -> GPUSpec:
+    """The cost model's figures for a device (what both GPU backends plan with): the ``GPUS`` entry its name
+    names, else the closest by architecture (``capability`` (major, minor) on NVIDIA; ``arch``, the gfx name,
+    on AMD): sm_100 a B200, sm_103 a B300, sm_12x an RTX PRO 6000, sm_90 an H200, older an A100, gfx950 an
+    MI355X, other gfx an MI300X. The entry keeps its name (the model's, which ``backend_status()`` reports); the
+    SM count and memory are the device's own (a partitioned or cut-down part)."""
+    key = _key_by_name(name or "")
+    if key is None:
+        if arch.startswith("gfx"):
+            key = "mi355x" if arch.startswith("gfx95") else "mi300x"
+        else:
+            major, minor = capability
+            key = ({10: "b300" if minor >= 3 else "b200", 11: "b200", 12: "rtx-pro-6000", 9: "h200"}.get(major)
+                   or ("a100" if major < 9 else "b200"))
+    spec = GPUS[key]
+    return GPUSpec(spec.name, spec.tflops, spec.hbm_tbps, spec.l2_bytes, int(sm_count) or spec.sm_count,
+                   int(memory_bytes) or spec.memory_bytes, spec.sm_clock_ghz)
 
 # What one small kernel launch costs on the device when the host keeps ahead of it (the gap between
 # back-to-back kernels, plus the kernel's own minimum): many launches of tiny kernels (the per-token loss

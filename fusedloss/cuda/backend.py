@@ -769,16 +769,9 @@ def _plan(w: cost.Workload, gpu_name: str, budget: int, path, accumulate, overri
 
 
 def gpu_of(device: torch.device) -> cost.GPUSpec:
-    """The cost model's spec for the device's GPU (by name); the H200's for CPU tensors (host mode) and
-    GPUs the model does not list (the plan's choices depend on the ratio of math to bandwidth, which the
-    listed GPUs share within a factor of two)."""
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).upper()
-        for key in ("H200", "H100", "A100", "B200"):
-            if key in name or (key == "H100" and ("H800" in name or "GH200" in name)) or (
-                    key == "A100" and "A800" in name) or (key == "B200" and ("B100" in name or "GB200" in name)):
-                return cost.GPUS[key.lower()]
-    return cost.GPUS["h200"]
+    """The cost model's spec for the device's GPU (``backends.device_gpu``, the Triton backend's too: by name,
+    else by architecture); the H200's for CPU tensors (host mode)."""
+    return backends.device_gpu(device)
 
 
 workload_of = cost.Workload.of  # the cost model's description of a problem

@@ -234,6 +234,67 @@ TEACHER_FOLD_TILES = TileConfig(4, 512, 16, 8, 1)
 INTERPRETER_TILES = TileConfig(16, 32, 16, 4, 1, slots=4)
 
 
+# Where an architecture's registers or shared memory do not hold a table's tile, its own entries replace them
+# (the default tables above are sm_80/sm_90's). The key is the tile family of the device's target
+# (``tile_family``); every default tile compiles for that target without spills and within its shared memory
+# (LDS) with every supported Triton (tests/test_triton_compile.py, "--arch").
+ARCH_CANDIDATES: dict = {
+    # RTX 50 / RTX PRO 6000 (mma.sync, 99 KB of shared memory): the 128 x 128 lean tile spills 16-24 bytes per
+    # thread there, 64 x 128 none; an fp32 teacher's two products fit 64 x 32 (64 x 64 spills 112-144 bytes).
+    "sm_120": {
+        ("half", "lean"): (TileConfig(64, 128, 64, 8, 4), TileConfig(64, 128, 64, 8, 3)),
+        ("fp32", "teacher"): (TileConfig(64, 32, 16, 8, 3),),
+    },
+    # MI300X/MI325X (64 KiB of LDS): 4 stages keep three operand buffers in LDS (96 KiB for 128 x 128 x 64 bf16,
+    # 72 KiB for 64 x 128); 3 stages keep two (64 and 48 KiB).
+    "gfx942": {
+        ("half", "lean"): (TileConfig(128, 128, 64, 8, 3), TileConfig(64, 128, 64, 8, 3)),
+        ("half", "heavy"): (TileConfig(64, 128, 64, 8, 3),),
+    },
+}
+ARCH_EAGER_TILES: dict = {
+    # B200/GB200/B300 (tcgen05): the eager forward's 128 x 128 tile and its logits store spill 80-132 bytes per
+    # thread; 64 x 128 none (198-232 registers).
+    "sm_100": {("half", "lean"): TileConfig(64, 128, 64, 8, 4)},
+    "sm_120": {("half", "lean"): TileConfig(64, 128, 64, 8, 4)},
+    "gfx942": {("half", "lean"): TileConfig(128, 128, 64, 8, 3)},
+}
+# Shared memory (LDS on AMD) one block may hold, per tile family: what the default tiles must fit.
+SHARED_LIMITS = {"sm_90": 227 * 1024, "sm_100": 227 * 1024, "sm_120": 99 * 1024, "gfx942": 64 * 1024,
+                 "gfx950": 160 * 1024}
+
+
+def device_target(device: torch.device) -> str:
+    """The architecture the kernels compile for on ``device``: ``sm_<major><minor>`` on NVIDIA, the ``gfx`` name
+    on AMD (ROCm); "sm_90" (the H200 the model targets) for CPU and meta tensors."""
+    if device.type != "cuda":
+        return "sm_90"
+    return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@lru_cache(maxsize=16)
+def _cuda_target(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    arch = getattr(props, "gcnArchName", "") or ""
+    if torch.version.hip is not None and arch:
+        return arch.split(":")[0]  # "gfx942:sramecc+:xnack-" -> "gfx942"
+    return f"sm_{props.major}{props.minor}"
+
+
+def is_amd(target: str) -> bool:
+    return target.startswith("gfx")
+
+
+def tile_family(target: str) -> str:
+    """The tile tables' key for a target: sm_100 and sm_103 (B200, GB200, B300) share Blackwell's datacenter SM,
+    sm_120 and sm_121 (RTX 50, RTX PRO 6000, DGX Spark) its consumer SM with 99 KB of shared memory; CDNA3
+    (gfx94x) has 64 KiB of LDS, CDNA4 (gfx950) 160 KiB; everything else takes sm_90's tables."""
+    if is_amd(target):
+        return "gfx950" if target >= "gfx950" else "gfx942"
+    major = int(target[3:].rstrip("af")) // 10 if target[3:].rstrip("af").isdigit() else 9
+    return {10: "sm_100", 11: "sm_100", 12: "sm_120"}.get(major, "sm_90")
+
+
 def _dtype_class(dtype: torch.dtype) -> str:
     return {torch.float64: "fp64", torch.float32: "fp32"}.get(dtype, "half")
 
@@ -247,11 +308,13 @@ def epilogue(p: StatsProblem, path: str = "composable") -> str:
     return "heavy" if heavy else "lean"
 
 
-def candidates(dtype: torch.dtype, kind: str, path: str = "composable") -> tuple:
-    """The tile configurations a problem class may run with on a GPU (the first: the default)."""
+def candidates(dtype: torch.dtype, kind: str, path: str = "composable", target: str = "sm_90") -> tuple:
+    """The tile configurations a problem class may run with on a GPU of ``target`` (``device_target``; the
+    first: the default)."""
+    key, family = (_dtype_class(dtype), kind), tile_family(target)
     if path == "eager":
-        return (EAGER_TILES[(_dtype_class(dtype), kind)],)
-    return GPU_CANDIDATES[(_dtype_class(dtype), kind)]
+        return (ARCH_EAGER_TILES.get(family, {}).get(key, EAGER_TILES[key]),)
+    return ARCH_CANDIDATES.get(family, {}).get(key, GPU_CANDIDATES[key])
 
 
 def d_bucket(d: int) -> int:
@@ -282,7 +345,7 @@ def tiles_for(p: StatsProblem, path: str = "composable", tune: bool = True) -> T
     dev = p.hidden.device
     if dev.type == "cpu":
         return INTERPRETER_TILES
-    configs = candidates(p.hidden.dtype, epilogue(p, path), path)
+    configs = candidates(p.hidden.dtype, epilogue(p, path), path, device_target(dev))
     if dev.type != "cuda" or len(configs) == 1 or deterministic():
         return configs[0]
     key = (dev.index if dev.index is not None else torch.cuda.current_device(), p.hidden.dtype,
@@ -299,16 +362,19 @@ def tiles_for(p: StatsProblem, path: str = "composable", tune: bool = True) -> T
     return autotune(key, configs, measure)
 
 
-def fp32_precision(p: StatsProblem, capability: Optional[tuple] = None) -> str:
+def fp32_precision(p: StatsProblem, capability: Optional[tuple] = None, target: Optional[str] = None) -> str:
     """``tl.dot``'s input precision for fp32 operands: ``FUSEDLOSS_TRITON_FP32_PRECISION`` if set (a tuning
     override), else ``tf32`` when the problem opts in (``allow_tf32``; unset: ``FUSEDLOSS_ALLOW_TF32=1``), else
     ``tf32x3`` (fp32's accuracy on the tensor cores of sm_80 and newer; ``ieee`` before them). PyTorch's
-    global TF32 flags play no part: fp32 stays fp32 unless asked (the interpreter ignores the choice)."""
+    global TF32 flags play no part: fp32 stays fp32 unless asked (the interpreter ignores the choice).
+    On AMD (``target`` a gfx name) ``tf32x3`` does not exist and ``ieee`` runs on the fp32 MFMA (fp32's own
+    accuracy); CDNA4 (gfx950) has no TF32 either, so there every choice is ``ieee``."""
     env = config.from_environment()
-    if env.triton_fp32_precision:
-        return env.triton_fp32_precision
-    if _allow_tf32(p):
-        return "tf32"
+    choice = env.triton_fp32_precision or ("tf32" if _allow_tf32(p) else None)
+    if target is not None and is_amd(target):
+        return "tf32" if choice == "tf32" and tile_family(target) == "gfx942" else "ieee"
+    if choice:
+        return choice
     return "tf32x3" if capability is None or capability[0] >= 8 else "ieee"
 
 
@@ -699,19 +765,10 @@ def workload_of(p: StatsProblem, needs: GradientNeeds, row_local: bool) -> cost.
     return cost.Workload.of(p, row_local=row_local, hidden_grad=needs.hidden, weight_grad=needs.weight)
 
 
-@lru_cache(maxsize=16)
-def _device_gpu(index: int) -> cost.GPUSpec:
-    props = torch.cuda.get_device_properties(index)
-    base = cost.GPUS["b200" if props.major >= 10 else "h200" if props.major == 9 else "a100"]
-    return dataclasses.replace(base, name=props.name, sm_count=props.multi_processor_count,
-                               memory_bytes=props.total_memory)
-
-
 def gpu_of(device: torch.device) -> cost.GPUSpec:
-    """The GPU a problem runs on; the H200 the model targets for CPU (interpreter) and meta tensors."""
-    if device.type != "cuda":
-        return cost.GPUS["h200"]
-    return _device_gpu(device.index if device.index is not None else torch.cuda.current_device())
+    """The GPU a problem runs on (``backends.device_gpu``, the CUDA backend's too); the H200 the model targets
+    for CPU (interpreter) and meta tensors."""
+    return backends.device_gpu(device)
 
 
 _free_bytes = backends.free_bytes  # fixed per device for the process (core/backends.py)
@@ -722,6 +779,7 @@ def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: 
     and precision."""
     dev = p.hidden.device
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    target = device_target(dev)
     # Only the tiles of the path(s) the plan weighs, and tuned only for the path taken: choosing between the
     # paths (path None) compares them with the untuned tiles, so an eager call never times composable kernels.
     tune = path is not None
@@ -730,7 +788,7 @@ def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: 
     eager_cfg = (tiles if tiles is not None and path == "eager" else None if path == "composable"
                  else tiles_for(p, "eager", tune=tune))
     return plan(workload_of(p, needs, row_local=path != "composable"), gpu_of(dev), _free_bytes(dev), tiles=cfg,
-                eager_tiles=eager_cfg, workspace_mb=p.workspace_mb, precision=fp32_precision(p, capability),
+                eager_tiles=eager_cfg, workspace_mb=p.workspace_mb, precision=fp32_precision(p, capability, target),
                 allow_tf32=_allow_tf32(p), path=path)
 
 
@@ -881,7 +939,7 @@ def _launch(p: StatsProblem, cfg: TileConfig) -> _Launch:
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     # tf32x3 (or the problem's TF32 choice) only where a product has fp32 operands (an fp32 teacher beside a
     # half student shares the launch's precision); half and float64 products are asked for plain ones.
-    precision = fp32_precision(p, capability) if torch.float32 in operand_dtypes else "ieee"
+    precision = fp32_precision(p, capability, device_target(dev)) if torch.float32 in operand_dtypes else "ieee"
     tiles = tm.Tiles(cfg.block_m, cfg.block_v, cfg.block_k, precision, _align(*strides))
     return _Launch(p, cfg, acc, student, teacher, _params(p, acc), tiles, dummy)
 
