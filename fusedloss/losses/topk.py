@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from .. import _validation as v
-from ..core.torch_backend import ROW_CHUNK, VOCAB_TILE, _logits_tile
+from ..core.torch_backend import ROW_CHUNK, VOCAB_TILE, Scratch, _logits_tile
 from ..distributed import _comm
 from ..types import TopK
 from .implicit_logits import implicit_logits
@@ -91,7 +91,7 @@ def topk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, k: int, *, bias: O
         start = 0 if spread is None else spread.layout.start
         w = logits.weight.detach()
         b = None if logits.bias is None else logits.bias.detach()
-        values, ids, partial = _local_topk(h, w, b, logits.transform, k, start, acc)
+        values, ids, partial = _local_topk(h, w, b, logits.transform, k, start, acc, return_entropy)
         if spread is not None:
             values, ids, partial = _merge_ranks(values, ids, partial, k, spread.layout.group_name)
         values, ids = _ordered(values, ids)
@@ -117,38 +117,65 @@ def _scatter(x: torch.Tensor, rows: torch.Tensor, n: int, fill) -> torch.Tensor:
     return out
 
 
-def _local_topk(h, w, b, transform, k: int, start: int, acc):
+def _local_topk(h, w, b, transform, k: int, start: int, acc, want_entropy: bool):
     """This device's running top-k ``(values [n, k], global ids [n, k] (-1: none yet), partials [3, n])`` over
     its rows of the head, one ``[ROW_CHUNK, VOCAB_TILE]`` block at a time. The candidates are kept in id order
     (the merge's tie rule relies on it); ``partials`` are the online (max m, sum exp(z - m), sum exp(z - m)
-    (z - m)) of every row."""
+    (z - m)) of every row (the last one 0 unless ``want_entropy``)."""
     n, vocab = h.shape[0], w.shape[0]
     dev = h.device
     values = torch.full((n, k), -math.inf, dtype=acc, device=dev)
     ids = torch.full((n, k), -1, dtype=torch.int64, device=dev)
     partial = torch.stack((torch.full((n,), -math.inf, dtype=acc, device=dev),
                            torch.zeros(n, dtype=acc, device=dev), torch.zeros(n, dtype=acc, device=dev)))
+    scratch = Scratch(dev, acc)
     for r0 in range(0, n, ROW_CHUNK):
         r1 = min(n, r0 + ROW_CHUNK)
         run_v, run_i, run_p = values[r0:r1], ids[r0:r1], partial[:, r0:r1]
         for v0 in range(0, vocab, VOCAB_TILE):
             v1 = min(vocab, v0 + VOCAB_TILE)
-            z, _ = _logits_tile(h[r0:r1], w[v0:v1], None if b is None else b[v0:v1], transform, acc)
-            z = z + 0.0  # -0.0 -> +0.0: one zero, as the comparisons see it
-            tile_ids = torch.arange(start + v0, start + v1, device=dev).expand(r1 - r0, v1 - v0)
-            new_v, new_i = _select(torch.cat((run_v, z), 1), torch.cat((run_i, tile_ids), 1), k)
+            z, _ = _logits_tile(h[r0:r1], w[v0:v1], None if b is None else b[v0:v1], transform, acc,
+                                scratch("z", r1 - r0, v1 - v0))
+            tile_v, tile_i, row_max = _tile_candidates(z, k, start + v0)
+            new_v, new_i = _select(torch.cat((run_v, tile_v), 1), torch.cat((run_i, tile_i), 1), k)
             run_v.copy_(new_v)
             run_i.copy_(new_i)
-            run_p.copy_(_merge_partials(run_p, _tile_partials(z)))
+            run_p.copy_(_merge_partials(run_p, _tile_partials(z, row_max, want_entropy)))
     return values, ids, partial
 
 
-def _tile_partials(z: torch.Tensor) -> torch.Tensor:
-    m = z.amax(1)
+def _tile_candidates(z: torch.Tensor, k: int, first_id: int):
+    """The tile's ``min(k, cols)`` best entries by ``(value, -id)``, in id order, with their global ids, and
+    the row maxima. One ``topk`` of ``k + 1`` decides them, except in rows where the (k+1)-th value equals the
+    k-th (a tie across the cut, where ``topk`` picks any of the tied): those rows are selected exactly."""
+    rows, cols = z.shape
+    if cols <= k:
+        ids = torch.arange(first_id, first_id + cols, device=z.device).expand(rows, cols)
+        return z, ids, z.amax(1)
+    top_v, top_i = z.topk(k + 1, dim=1)
+    row_max = top_v[:, 0]
+    cut = top_v[:, k] == top_v[:, k - 1]
+    top_v, top_i = top_v[:, :k], top_i[:, :k]
+    top_i, order = top_i.sort(dim=1)
+    top_v = top_v.gather(1, order)
+    if bool(cut.any()):
+        tied = cut.nonzero().squeeze(1)
+        local = torch.arange(cols, device=z.device).expand(tied.numel(), cols)
+        exact_v, exact_i = _select(z.index_select(0, tied), local, k)
+        top_v = top_v.index_copy(0, tied, exact_v)
+        top_i = top_i.index_copy(0, tied, exact_i)
+    return top_v, top_i + first_id, row_max
+
+
+def _tile_partials(z: torch.Tensor, m: torch.Tensor, want_entropy: bool) -> torch.Tensor:
+    """(max, sum exp(z - max), sum exp(z - max) (z - max)) of a tile, given its row maxima; ``z`` is
+    overwritten."""
     shift = torch.where(torch.isneginf(m), torch.zeros_like(m), m).unsqueeze(1)
-    d = z - shift
-    e = d.exp()
-    return torch.stack((m, e.sum(1), torch.where(e > 0, e * d, torch.zeros_like(e)).sum(1)))
+    e = z.sub_(shift).exp_()
+    s = e.sum(1)
+    # -entr(e) = e log e = e (z - max), 0 where e is 0 (a -inf logit) rather than 0 * -inf
+    t = torch.special.entr(e).sum(1).neg_() if want_entropy else torch.zeros_like(s)
+    return torch.stack((m, s, t))
 
 
 def _merge_partials(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
