@@ -13,7 +13,8 @@ Three ways in, from the least code to the most control:
    those frameworks.
 3. The functional API, from the hidden states and the head's weight: ``token_logprobs``, ``cross_entropy``,
    ``distillation_loss``, ``sparse_distillation_loss``, ``grpo_loss``, ``dpo_loss``, ``kto_loss``,
-   ``orpo_loss``, ``cpo_loss``; ``group_advantages`` for GRPO's advantages. ``fusedloss.nn`` wraps each loss
+   ``orpo_loss``, ``cpo_loss``; ``group_advantages`` for GRPO's advantages; ``topk_logprobs`` for a
+   teacher's top-k log-probs (the input of ``sparse_distillation_loss``). ``fusedloss.nn`` wraps each loss
    as a ``torch.nn.Module``.
 
 ``backend_status()`` says which backends (torch, Triton, CUDA) run here and why not; ``estimate`` says what
@@ -33,9 +34,10 @@ from .losses import (
     orpo_loss,
     sparse_distillation_loss,
     token_logprobs,
+    topk_logprobs,
 )
 from .sizing import estimate
-from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails
+from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails, TopK
 
 __version__ = "0.1.0"
 
@@ -71,6 +73,7 @@ __all__ = [
     "GroupAdvantages",
     "KTODetails",
     "ORPODetails",
+    "TopK",
     "backend_status",
     "cpo_loss",
     "cross_entropy",
@@ -83,4 +86,5 @@ __all__ = [
     "orpo_loss",
     "sparse_distillation_loss",
     "token_logprobs",
+    "topk_logprobs",
 ]

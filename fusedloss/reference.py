@@ -27,7 +27,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
-from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails
+from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails, TopK
 
 __all__ = [
     "logits",
@@ -35,6 +35,7 @@ __all__ = [
     "cross_entropy",
     "distillation_loss",
     "sparse_distillation_loss",
+    "topk_logprobs",
     "grpo_loss",
     "dpo_loss",
     "kto_loss",
@@ -284,6 +285,28 @@ def sparse_distillation_loss(hidden, weight, teacher_ids, teacher_logprobs, targ
 
 # --------------------------------------------------------------------------------------------------
 # grpo_loss
+
+
+def topk_logprobs(hidden, weight, k, *, bias=None, temperature=1.0, logit_scale=1.0, softcap=None, mask=None,
+                  return_lse=False, return_entropy=False, vocab_size=None):
+    """``fusedloss.topk_logprobs`` on materialised logits: ``log_softmax`` then the top ``k``, most likely first,
+    the smaller id first among equal log-probs (a stable sort); ids -1, log-probs -inf, lse and entropy 0 where
+    ``mask`` is False."""
+    if vocab_size is not None:
+        weight, bias = weight[:vocab_size], (None if bias is None else bias[:vocab_size])
+    with torch.no_grad():
+        z = logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap)
+        logq = torch.log_softmax(z, dim=-1)
+        order = logq.sort(dim=-1, descending=True, stable=True).indices[..., :k]
+        ids, lp = order, logq.gather(-1, order)
+        lse = torch.logsumexp(z, dim=-1)
+        entropy = _entropy(logq)
+        if mask is not None:
+            keep = mask.to(torch.bool)
+            ids = torch.where(keep.unsqueeze(-1), ids, -1)
+            lp = torch.where(keep.unsqueeze(-1), lp, -math.inf)
+            lse, entropy = torch.where(keep, lse, 0.0), torch.where(keep, entropy, 0.0)
+    return TopK(ids=ids, logprobs=lp, lse=lse if return_lse else None, entropy=entropy if return_entropy else None)
 
 
 def _verl_kl(logp, ref, kind):

@@ -62,3 +62,13 @@ class GroupAdvantages(NamedTuple):
     advantages: torch.Tensor  # [N]
     std: torch.Tensor  # [num_groups]
     keep: torch.Tensor  # [N] bool
+
+
+class TopK(NamedTuple):
+    """``fusedloss.topk_logprobs``'s result: per row the k most likely ids, most likely first (among equal
+    log-probs the smaller id first), and their log-probs; ids -1 and log-probs -inf on masked rows."""
+
+    ids: torch.Tensor  # [..., k] int64
+    logprobs: torch.Tensor  # [..., k] fp32 (float64 for float64 inputs)
+    lse: Optional[torch.Tensor] = None  # [...] the logits' log-normaliser, when asked for
+    entropy: Optional[torch.Tensor] = None  # [...] the distribution's entropy, when asked for
