@@ -56,7 +56,7 @@ def test_supported_triton_versions_are_not_refused_for_their_age(triton_version,
     assert backend._unsupported_triton() is None
 
 
-def test_float64_needs_triton_3_5(triton_version, monkeypatch):
+def test_double_precision_needs_triton_3_5(triton_version, monkeypatch):
     from fusedloss.triton import backend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
