@@ -81,6 +81,8 @@ OVERRIDES: dict = {  # model_type -> {field: value} the generic shrink gets wron
     "hunyuan_v1_dense": dict(head_dim=8),
     "hunyuan_v1_moe": dict(head_dim=8),
     "ministral": dict(head_dim=8),
+    # NVFP4 rounding of keys and values works on 16-wide blocks; the indexer heads share a key head's queries
+    "kolibri1_1": dict(head_dim=16, index_num_heads=2),
     "gpt_neo": dict(attention_types=[[["global", "local"], 1]]),
     "gemma3n_text": dict(num_kv_shared_layers=0),  # KV sharing across the 2 tiny layers would share nothing
     # input_ids [sequences x codebooks, T]: one sequence of 2 codebooks

@@ -16,12 +16,13 @@
 # library; only its headers and static runtime are kept), leaves 0.5 GB under the prefix; 2-3 min here.
 #
 # Checksums: apt checks each package against the signed trixie index; this script then checks each file
-# against the SHA256 pinned below, so a different build of the same version is refused too. The packages
-# live at http://deb.debian.org/debian/pool/{non-free/n/nvidia-cuda-toolkit,main/libc/libcu++}/ while
-# trixie ships them (afterwards: snapshot.debian.org, same file names and checksums).
+# against the SHA256 pinned below, so a different build of the same version is refused too. The archive is the
+# one this machine's apt configuration uses (tools/_apt_mirror.sh; DEBIAN_MIRROR=... for another, e.g. Debian's
+# snapshot archive once trixie no longer ships these versions: same file names and checksums).
 set -euo pipefail
+source "$(dirname "$0")/_apt_mirror.sh"
 PREFIX="${PREFIX:-$HOME/.cache/fusedloss/cuda-12.4}"
-MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+MIRROR="$(debian_mirror)"
 KEYRING="${DEBIAN_KEYRING:-/usr/share/keyrings/debian-archive-keyring.gpg}"
 HOME_DIR="$PREFIX/home"   # the CUDA_HOME: bin/nvcc, nvvm/, include/, lib64/
 

@@ -8,13 +8,19 @@
 #     PREFIX=/scratch/bullseye bash tools/make_sysroot.sh
 #
 # Needs root: debootstrap's second stage configures the packages with dpkg inside a chroot of the new root.
-# Nothing outside PREFIX changes (debootstrap itself is used from the host, or its .deb is downloaded with
-# apt-get and unpacked next to the root when the host has none). ~400 MB on disk, 12 min on a busy 2-core VM.
-# Release signatures are checked by debootstrap against Debian's bullseye archive key.
+# Nothing outside PREFIX changes (debootstrap itself is used from the host, or its .deb, a pinned version, is
+# downloaded with the machine's apt-get, checked against its pinned SHA256 and unpacked next to the root when the
+# host has none). ~400 MB on disk, 12 min on a busy 2-core VM. Release signatures are checked by debootstrap
+# against Debian's bullseye archive key. The archive is the one this machine's apt configuration uses
+# (tools/_apt_mirror.sh; DEBIAN_MIRROR=... for another).
 set -euo pipefail
+source "$(dirname "$0")/_apt_mirror.sh"
 PREFIX="${PREFIX:-$HOME/.cache/fusedloss/bullseye}"
 SUITE="${SUITE:-bullseye}"
-MIRROR="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+MIRROR="$(debian_mirror)"
+# bookworm's debootstrap (it knows bullseye); another Debian release: set both from `apt-cache show debootstrap`
+DEBOOTSTRAP_VERSION="${DEBOOTSTRAP_VERSION:-1.0.128+nmu2+deb12u2}"
+DEBOOTSTRAP_SHA256="${DEBOOTSTRAP_SHA256:-63f354316e9bbe747b143b7b0d83e5f237c90314a17734fba9ff202c2ef02760}"
 KEYRING="${DEBIAN_KEYRING:-/usr/share/keyrings/debian-archive-bullseye-stable.gpg}"
 
 if compgen -G "$PREFIX/usr/bin/g++-[0-9]*" >/dev/null && [[ -f "$PREFIX/.complete" ]]; then
@@ -31,8 +37,11 @@ if command -v debootstrap >/dev/null; then
 else
   tools="$PREFIX.debootstrap"
   mkdir -p "$tools"
-  (cd "$tools" && apt-get -qq -o APT::Sandbox::User=root download debootstrap >&2)
-  dpkg-deb -x "$tools"/debootstrap_*.deb "$tools/x"
+  (cd "$tools" && apt-get -qq -o APT::Sandbox::User=root download "debootstrap=$DEBOOTSTRAP_VERSION" >&2)
+  deb=("$tools"/debootstrap_*.deb)
+  echo "$DEBOOTSTRAP_SHA256  ${deb[0]}" | sha256sum --quiet -c - >&2 \
+    || { echo "checksum mismatch: ${deb[0]}" >&2; exit 1; }
+  dpkg-deb -x "${deb[0]}" "$tools/x"
   export DEBOOTSTRAP_DIR="$tools/x/usr/share/debootstrap"
   debootstrap=("$tools/x/usr/sbin/debootstrap")
 fi

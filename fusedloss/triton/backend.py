@@ -81,17 +81,26 @@ def _interpret_requested() -> bool:
 TRITON_RANGE = ((3, 4), (3, 10))
 
 
-def _unsupported_triton() -> Optional[str]:
-    """Why the installed Triton is too old for the kernels, or None."""
+# float64 products (tl.dot) from Triton 3.5 on.
+TRITON_FLOAT64 = (3, 5)
+
+
+def _triton_version() -> tuple:
+    """The installed Triton's ``(version string, (major, minor))``."""
     import triton
 
     version = getattr(triton, "__version__", "0")
     parts = []
-    for piece in version.split("+")[0].split(".")[:2]:
-        digits = "".join(itertools.takewhile(str.isdigit, piece))
-        parts.append(int(digits or 0))
+    for piece in (version.split("+")[0].split(".") + ["0"])[:2]:
+        parts.append(int("".join(itertools.takewhile(str.isdigit, piece)) or 0))
+    return version, tuple(parts)
+
+
+def _unsupported_triton() -> Optional[str]:
+    """Why the installed Triton is too old for the kernels, or None."""
+    version, parts = _triton_version()
     low, high = TRITON_RANGE
-    if tuple(parts) < low:
+    if parts < low:
         return (f"triton {version} is too old: fusedloss's Triton kernels need triton>={low[0]}.{low[1]},"
                 f"<{high[0]}.{high[1]}")
     return None
@@ -1004,6 +1013,11 @@ def _gradient_flags(p: StatsProblem, load: bool):
 
 
 def _check_inputs(p: StatsProblem) -> None:
+    if p.hidden.dtype == torch.float64:
+        version, parts = _triton_version()
+        if parts < TRITON_FLOAT64:
+            raise TypeError(f"triton backend: float64 hidden needs triton>={TRITON_FLOAT64[0]}.{TRITON_FLOAT64[1]} "
+                            f"(its float64 tl.dot), installed {version}; use backend='torch' for float64")
     for name in ("hidden", "weight", "teacher_hidden", "teacher_weight"):
         t = getattr(p, name)
         if t is not None and t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
