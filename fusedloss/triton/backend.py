@@ -248,10 +248,18 @@ INTERPRETER_TILES = TileConfig(16, 32, 16, 4, 1, slots=4)
 # (``tile_family``); every default tile compiles for that target without spills and within its shared memory
 # (LDS) with every supported Triton (tests/test_triton_compile.py, "--arch").
 ARCH_CANDIDATES: dict = {
+    # B200/GB200/B300 (tcgen05): the 128 x 128 lean tile spills on the oldest and the newest Triton there (3.4.0:
+    # 24 bytes per thread; 3.9.0: 12-20), where 64 x 128 holds.
+    "sm_100": {
+        ("half", "lean"): (TileConfig(64, 128, 64, 8, 4), TileConfig(64, 128, 64, 8, 3)),
+    },
     # RTX 50 / RTX PRO 6000 (mma.sync, 99 KB of shared memory): the 128 x 128 lean tile spills 16-24 bytes per
-    # thread there, 64 x 128 none; an fp32 teacher's two products fit 64 x 32 (64 x 64 spills 112-144 bytes).
+    # thread there, 64 x 128 none; a teacher's two products fit 64 x 32 (64 x 64 spills 112-144 bytes with fp32
+    # operands on Triton 3.7.1, 4 with half ones on 3.6.0).
     "sm_120": {
         ("half", "lean"): (TileConfig(64, 128, 64, 8, 4), TileConfig(64, 128, 64, 8, 3)),
+        ("half", "heavy"): (TileConfig(64, 64, 64, 8, 4), TileConfig(64, 64, 64, 8, 3)),
+        ("half", "teacher"): (TileConfig(64, 32, 64, 8, 3),),
         ("fp32", "teacher"): (TileConfig(64, 32, 16, 8, 3),),
     },
     # MI300X/MI325X (64 KiB of LDS): 4 stages keep three operand buffers in LDS (96 KiB for 128 x 128 x 64 bf16,
@@ -268,6 +276,9 @@ ARCH_EAGER_TILES: dict = {
     "sm_120": {("half", "lean"): TileConfig(64, 128, 64, 8, 4)},
     "gfx942": {("half", "lean"): TileConfig(128, 128, 64, 8, 3)},
 }
+# The eager gradient pass's tile where ELEMENTWISE_TILES does not hold (none yet: on sm_120 8 warps spared Triton
+# 3.6.0 a 4-byte spill of a teacher's terms and gave 3.7.1 one of its own).
+ARCH_ELEMENTWISE_TILES: dict = {}
 # Shared memory (LDS on AMD) one block may hold, per tile family: what the default tiles must fit.
 SHARED_LIMITS = {"sm_90": 227 * 1024, "sm_100": 227 * 1024, "sm_120": 99 * 1024, "gfx942": 64 * 1024,
                  "gfx950": 160 * 1024}
@@ -1354,7 +1365,8 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
     cfg = tiles or tiles_for(p, "eager")
     with _on_device(h), _cublas_tf32(dev, _allow_tf32(p)):
         step = _plan_of(p, needs, "eager", cfg).params["eager_rows"]
-        elementwise = cfg if dev.type == "cpu" else ELEMENTWISE_TILES
+        elementwise = cfg if dev.type == "cpu" else ARCH_ELEMENTWISE_TILES.get(tile_family(device_target(dev)),
+                                                                               ELEMENTWISE_TILES)
         # Rows of a whole number of both kernels' tiles: they move the kept tiles without a column mask.
         ld = _cdiv(v, _eager_row_align(cfg, elementwise)) * _eager_row_align(cfg, elementwise)
         m_max = min(step, n)
