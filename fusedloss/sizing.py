@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from . import config as _config
 from .core import cost
 from .core import torch_backend as _torch_backend
 
@@ -137,7 +138,8 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
             ``"token_logprobs"``, ``"token_logprobs_entropy"``, ``"grpo_sequence"`` (GSPO) or ``"dpo"``.
         gpu: whose memory sizes fusedloss's default workspace (an eighth of the free memory, bounded; half the
             GPU's memory is taken as free): one of ``fusedloss.core.cost.GPUS``.
-        workspace_mb: fusedloss's workspace, as ``workspace_mb=`` or ``FUSEDLOSS_WORKSPACE_MB`` set it.
+        workspace_mb: fusedloss's workspace, as ``workspace_mb=`` or ``FUSEDLOSS_WORKSPACE_MB`` set it: a finite
+            number of MiB, at least 1/1024 (a large number for an unbounded workspace).
 
     Returns:
         A ``SizingEstimate``; ``print()`` it for the table.
@@ -159,8 +161,8 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     if gpu not in cost.GPUS:
         raise ValueError(f"gpu must be one of {tuple(cost.GPUS)}, got {gpu!r}")
-    if workspace_mb is not None and not (isinstance(workspace_mb, (int, float)) and workspace_mb > 0):
-        raise ValueError(f"workspace_mb must be a positive number or None, got {workspace_mb!r}")
+    if workspace_mb is not None:
+        workspace_mb = _config.workspace_megabytes(workspace_mb, "workspace_mb")
 
     w = cost.Workload(op=op, n=n, d=d, v=v, dtype=DTYPES[dtype])
     b, logits = w.operand_bytes, n * v

@@ -75,6 +75,10 @@ def test_config_forms():
     (dict(hidden_size=64, vocab_size=100, tokens=4, op="distill_jsd"), "op"),
     (dict(hidden_size=64, vocab_size=100, tokens=4, gpu="tpu"), "gpu"),
     (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=0), "workspace_mb"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=float("inf")), "workspace_mb"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=float("nan")), "workspace_mb"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=1e-300), "workspace_mb"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=True), "workspace_mb"),
 ])
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=name):

@@ -173,6 +173,22 @@ def test_workspace_budget(monkeypatch):
     assert tb.workspace_budget(None, 2**30, H200) == tb.workspace_budget(None, 80 * 2**30, H200) == tb.FIXED_WORKSPACE
 
 
+@pytest.mark.parametrize("bad", ["inf", "1e400", "nan", "1e-300"])
+def test_an_infinite_or_vanishing_workspace_is_refused_by_name(bad, monkeypatch):
+    """``int(inf * 2**20)`` overflowed inside the plan, and 1e-300 MiB became a 1-byte workspace (390 passes of
+    128-row chunks at N = 16384, V = 152064, without a word): both are refused where they are read."""
+    monkeypatch.delenv("FUSEDLOSS_CUDA_WORKSPACE_MB", raising=False)
+    monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", bad)
+    w = cost.Workload(op="cross_entropy", **ACCEPTANCE)
+    with pytest.raises(ValueError, match="environment variable FUSEDLOSS_WORKSPACE_MB must be a finite number"):
+        tb.plan(w, H200)
+    monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB")
+    with pytest.raises(ValueError, match="workspace_mb must be a finite number"):
+        tb.plan(w, H200, workspace_mb=float(bad))
+    with pytest.raises(ValueError, match="workspace must be a positive int of bytes"):
+        tb.plan(w, H200, workspace=float(bad))
+
+
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo"])
 @pytest.mark.parametrize("n,d", [(7100, 3584), (18000, 3584), (18000, 5120), (36001, 5120), (65536, 5120)])
 def test_a_qwen_head_whose_last_chunk_is_shorter_is_priced(op, n, d):

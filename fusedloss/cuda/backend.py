@@ -278,7 +278,9 @@ def override_plan(**fields):
     if unknown:
         raise TypeError(f"override_plan takes {_OVERRIDE_KEYS}, got {sorted(unknown)}")
     for key, value in fields.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if key == "workspace_mb":
+            config.workspace_megabytes(value, "override_plan: workspace_mb")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"override_plan: {key} must be a positive number, got {value!r}")
     token = _OVERRIDES.set(tuple(sorted({**dict(_OVERRIDES.get()), **fields}.items())))
     try:
@@ -875,6 +877,8 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     if workload.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"the CUDA backend plans float32, bfloat16 and float16 workloads (float64 runs on the "
                          f"torch backend), got {workload.dtype!r}")
+    if workspace is not None and (isinstance(workspace, bool) or not isinstance(workspace, int) or workspace < 1):
+        raise ValueError(f"workspace must be a positive int of bytes or None, got {workspace!r}")
     budget = workspace if workspace is not None else workspace_bytes(free_bytes)
     caps, accumulate = dict(_OVERRIDES.get()), bool(accumulate_in_gemm)
     can_eager = workload.row_local and (workload.hidden_grad or workload.weight_grad)

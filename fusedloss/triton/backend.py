@@ -364,6 +364,8 @@ def workspace_budget(workspace_mb: Optional[float], free_bytes: Optional[int], g
     deterministic mode."""
     if workspace_mb is None:
         workspace_mb = config.from_environment().workspace_mb
+    else:
+        workspace_mb = config.workspace_megabytes(workspace_mb, "workspace_mb")
     if workspace_mb is not None:
         return max(1, int(workspace_mb * 2**20))
     if deterministic():
@@ -534,7 +536,9 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     precision = precision or ("tf32" if allow_tf32 else "tf32x3")
     if path not in (None, "eager", "composable"):
         raise ValueError(f"path must be None, 'eager' or 'composable', got {path!r}")
-    budget = max(1, int(workspace)) if workspace is not None else workspace_budget(workspace_mb, free_bytes, gpu)
+    if workspace is not None and (isinstance(workspace, bool) or not isinstance(workspace, int) or workspace < 1):
+        raise ValueError(f"workspace must be a positive int of bytes or None, got {workspace!r}")
+    budget = workspace if workspace is not None else workspace_budget(workspace_mb, free_bytes, gpu)
     if path == "eager":
         return _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
     composable = _composable_plan(workload, gpu, cfg, precision, allow_tf32, budget)
