@@ -3,8 +3,9 @@ ORPO, CPO/SimPO) straight from hidden states and the lm_head weight, never mater
 [tokens x vocab] logits.
 
 Public API: ``token_logprobs``, ``cross_entropy``, ``distillation_loss``, ``grpo_loss``, ``dpo_loss``,
-``kto_loss``, ``orpo_loss``, ``cpo_loss``, ``group_advantages``, ``backend_status``, and ``estimate`` (what
-fusedloss would save for a model and a batch; ``python -m fusedloss estimate``). ``fusedloss.reference``
+``kto_loss``, ``orpo_loss``, ``cpo_loss``, ``group_advantages``, ``backend_status``, ``release_workspace`` (frees
+the workspace the CUDA backend keeps between calls), and ``estimate`` (what fusedloss would save for a model and
+a batch; ``python -m fusedloss estimate``). ``fusedloss.reference``
 holds the same functions on materialised logits: the executable specification every backend is tested
 against. ``fusedloss.nn`` wraps each loss as a ``torch.nn.Module``.
 """
@@ -51,6 +52,16 @@ def backend_status() -> dict:
     return _backends.status()
 
 
+def release_workspace(device=None) -> int:
+    """Free the logits workspace the CUDA backend keeps between calls (one buffer per device and stream, up to
+    ``workspace_mb``: 4 GiB by default), on every device or only on ``device``, and return the bytes released.
+    The memory goes back to torch's caching allocator: call ``torch.cuda.empty_cache()`` after it to return it to
+    the driver (``empty_cache`` alone does not free the kept buffers). The next call allocates its workspace
+    again. Useful after training, between phases that use different models, or when a side stream's calls are
+    done."""
+    return _backends.release_workspace(device)
+
+
 __all__ = [
     "CPODetails",
     "DPODetails",
@@ -68,6 +79,7 @@ __all__ = [
     "grpo_loss",
     "kto_loss",
     "orpo_loss",
+    "release_workspace",
     "sparse_distillation_loss",
     "token_logprobs",
 ]

@@ -9,12 +9,14 @@ chunk counts).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 import fusedloss
 from fusedloss import config
-from fusedloss.core import cost
+from fusedloss.core import backends, cost
 from fusedloss.core.problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
 from fusedloss.cuda import backend as cuda
 
@@ -343,3 +345,28 @@ def test_eager_pays_follows_the_plan(monkeypatch):
     assert cuda.eager_pays(p) == (want == "eager")
     frozen = StatsProblem(**{**p.__dict__, "hidden": p.hidden.detach()})
     assert cuda.eager_pays(frozen) is False  # no gradient: nothing to do in the forward
+
+
+# ------------------------------------------------------------------------------------------------
+# The kept workspace
+# ------------------------------------------------------------------------------------------------
+def test_release_workspace_drops_the_kept_buffers(monkeypatch):
+    """One buffer is kept per (device, stream) between calls; ``fusedloss.release_workspace`` drops them, all or
+    one device's, and returns the bytes. (CPU stand-ins for the buffers: the bookkeeping is what is checked.)"""
+    monkeypatch.setattr(cuda, "_BUFFERS", {(0, 7): torch.empty(1000, dtype=torch.uint8),
+                                           (0, 9): torch.empty(300, dtype=torch.uint8),
+                                           (1, 7): torch.empty(50, dtype=torch.uint8)})
+    assert fusedloss.release_workspace("cpu") == 0  # nothing is kept for other devices
+    assert fusedloss.release_workspace(torch.device("cuda", 1)) == 50
+    assert set(cuda._BUFFERS) == {(0, 7), (0, 9)}
+    assert fusedloss.release_workspace() == 1300 and cuda._BUFFERS == {}
+    assert fusedloss.release_workspace() == 0
+
+
+def test_release_workspace_never_imports_a_backend(monkeypatch):
+    """A backend never imported keeps nothing: releasing does not import it (the CUDA backend loads its
+    extension on import)."""
+    monkeypatch.delitem(sys.modules, "fusedloss.cuda.backend")
+    monkeypatch.setattr(cuda, "_BUFFERS", {(0, 7): torch.empty(64, dtype=torch.uint8)})
+    assert backends.release_workspace() == 0
+    assert "fusedloss.cuda.backend" not in sys.modules

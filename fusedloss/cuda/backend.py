@@ -1276,7 +1276,28 @@ def _zero_rows_outside(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
 # on a stream runs its kernels in stream order, so consecutive calls can share it, and the caching allocator is
 # not asked for gigabytes on every call (a fragmented pool would then free and allocate, synchronising).
 # Not kept: buffers of a CUDA graph capture (they belong to the graph's pool) and host-mode (CPU) buffers.
+# ``release_workspace`` drops them (``fusedloss.release_workspace()``).
 _BUFFERS: dict = {}
+
+
+def release_workspace(device=None) -> int:
+    """Drop the workspace buffers this backend keeps per (device, stream) (all devices, or only ``device``'s),
+    returning them to torch's caching allocator; ``torch.cuda.empty_cache()`` then returns them to the driver.
+    The next call on a stream allocates its buffer again. Safe at any time: a call still running holds its own
+    reference, and the allocator reuses the memory in stream order. Returns the bytes released."""
+    index = None
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return 0  # nothing is kept for other devices
+        index = device.index if device.index is not None else (
+            torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    released = 0
+    for key in list(_BUFFERS):
+        if index is None or key[0] == index:
+            buf = _BUFFERS.pop(key, None)
+            released += 0 if buf is None else buf.numel() * buf.element_size()
+    return released
 
 
 def _workspace_buffer(device: torch.device, nbytes: int) -> torch.Tensor:
