@@ -110,9 +110,18 @@ def _read_config(config) -> tuple[Optional[int], Optional[int]]:
         config = json.loads(path.read_text())
     if not isinstance(config, dict):
         config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
-    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+    if _width(config) is None and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
-    return config.get("hidden_size", config.get("n_embd")), config.get("vocab_size")
+    return _width(config), config.get("vocab_size")
+
+
+# The names configs give the hidden size: most ``hidden_size``, GPT-2 ``n_embd``, MPT and XGLM ``d_model`` (a config
+# object answers ``hidden_size`` for them through its attribute map, but its dict and config.json hold the own name).
+_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+
+
+def _width(config: dict):
+    return next((config[key] for key in _WIDTH_KEYS if config.get(key) is not None), None)
 
 
 def _positive_int(name: str, value) -> int:
@@ -130,7 +139,8 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
 
     Args:
         config: a Hugging Face model config: the path of its ``config.json`` (or of the folder holding it), a dict,
-            or a config object (``model.config``). Its ``hidden_size`` and ``vocab_size`` are read.
+            or a config object (``model.config``). Its ``hidden_size`` (``n_embd``, ``d_model``) and
+            ``vocab_size`` are read.
         tokens: N, the tokens of one loss call (batch x sequence length, or the completion tokens of an RL batch).
         hidden_size, vocab_size: D and V, instead of (or overriding) ``config``'s.
         dtype: the operands' dtype: ``"bfloat16"`` (``"bf16"``), ``"float16"`` (``"fp16"``) or ``"float32"``.
