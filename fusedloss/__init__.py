@@ -17,7 +17,8 @@ Three ways in, from the least code to the most control:
    teacher's top-k log-probs (the input of ``sparse_distillation_loss``). ``fusedloss.nn`` wraps each loss
    as a ``torch.nn.Module``.
 
-``backend_status()`` says which backends (torch, Triton, CUDA) run here and why not; ``estimate`` says what
+``backend_status()`` says which backends (torch, Triton, CUDA) run here and why not; ``release_workspace()``
+frees the workspace the CUDA backend keeps between calls; ``estimate`` says what
 fusedloss would save for a model and a batch (``python -m fusedloss estimate``). ``fusedloss.reference`` holds
 the same functions on materialised logits: the executable specification every backend is tested against.
 """
@@ -66,6 +67,16 @@ def backend_status() -> dict:
     return {**_backends.status(), "gpu": _backends.gpu_model()}
 
 
+def release_workspace(device=None) -> int:
+    """Free the logits workspace the CUDA backend keeps between calls (one buffer per device and stream, up to
+    ``workspace_mb``: 4 GiB by default), on every device or only on ``device``, and return the bytes released.
+    The memory goes back to torch's caching allocator: call ``torch.cuda.empty_cache()`` after it to return it to
+    the driver (``empty_cache`` alone does not free the kept buffers). The next call allocates its workspace
+    again. Useful after training, between phases that use different models, or when a side stream's calls are
+    done."""
+    return _backends.release_workspace(device)
+
+
 __all__ = [
     "CPODetails",
     "DPODetails",
@@ -84,6 +95,7 @@ __all__ = [
     "grpo_loss",
     "kto_loss",
     "orpo_loss",
+    "release_workspace",
     "sparse_distillation_loss",
     "token_logprobs",
     "topk_logprobs",

@@ -12,8 +12,9 @@ variable                           default      effect
                                                 decides (``eager=`` argument)
 ``FUSEDLOSS_WORKSPACE_MB``         unset        logits workspace of the CUDA and Triton backends in MiB;
                                                 unset: sized from the memory free on the device
-                                                (``workspace_mb=`` argument). ``FUSEDLOSS_CUDA_WORKSPACE_MB``
-                                                is read as an older spelling.
+                                                (``workspace_mb=`` argument). A finite number, at least
+                                                1/1024 (1 KiB; ``workspace_megabytes``).
+                                                ``FUSEDLOSS_CUDA_WORKSPACE_MB`` is read as an older spelling.
 ``FUSEDLOSS_ALLOW_TF32``           ``0``        ``1``: fp32 inputs may use TF32 products (faster, ~1e-4
                                                 relative error) whatever PyTorch's global TF32 flags say
                                                 (``allow_tf32=`` argument); by default fp32 stays fp32
@@ -30,6 +31,7 @@ reads it to report availability. Build-time variables (``FUSEDLOSS_CUDA``, ``FUS
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import NamedTuple, Optional
@@ -44,17 +46,32 @@ def _flag(name: str) -> Optional[bool]:
     return value == "1"
 
 
+# The smallest workspace a caller may ask for, in MiB (1 KiB). A smaller number is a slip of units rather than a
+# size (bytes or GiB read as MiB, or a value that rounds to no byte at all). Any workspace below the smallest
+# chunk a backend runs (one row of the CUDA backend's tiles, one row block of Triton's) is raised to that chunk.
+MIN_WORKSPACE_MB = 2.0**-10
+
+
+def workspace_megabytes(value, name: str, *, environment: bool = False) -> float:
+    """``value`` as a workspace in MiB, or a ValueError that names ``name`` (an argument, or with
+    ``environment`` the variable whose text ``value`` is): a finite number of at least ``MIN_WORKSPACE_MB``.
+    Infinity is refused; a large number is an unbounded workspace, since a plan never takes more than its
+    chunks need."""
+    mb = None
+    if environment or (isinstance(value, (int, float)) and not isinstance(value, bool)):
+        try:
+            mb = float(value)
+        except (ValueError, OverflowError):
+            pass
+    if mb is None or not math.isfinite(mb) or not mb >= MIN_WORKSPACE_MB:
+        what = f"environment variable {name}" if environment else name
+        raise ValueError(f"{what} must be a finite number of MiB, at least 1/1024 (1 KiB), got {value!r}")
+    return mb
+
+
 def _megabytes(name: str) -> Optional[float]:
     value = os.environ.get(name, "").strip()
-    if value == "":
-        return None
-    try:
-        mb = float(value)
-    except ValueError:
-        raise ValueError(f"environment variable {name} must be a number of MiB, got {value!r}") from None
-    if not mb > 0:
-        raise ValueError(f"environment variable {name} must be > 0, got {value!r}")
-    return mb
+    return None if value == "" else workspace_megabytes(value, name, environment=True)
 
 
 @dataclass(frozen=True)
@@ -98,9 +115,7 @@ class RunOptions(NamedTuple):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be True, False or None, got {value!r}")
         if workspace_mb is not None:
-            if isinstance(workspace_mb, bool) or not isinstance(workspace_mb, (int, float)) or not workspace_mb > 0:
-                raise ValueError(f"workspace_mb must be a positive number of MiB or None, got {workspace_mb!r}")
-            workspace_mb = float(workspace_mb)
+            workspace_mb = workspace_megabytes(workspace_mb, "workspace_mb")
         return cls(eager, workspace_mb, allow_tf32)
 
     def problem_fields(self) -> dict:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from . import config as _config
 from .core import cost
 from .core import torch_backend as _torch_backend
 
@@ -109,9 +110,18 @@ def _read_config(config) -> tuple[Optional[int], Optional[int]]:
         config = json.loads(path.read_text())
     if not isinstance(config, dict):
         config = config.to_dict() if hasattr(config, "to_dict") else vars(config)
-    if "hidden_size" not in config and isinstance(config.get("text_config"), dict):
+    if _width(config) is None and isinstance(config.get("text_config"), dict):
         config = config["text_config"]
-    return config.get("hidden_size", config.get("n_embd")), config.get("vocab_size")
+    return _width(config), config.get("vocab_size")
+
+
+# The names configs give the hidden size: most ``hidden_size``, GPT-2 ``n_embd``, MPT and XGLM ``d_model`` (a config
+# object answers ``hidden_size`` for them through its attribute map, but its dict and config.json hold the own name).
+_WIDTH_KEYS = ("hidden_size", "n_embd", "d_model")
+
+
+def _width(config: dict):
+    return next((config[key] for key in _WIDTH_KEYS if config.get(key) is not None), None)
 
 
 def _positive_int(name: str, value) -> int:
@@ -129,7 +139,8 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
 
     Args:
         config: a Hugging Face model config: the path of its ``config.json`` (or of the folder holding it), a dict,
-            or a config object (``model.config``). Its ``hidden_size`` and ``vocab_size`` are read.
+            or a config object (``model.config``). Its ``hidden_size`` (``n_embd``, ``d_model``) and
+            ``vocab_size`` are read.
         tokens: N, the tokens of one loss call (batch x sequence length, or the completion tokens of an RL batch).
         hidden_size, vocab_size: D and V, instead of (or overriding) ``config``'s.
         dtype: the operands' dtype: ``"bfloat16"`` (``"bf16"``), ``"float16"`` (``"fp16"``) or ``"float32"``.
@@ -138,7 +149,8 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         gpu: whose memory sizes fusedloss's default workspace (an eighth of the free memory, bounded; half the
             GPU's memory is taken as free): one of ``fusedloss.core.cost.GPUS``, in any case, or a name that
             contains one ("a100-80gb", "NVIDIA H100 80GB HBM3", "RTX 5090").
-        workspace_mb: fusedloss's workspace, as ``workspace_mb=`` or ``FUSEDLOSS_WORKSPACE_MB`` set it.
+        workspace_mb: fusedloss's workspace, as ``workspace_mb=`` or ``FUSEDLOSS_WORKSPACE_MB`` set it: a finite
+            number of MiB, at least 1/1024 (a large number for an unbounded workspace).
 
     Returns:
         A ``SizingEstimate``; ``print()`` it for the table.
@@ -159,8 +171,8 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
     gpu = cost.gpu_key(gpu)  # ValueError naming the known GPUs
-    if workspace_mb is not None and not (isinstance(workspace_mb, (int, float)) and workspace_mb > 0):
-        raise ValueError(f"workspace_mb must be a positive number or None, got {workspace_mb!r}")
+    if workspace_mb is not None:
+        workspace_mb = _config.workspace_megabytes(workspace_mb, "workspace_mb")
 
     w = cost.Workload(op=op, n=n, d=d, v=v, dtype=DTYPES[dtype])
     b, logits = w.operand_bytes, n * v

@@ -9,10 +9,14 @@ chunk counts).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
-from fusedloss.core import cost
+import fusedloss
+from fusedloss import config
+from fusedloss.core import backends, cost
 from fusedloss.core.problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
 from fusedloss.cuda import backend as cuda
 
@@ -49,10 +53,35 @@ def test_workspace_override_by_environment_and_keyword(monkeypatch):
     p = cuda.plan(workload(), H200, 140 * GIB)
     assert p.params["workspace_bytes"] == 1024 * 2**20
     assert cuda.plan(workload(), H200, 140 * GIB, workspace=3 * GIB).params["workspace_bytes"] == 3 * GIB
-    for bad in ("lots", "0", "-5"):
+    for bad in ("lots", "0", "-5", "inf", "1e400", "nan", "1e-300"):
         monkeypatch.setenv("FUSEDLOSS_CUDA_WORKSPACE_MB", bad)
         with pytest.raises(ValueError, match="FUSEDLOSS_CUDA_WORKSPACE_MB"):
             cuda.workspace_bytes()
+
+
+@pytest.mark.parametrize("bad", ["inf", "1e400", "-inf", "nan", "1e-300", "0.0009"])
+@pytest.mark.parametrize("variable", ["FUSEDLOSS_WORKSPACE_MB", "FUSEDLOSS_CUDA_WORKSPACE_MB"])
+def test_the_workspace_must_be_a_finite_size(variable, bad, monkeypatch):
+    """The variable and the argument are read by one function (``config.workspace_megabytes``): a finite number
+    of MiB, at least 1 KiB; infinity (which overflowed deep in the plan) and a size that rounds to no byte
+    (a silent 1-byte workspace) are refused with the name of what set them."""
+    monkeypatch.setenv(variable, bad)
+    with pytest.raises(ValueError, match=f"environment variable {variable} must be a finite number of MiB"):
+        cuda.workspace_bytes(140 * GIB)
+    monkeypatch.setenv(variable, "0.0009765625")  # the smallest: 1 KiB
+    assert cuda.workspace_bytes(140 * GIB) == 1024
+    monkeypatch.delenv(variable)
+    value = float(bad)
+    with pytest.raises(ValueError, match="workspace_mb must be a finite number of MiB"):
+        config.RunOptions.checked(workspace_mb=value)
+    with pytest.raises(ValueError, match="workspace_mb"):
+        with cuda.override_plan(workspace_mb=value):
+            pass
+    h, w = torch.randn(3, 8), torch.randn(11, 8)
+    with pytest.raises(ValueError, match="workspace_mb must be a finite number of MiB"):
+        fusedloss.cross_entropy(h, w, torch.tensor([1, 2, 3]), workspace_mb=value, backend="torch")
+    with pytest.raises(ValueError, match="workspace must be a positive int of bytes"):
+        cuda.plan(workload(), H200, workspace=4.0 * GIB)
 
 
 def test_override_plan_checks_its_keys():
@@ -316,3 +345,28 @@ def test_eager_pays_follows_the_plan(monkeypatch):
     assert cuda.eager_pays(p) == (want == "eager")
     frozen = StatsProblem(**{**p.__dict__, "hidden": p.hidden.detach()})
     assert cuda.eager_pays(frozen) is False  # no gradient: nothing to do in the forward
+
+
+# ------------------------------------------------------------------------------------------------
+# The kept workspace
+# ------------------------------------------------------------------------------------------------
+def test_release_workspace_drops_the_kept_buffers(monkeypatch):
+    """One buffer is kept per (device, stream) between calls; ``fusedloss.release_workspace`` drops them, all or
+    one device's, and returns the bytes. (CPU stand-ins for the buffers: the bookkeeping is what is checked.)"""
+    monkeypatch.setattr(cuda, "_BUFFERS", {(0, 7): torch.empty(1000, dtype=torch.uint8),
+                                           (0, 9): torch.empty(300, dtype=torch.uint8),
+                                           (1, 7): torch.empty(50, dtype=torch.uint8)})
+    assert fusedloss.release_workspace("cpu") == 0  # nothing is kept for other devices
+    assert fusedloss.release_workspace(torch.device("cuda", 1)) == 50
+    assert set(cuda._BUFFERS) == {(0, 7), (0, 9)}
+    assert fusedloss.release_workspace() == 1300 and cuda._BUFFERS == {}
+    assert fusedloss.release_workspace() == 0
+
+
+def test_release_workspace_never_imports_a_backend(monkeypatch):
+    """A backend never imported keeps nothing: releasing does not import it (the CUDA backend loads its
+    extension on import)."""
+    monkeypatch.delitem(sys.modules, "fusedloss.cuda.backend")
+    monkeypatch.setattr(cuda, "_BUFFERS", {(0, 7): torch.empty(64, dtype=torch.uint8)})
+    assert backends.release_workspace() == 0
+    assert "fusedloss.cuda.backend" not in sys.modules

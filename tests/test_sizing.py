@@ -75,10 +75,45 @@ def test_config_forms():
     (dict(hidden_size=64, vocab_size=100, tokens=4, op="distill_jsd"), "op"),
     (dict(hidden_size=64, vocab_size=100, tokens=4, gpu="tpu"), "gpu"),
     (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=0), "workspace_mb"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=float("inf")), "workspace_mb"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=float("nan")), "workspace_mb"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=1e-300), "workspace_mb"),
+    (dict(hidden_size=64, vocab_size=100, tokens=4, workspace_mb=True), "workspace_mb"),
 ])
 def test_bad_arguments_are_named(kwargs, name):
     with pytest.raises(ValueError, match=name):
         fusedloss.estimate(**kwargs)
+
+
+def test_configs_that_name_the_width_d_model(tmp_path):
+    """MPT and XGLM call the hidden size ``d_model``: their config objects answer ``hidden_size`` through an
+    attribute map, but their dicts and config.json hold ``d_model`` only."""
+    transformers = pytest.importorskip("transformers")
+    for config in (transformers.MptConfig(d_model=1024, vocab_size=5003, n_heads=8),
+                   transformers.XGLMConfig(d_model=768, vocab_size=5003)):
+        want = (config.d_model, 5003)
+        as_dict = config.to_dict()
+        assert "hidden_size" not in as_dict
+        config.save_pretrained(tmp_path / config.model_type)
+        for form in (config, as_dict, tmp_path / config.model_type):
+            est = fusedloss.estimate(form, tokens=100)
+            assert (est.hidden_size, est.vocab_size) == want, form
+    assert main(["estimate", "--model-config", str(tmp_path / "mpt" / "config.json"), "--tokens", "8"]) == 0
+
+
+@pytest.mark.parametrize("tokens", [4 * 10**6, 10**9, 10**12])
+def test_a_huge_token_count_takes_milliseconds(tokens):
+    """Planning cost does not grow with N (the eager layout is counted, not listed; the grouped candidates are
+    bounded by the workspace): the estimate of a billion-token batch returns at once, with sizes that follow
+    the formulas."""
+    import time
+
+    start = time.perf_counter()
+    est = fusedloss.estimate(hidden_size=8192, vocab_size=256000, tokens=tokens)
+    assert time.perf_counter() - start < 1.0
+    assert est.logits_fp32_bytes == 4 * tokens * 256000
+    fused = next(p for p in est.paths if p.name.startswith("fusedloss, GPU"))
+    assert fused.products == 3 and fused.transient_bytes == 4 * GiB
 
 
 def test_a_missing_config_says_what_it_wants():

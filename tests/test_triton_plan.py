@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace as dataclasses_replace
 from types import SimpleNamespace
 
 import pytest
@@ -61,15 +62,18 @@ def test_eager_distillation_within_1_3x_of_the_product_bound(op, n, v):
     assert plan.path == "eager" and plan.products == 3.0
     assert estimate.ratio <= 1.3, (op, n, estimate.model_ms, estimate.bound_ms, estimate.pass_ms)
     chunks = -(-n // plan.params["eager_rows"])
-    names = [p.name for p in plan.passes]
-    assert names.count("eager logits: teacher (cuBLAS)") == chunks
-    assert names.count("eager teacher fold") == chunks
-    assert names.count("eager JSD pass") == (chunks if op == "distill_jsd" else 0)
+
+    def executions(name):  # a pass priced once per chunk size, with the count of chunks of that size
+        return sum(p.count for p in plan.passes if p.name == name)
+
+    assert executions("eager logits: teacher (cuBLAS)") == chunks
+    assert executions("eager teacher fold") == chunks
+    assert executions("eager JSD pass") == (chunks if op == "distill_jsd" else 0)
     teacher = [p for p in plan.passes if p.name == "eager logits: teacher (cuBLAS)"]
-    assert sum(p.flops for p in teacher) == pytest.approx(2.0 * n * v * 4096)
+    assert sum(p.flops * p.count for p in teacher) == pytest.approx(2.0 * n * v * 4096)
     assert all(p.epilogue_bytes > 0 and p.math == "bfloat16" for p in teacher)
     forward = [p for p in plan.passes if p.name == "eager logits: logits and statistics"]
-    assert sum(p.flops for p in forward) == pytest.approx(2.0 * n * v * 4096)  # the student's product only
+    assert sum(p.flops * p.count for p in forward) == pytest.approx(2.0 * n * v * 4096)  # the student's only
     assert all(p.efficiency == cost.triton_tile_efficiency(128, 128) for p in forward)
 
 
@@ -167,6 +171,50 @@ def test_workspace_budget(monkeypatch):
     monkeypatch.setenv("FUSEDLOSS_DETERMINISTIC", "1")
     # the chunking sets the order of fp32 sums: it must not follow the free memory of the moment
     assert tb.workspace_budget(None, 2**30, H200) == tb.workspace_budget(None, 80 * 2**30, H200) == tb.FIXED_WORKSPACE
+
+
+@pytest.mark.parametrize("bad", ["inf", "1e400", "nan", "1e-300"])
+def test_an_infinite_or_vanishing_workspace_is_refused_by_name(bad, monkeypatch):
+    """``int(inf * 2**20)`` overflowed inside the plan, and 1e-300 MiB became a 1-byte workspace (390 passes of
+    128-row chunks at N = 16384, V = 152064, without a word): both are refused where they are read."""
+    monkeypatch.delenv("FUSEDLOSS_CUDA_WORKSPACE_MB", raising=False)
+    monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", bad)
+    w = cost.Workload(op="cross_entropy", **ACCEPTANCE)
+    with pytest.raises(ValueError, match="environment variable FUSEDLOSS_WORKSPACE_MB must be a finite number"):
+        tb.plan(w, H200)
+    monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB")
+    with pytest.raises(ValueError, match="workspace_mb must be a finite number"):
+        tb.plan(w, H200, workspace_mb=float(bad))
+    with pytest.raises(ValueError, match="workspace must be a positive int of bytes"):
+        tb.plan(w, H200, workspace=float(bad))
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "grpo"])
+@pytest.mark.parametrize("n,d", [(7100, 3584), (18000, 3584), (18000, 5120), (36001, 5120), (65536, 5120)])
+def test_a_qwen_head_whose_last_chunk_is_shorter_is_priced(op, n, d):
+    """Qwen 2.5 / 3 heads (V = 152064) on an H200 with its memory free: the eager chunks end with a shorter one,
+    whose last wave leaves programs idle where the whole chunks' leaves none; the pass of that name then has
+    flops in one shape and none in the other, which the model's detail merged with a KeyError ('tflops')."""
+    w = cost.Workload(op=op, n=n, d=d, v=152064, dtype="bfloat16")
+    plan = tb.plan(w, H200, free_bytes=139 << 30)
+    est = cost.evaluate(plan, w, H200)
+    assert plan.path == "eager" and est.ratio < 1.3
+    rows = plan.params["eager_rows"]
+    assert n % rows  # a shorter last chunk
+    idle = est.pass_detail["eager logits: idle in the last wave"]
+    assert idle["count"] == -(-n // rows) and idle["rates"]["tflops"] > 0
+
+
+def test_the_eager_plan_prices_each_chunk_size_once():
+    """Whole chunks are one pass of each kind with their count, the shorter last chunk another: the plan of a
+    billion rows has as many passes as that of a few thousand, and the same time per row."""
+    w = cost.Workload(op="distill_reverse_kl", **ACCEPTANCE)
+    small, huge = (tb.plan(dataclasses_replace(w, n=n), H200, path="eager") for n in (16384, 16384 * 10**5))
+    assert len(small.passes) == len(huge.passes)
+    chunks = -(-16384 * 10**5 // huge.params["eager_rows"])
+    assert sum(p.count for p in huge.passes if p.name == "eager teacher fold") == chunks
+    per_row = [cost.evaluate(p, w, H200).model_ms / p_n for p, p_n in ((small, 16384), (huge, 16384 * 10**5))]
+    assert per_row[1] == pytest.approx(per_row[0], rel=0.05)
 
 
 def test_plan_parameters_are_the_ones_the_backend_runs_with():

@@ -93,6 +93,18 @@ def get(name: str):
     return _module(name)
 
 
+def release_workspace(device=None) -> int:
+    """``release_workspace(device)`` of every backend already imported that keeps buffers between calls (the
+    CUDA backend's per-stream workspace); a backend never imported keeps nothing and is not imported for it.
+    Returns the bytes released."""
+    released = 0
+    for module_name in BACKEND_MODULES.values():
+        release = getattr(sys.modules.get(module_name), "release_workspace", None)
+        if release is not None:
+            released += release(device)
+    return released
+
+
 @torch.compiler.assume_constant_result
 def availability(name: str) -> str:
     """Constant for a process: torch.compile takes the answer at trace time instead of tracing imports."""

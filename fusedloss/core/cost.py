@@ -19,6 +19,8 @@ figures beside the measured ones. See docs/design.md, "Plans and the cost model"
 from __future__ import annotations
 
 import math
+import numbers
+import warnings
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -236,6 +238,8 @@ OPS = {
     "distill_jsd": dict(row_local=True, teacher=True),
 }
 
+OPERAND_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
+
 
 @dataclass(frozen=True)
 class Workload:
@@ -257,6 +261,13 @@ class Workload:
     def __post_init__(self):
         if self.op not in OPS:
             raise ValueError(f"op must be one of {tuple(OPS)}, got {self.op!r}")
+        for name in ("n", "d", "v", "teacher_d"):
+            value = getattr(self, name)
+            if not (value is None and name == "teacher_d") and (
+                    isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
+                raise ValueError(f"Workload.{name} must be a positive int, got {value!r}")
+        if self.dtype not in OPERAND_BYTES:
+            raise ValueError(f"Workload.dtype must be one of {tuple(OPERAND_BYTES)}, got {self.dtype!r}")
 
     @property
     def row_local(self) -> bool:
@@ -277,7 +288,7 @@ class Workload:
 
     @property
     def operand_bytes(self) -> int:
-        return {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}[self.dtype]
+        return OPERAND_BYTES[self.dtype]
 
     @classmethod
     def of(cls, p, *, row_local: bool, hidden_grad: bool = True, weight_grad: bool = True) -> "Workload":
@@ -294,9 +305,9 @@ class Workload:
 
         plain = p.bias is None and identity(p.transform) and not (
             p.has_teacher and (p.teacher_bias is not None or not identity(p.teacher_transform)))
-        return cls(op=op, n=max(1, p.hidden.shape[0]), d=p.hidden.shape[1], v=p.weight.shape[0],
+        return cls(op=op, n=max(1, p.hidden.shape[0]), d=max(1, p.hidden.shape[1]), v=max(1, p.weight.shape[0]),
                    dtype=str(p.hidden.dtype).replace("torch.", ""),
-                   teacher_d=p.teacher_hidden.shape[1] if p.has_teacher else None,
+                   teacher_d=max(1, p.teacher_hidden.shape[1]) if p.has_teacher else None,
                    hidden_grad=hidden_grad, weight_grad=weight_grad, plain=bool(plain))
 
 
@@ -416,18 +427,33 @@ def assumed_rates(p: Pass, gpu: GPUSpec) -> dict:
 
 
 _SUMMED_RATES = ("epilogue_bytes", "launches", "warp_instructions", "mufu_instructions")
+_WEIGHTED_RATES = ("tflops", "efficiency")
+
+
+def _total_rates(p: Pass, gpu: GPUSpec) -> dict:
+    """``assumed_rates`` with the summed figures (``_SUMMED_RATES``) over all ``p.count`` executions."""
+    rates = assumed_rates(p, gpu)
+    if p.count != 1:
+        for key in _SUMMED_RATES:
+            if key in rates:
+                rates[key] = round(rates[key] * p.count, 2)
+    return rates
 
 
 def _merge_rates(entry: dict, rates: dict, flops: float) -> None:
-    """Fold another pass of the same name into ``entry``: its totals summed, its rates weighted by flops."""
+    """Fold another pass of the same name into ``entry``: its totals summed, its rates weighted by flops. Either
+    may lack a figure the other has (a pass without flops has no math rate: the full chunks' idle wave is empty
+    where the last, shorter chunk's is not): a missing figure counts as absent, never as an error."""
     into = entry["rates"]
-    for key in _SUMMED_RATES:
-        if key in rates:
-            into[key] = round(into.get(key, 0.0) + rates[key], 2)
+    for key, value in rates.items():
+        if key in _SUMMED_RATES:
+            into[key] = round(into.get(key, 0.0) + value, 2)
+        elif key not in _WEIGHTED_RATES:
+            into.setdefault(key, value)
     total = entry["_flops"] + flops
     if total and "tflops" in rates:
-        for key in ("tflops", "efficiency"):
-            into[key] = round((into[key] * entry["_flops"] + rates[key] * flops) / total, 4)
+        for key in _WEIGHTED_RATES:
+            into[key] = round((into.get(key, 0.0) * entry["_flops"] + rates[key] * flops) / total, 4)
     entry["_flops"] = total
 
 
@@ -449,10 +475,10 @@ def evaluate(plan: Plan, w: Workload, gpu: GPUSpec) -> Estimate:
             entry = detail[p.name]
             entry["ms"] += ms
             entry["count"] += p.count
-            _merge_rates(entry, assumed_rates(p, gpu), p.flops * p.count)
+            _merge_rates(entry, _total_rates(p, gpu), p.flops * p.count)
         else:
             b = pass_breakdown(p, gpu)
-            detail[p.name] = {"ms": ms, "count": p.count, "bound_by": b["bound_by"], "rates": assumed_rates(p, gpu),
+            detail[p.name] = {"ms": ms, "count": p.count, "bound_by": b["bound_by"], "rates": _total_rates(p, gpu),
                               "_flops": p.flops * p.count}
         if p.overlaps_previous:
             total += max(0.0, ms - prev)
@@ -467,3 +493,13 @@ def evaluate(plan: Plan, w: Workload, gpu: GPUSpec) -> Estimate:
                     hbm_bytes=sum(p.hbm_bytes * p.count for p in plan.passes),
                     model_ms=total, bound_ms=b, ratio=total / b if b else float("inf"), pass_ms=per_pass,
                     pass_detail=detail)
+
+
+def unpriced(what: str, exc: Exception) -> None:
+    """Say that pricing ``what`` failed. A backend's choice between plans (eager or composable, chunk shapes) is
+    a matter of speed, never of correctness: where the model cannot price a candidate, the backend takes the
+    choice it makes without prices and the call runs (correct, perhaps slower); a defect of the model must not
+    fail a loss. The warning names the exception, so that the shape can be reported."""
+    warnings.warn(f"fusedloss: the cost model could not price {what} ({type(exc).__name__}: {exc}); the plan "
+                  "takes its choice without the model's prices: the call is correct, perhaps slower. Please report "
+                  "the shape.", RuntimeWarning, stacklevel=3)

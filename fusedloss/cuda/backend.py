@@ -22,7 +22,8 @@ The plan
     ``plan(workload, gpu, free_bytes)`` decides everything about a call (workspace, tile shape, eager or
     composable path, how gradients are accumulated) and describes it as a ``fusedloss.core.cost.Plan``,
     whose modelled time ``cost.evaluate`` computes without a GPU (``benchmarks/cost_model.py``). The backend
-    calls the same function at run time, so what the model evaluates is what runs:
+    takes the same choices at run time (``_choose_path``, ``_eager_shape``: priced at ``decision_rows(N)`` and
+    cached per step of it, then cut for N), so what the model evaluates is what runs:
 
     * workspace: ``FUSEDLOSS_WORKSPACE_MB`` (fusedloss/config.py) if set, else an eighth of the memory free for
       torch on the device when the backend first runs there, between 256 MiB and 4 GiB (then fixed for the process, so
@@ -277,7 +278,9 @@ def override_plan(**fields):
     if unknown:
         raise TypeError(f"override_plan takes {_OVERRIDE_KEYS}, got {sorted(unknown)}")
     for key, value in fields.items():
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        if key == "workspace_mb":
+            config.workspace_megabytes(value, "override_plan: workspace_mb")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValueError(f"override_plan: {key} must be a positive number, got {value!r}")
     token = _OVERRIDES.set(tuple(sorted({**dict(_OVERRIDES.get()), **fields}.items())))
     try:
@@ -370,6 +373,39 @@ def _eager_layout(n: int, s: _Shape) -> list:
     return layout
 
 
+class _Sizes(NamedTuple):
+    """``_eager_layout``'s counts without its list (a plan's cost must not grow with N): how many chunks and
+    groups of each size, the groups of more than one chunk, and the first group's rows."""
+
+    chunk_rows: dict  # rows -> chunks of that many rows, by increasing rows
+    group_rows: dict  # rows -> groups of that many rows, by increasing rows
+    chunks: int
+    groups: int
+    multi_chunk_groups: int
+    first_group: int
+
+
+def _chunk_count(n: int, group: int, rows: int) -> int:
+    """The chunks of ``_eager_layout``: groups of ``group`` rows, each cut in chunks of ``rows``."""
+    whole, last = divmod(n, group)
+    return whole * -(-group // rows) + -(-last // rows)
+
+
+def _layout_sizes(n: int, s: _Shape) -> _Sizes:
+    group = s.group_rows or s.rows
+    whole, last = divmod(n, group)
+    chunk_rows, group_rows = collections.Counter(), collections.Counter()
+    for rows, count in ((group, whole), (last, 1)):
+        if rows and count:
+            group_rows[rows] += count
+            chunk_rows[s.rows] += count * (rows // s.rows)
+            if rows % s.rows:
+                chunk_rows[rows % s.rows] += count
+    multi = (whole if group > s.rows else 0) + (1 if last > s.rows else 0)
+    return _Sizes(dict(sorted((k, c) for k, c in chunk_rows.items() if c)), dict(sorted(group_rows.items())),
+                  sum(chunk_rows.values()), whole + (1 if last else 0), multi, min(n, group))
+
+
 def _bytes_per_element(w: cost.Workload, packed: bool) -> int:
     """Workspace bytes per logit: the fp32 student tile, the fp32 teacher tile, and the half-precision dx copy
     unless dx is fp32 (in place) or packed over the student tile."""
@@ -417,31 +453,103 @@ def _eager_shape(w: cost.Workload, budget: int, caps: dict, gpu: cost.GPUSpec, a
     """Chunks of whole rows (all V columns), as many rows as the workspace holds (``_chunked``). Packs a bf16
     dx where the chunk has the rows; never fp16's, which is formed in fp32 in place and pre-scaled into a copy
     by torch ops (``_scaled_half_dx``: torch ops over overlapping memory are undefined). A bf16 problem with a
-    weight gradient over several chunks may instead group its rows (``_grouped_shapes``): the model takes
-    whichever of these candidates it prices fastest (docs/design.md, "Grouped d weight")."""
-    return _eager_shape_cached(w, budget, tuple(sorted(caps.items())), gpu.name, accumulate)
+    weight gradient over several chunks may instead group its rows (``_grouped_shapes``) or defer d weight
+    (``_deferred_shape``): the model takes whichever of these candidates it prices fastest at the plan's
+    decision rows (``decision_rows``; docs/design.md, "Grouped d weight", "Plans and the cost model"), and the
+    chosen kind is then cut for N itself."""
+    kind = _eager_kind(_decision_key(w), budget, tuple(sorted(caps.items())), _gpu_key(gpu), accumulate)
+    return _eager_shape_of(w, budget, caps, kind)
 
 
-@functools.lru_cache(maxsize=256)
-def _eager_shape_cached(w: cost.Workload, budget: int, caps_items: tuple, gpu_name: str, accumulate: bool) -> _Shape:
-    caps = dict(caps_items)
-    gpu = next(g for g in cost.GPUS.values() if g.name == gpu_name)
+class _EagerKind(NamedTuple):
+    """Which eager shape a plan takes, independent of the exact N: whole chunks (``"chunks"``), ``groups``
+    groups of chunks (``"grouped"``; 0: the size ``override_plan(group_rows=)`` forces), or d weight deferred to
+    the backward (``"deferred"``)."""
+
+    name: str
+    groups: int = 0
+
+
+_CHUNKS = _EagerKind("chunks")
+
+
+def _eager_shape_of(w: cost.Workload, budget: int, caps: dict, kind: _EagerKind) -> _Shape:
+    """The shape of ``kind`` for ``w``'s own N (a few divisions: the kind was chosen at the decision rows).
+    The ungrouped chunks where the kind does not apply at this N (fewer chunks than groups)."""
+    base = _with_packing(w, budget, caps, _eager_shape_as, w.dtype == "bfloat16")
+    shape = None
+    if kind.name == "deferred":
+        shape = _deferred_shape(w, budget, caps, base)
+    elif kind.name == "grouped" and kind.groups == 0:
+        shape = next(iter(_grouped_shapes(w, budget, caps, base)), None)
+    elif kind.name == "grouped" and kind.groups < base.row_chunks:
+        shape = _grouped_shape(w, budget, caps, base, min(w.n, _round_up(-(-w.n // kind.groups), ROW_ALIGN)))
+    return shape or base
+
+
+@functools.lru_cache(maxsize=1024)
+def _eager_kind(key: tuple, budget: int, caps_items: tuple, gpu_key: tuple, accumulate: bool) -> _EagerKind:
+    """The eager shape kind the model prices fastest for the workload ``key`` (``_decision_key``: N at its
+    decision rows): the plan's cached part, so that calls whose N falls in the same step of ``decision_rows``
+    share it."""
+    w, caps = _decided(key), dict(caps_items)
     base = _with_packing(w, budget, caps, _eager_shape_as, w.dtype == "bfloat16")
     deferred = _deferred_shape(w, budget, caps, base)
     if "defer_d_weight" in caps and deferred is not None:
-        return deferred
-    grouped = list(_grouped_shapes(w, budget, caps, base))
-    if "group_rows" in caps and grouped:
-        return grouped[0]
+        return _EagerKind("deferred")
+    grouped = []
+    if "group_rows" in caps:
+        if next(iter(_grouped_shapes(w, budget, caps, base)), None) is not None:
+            return _EagerKind("grouped")
+    else:
+        grouped = [(_EagerKind("grouped", g), shape) for g, shape in _group_candidates(w, budget, caps, base)]
     if "eager_rows" in caps:  # a cap on the chunk's rows (tests, device checks): the chunks it asks for
-        return base
+        return _CHUNKS
+    candidates = [(_CHUNKS, base)] + grouped
     if deferred is not None:
-        grouped.append(deferred)
+        candidates.append((_EagerKind("deferred"), deferred))
+    if len(candidates) == 1:
+        return _CHUNKS
+    gpu = _gpu_of_key(gpu_key)
+    try:
+        timed = [(cost.evaluate(cost.Plan("cuda", "eager", 3.0, _eager_passes(w, gpu, s, accumulate)), w,
+                                gpu).model_ms, i) for i, (_, s) in enumerate(candidates)]
+    except Exception as exc:  # the choice is a matter of speed: the ungrouped chunks run correctly
+        cost.unpriced(f"the CUDA eager shapes of {w}", exc)
+        return _CHUNKS
+    return candidates[min(timed)[1]][0]  # ties keep the earlier candidate: the ungrouped shape first
 
-    def modelled_ms(s: _Shape) -> float:
-        return cost.evaluate(cost.Plan("cuda", "eager", 3.0, _eager_passes(w, gpu, s, accumulate)), w, gpu).model_ms
 
-    return min([base] + grouped, key=modelled_ms)  # ties keep the ungrouped shape
+def decision_rows(n: int) -> int:
+    """The rows at which the plan's choices (eager or composable path, grouped or deferred d weight) are priced
+    for a call of ``n`` rows: ``n`` rounded up to a step of 1/32 of its power of two, at least ``ROW_ALIGN``
+    (exact at multiples of 128 below 8192, and at 16384, 32768, ...). The choices are cached per step, so that
+    calls of varying sequence lengths share them; the chunks are then cut for ``n`` itself."""
+    return _round_up(n, max(ROW_ALIGN, 1 << max(0, n.bit_length() - 6)))
+
+
+_WORKLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(cost.Workload))
+
+
+def _decision_key(w: cost.Workload) -> tuple:
+    """``w``'s fields in order, N at its decision rows: the key of the plan's cached choices
+    (``_decided``)."""
+    return tuple(decision_rows(w.n) if name == "n" else getattr(w, name) for name in _WORKLOAD_FIELDS)
+
+
+def _decided(key: tuple) -> cost.Workload:
+    return cost.Workload(**dict(zip(_WORKLOAD_FIELDS, key)))
+
+
+def _gpu_key(gpu: cost.GPUSpec) -> tuple:
+    """A hashable description of a GPU spec (its ``tflops`` is a dict), for the plan's caches."""
+    return (gpu.name, tuple(sorted(gpu.tflops.items())), gpu.hbm_tbps, gpu.l2_bytes, gpu.sm_count,
+            gpu.memory_bytes, gpu.sm_clock_ghz)
+
+
+def _gpu_of_key(key: tuple) -> cost.GPUSpec:
+    name, tflops, *rest = key
+    return cost.GPUSpec(name, dict(tflops), *rest)
 
 
 def _eager_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool) -> _Shape:
@@ -466,8 +574,7 @@ def _deferred_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape) -> 
     live = 4 + (4 if w.has_teacher else 0)
     rows_max = min(max(1, budget // (base.ld * live)), caps.get("eager_rows", w.n))
     rows = _chunked(w.n, rows_max)[0]
-    shape = _Shape(rows, 0, w.v, 1, base.ld, False, w.n, True)
-    return shape._replace(row_chunks=sum(len(cs) for _, _, cs in _eager_layout(w.n, shape)))
+    return _Shape(rows, _chunk_count(w.n, w.n, rows), w.v, 1, base.ld, False, w.n, True)
 
 
 def _grouped_shapes(w: cost.Workload, budget: int, caps: dict, base: _Shape):
@@ -478,23 +585,54 @@ def _grouped_shapes(w: cost.Workload, budget: int, caps: dict, base: _Shape):
     number of groups below the ungrouped chunk count, each with the largest chunks that still fit.
     ``override_plan(group_rows=)`` forces one (tests; bf16 or fp32, whose region holds fp32 dx)."""
     forced = caps.get("group_rows")
-    if forced is None and (w.dtype != "bfloat16" or not w.weight_grad or base.row_chunks < 2):
+    if forced is not None:
+        if w.dtype != "float16":
+            shape = _grouped_shape(w, budget, caps, base, min(int(forced), w.n))
+            if shape is not None:
+                yield shape
         return
-    if forced is not None and w.dtype == "float16":
+    for _, shape in _group_candidates(w, budget, caps, base):
+        yield shape
+
+
+def _group_candidates(w: cost.Workload, budget: int, caps: dict, base: _Shape):
+    """``(groups, shape)`` for each distinct group size of ``_grouped_shapes`` (groups of ``ceil(N / groups)``
+    rows rounded up to ``ROW_ALIGN``, for 1 <= groups < the ungrouped chunks), in increasing numbers of groups,
+    the fewest groups of each size. Only sizes whose region leaves room for a chunk are visited, and above
+    64 x ``ROW_ALIGN`` rows sizes at least 1/64 apart, so the count is bounded by the workspace (a few hundred at
+    most: 64 per factor e of sizes), never by N."""
+    if w.dtype != "bfloat16" or not w.weight_grad or base.row_chunks < 2:
         return
+    n = w.n
+    region = 2
+    live = 4 + (4 if w.has_teacher else 0)
+    largest = (budget // base.ld - live) // region  # the largest group whose region leaves a row of tiles
+    groups = 1
+    while groups < base.row_chunks:
+        size = min(n, _round_up(-(-n // groups), ROW_ALIGN))
+        if size <= largest:
+            shape = _grouped_shape(w, budget, caps, base, size)
+            if shape is not None:
+                yield groups, shape
+        # the next size worth trying: the next multiple of ROW_ALIGN below, or 1/64 below above 64 of them
+        # (more than 64 groups: sizes that close differ in the model by less than its precision)
+        gap = size // 64 if size > 64 * ROW_ALIGN else 1
+        below = min(largest, size - gap) // ROW_ALIGN * ROW_ALIGN
+        if below < ROW_ALIGN:
+            return
+        groups = max(groups + 1, -(-n // below))
+
+
+def _grouped_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape, group: int) -> Optional[_Shape]:
+    """Groups of ``group`` rows, their chunks as large as the workspace left beside the group's dx region holds
+    (None where no row fits)."""
     region = 4 if w.dtype == "float32" else 2
     live = 4 + (4 if w.has_teacher else 0)
-    per_column = budget // base.ld
-    sizes = [int(forced)] if forced is not None else [_round_up(-(-w.n // g), ROW_ALIGN)
-                                                      for g in range(1, base.row_chunks)]
-    for group in sizes:
-        group = min(group, w.n)
-        rows_max = min((per_column - region * group) // live, caps.get("eager_rows", group), group)
-        if rows_max < 1:
-            continue
-        rows = _chunked(group, rows_max)[0]
-        shape = _Shape(rows, 0, w.v, 1, base.ld, False, group)
-        yield shape._replace(row_chunks=sum(len(cs) for _, _, cs in _eager_layout(w.n, shape)))
+    rows_max = min((budget // base.ld - region * group) // live, caps.get("eager_rows", group), group)
+    if rows_max < 1:
+        return None
+    rows = _chunked(group, rows_max)[0]
+    return _Shape(rows, _chunk_count(w.n, group, rows), w.v, 1, base.ld, False, group)
 
 
 def _gemm(name, m, n, k, count, w, gpu, hbm_bytes, launches, epilogue_bytes) -> cost.Pass:
@@ -605,19 +743,18 @@ def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulat
 def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
     n, v, d, b = w.n, w.v, w.d, w.operand_bytes
     dt = w.teacher_d or d
-    layout = _eager_layout(n, s)
-    chunk_rows = collections.Counter(r1 - r0 for _, _, chunks in layout for r0, r1 in chunks)
-    group_rows = collections.Counter(g1 - g0 for g0, g1, _ in layout)
-    c, groups = sum(chunk_rows.values()), len(layout)
+    sizes = _layout_sizes(n, s)
+    chunk_rows, group_rows = sizes.chunk_rows, sizes.group_rows
+    c, groups = sizes.chunks, sizes.groups
     nv = float(n) * v
     teacher = w.has_teacher
     fp16 = w.dtype == "float16"
     dx_bytes = 4 if w.dtype == "float32" else b
     accumulated = groups > 1 or fp16  # d weight in an fp32 accumulator, not written once in its own dtype
 
-    def per_size(sizes, make):
+    def per_size(counts, make):
         """One pass per distinct chunk or group size (each product priced at its own shape)."""
-        return [make(m, k) for m, k in sorted(sizes.items())]
+        return [make(m, k) for m, k in sorted(counts.items())]
 
     def logits(name, dim):
         return per_size(chunk_rows, lambda m, k: _gemm(name, m, v, dim, k, w, gpu,
@@ -631,7 +768,7 @@ def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bo
     if w.op == "distill_jsd":
         passes.append(_kernel("jsd", "jsd", w, nv, 8, c))
     # a group of several chunks joins its chunks' row masks (one small op)
-    passes.append(_token_math(w, c, sum(len(chunks) > 1 for _, _, chunks in layout) if w.weight_grad else 0))
+    passes.append(_token_math(w, c, sizes.multi_chunk_groups if w.weight_grad else 0))
     if fp16:
         # dx in fp32 in place, its max, then x 2^k rounded to fp16 (GradScaler's scale is not known yet)
         passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + 4, c, dx_out="float"))
@@ -651,7 +788,7 @@ def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bo
     elif w.weight_grad:
         # the first group's product writes the fp32 accumulator, each later one reads and writes it (beta = 1);
         # one group writes d weight once in its own dtype
-        first = layout[0][1] - layout[0][0]
+        first = sizes.first_group
 
         def d_weight(m, k):
             acc = (v * d * 4 * (2 * k - (m == first)) if accumulated else v * d * b * k)
@@ -704,7 +841,7 @@ def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
     else:
         dx = f"{half} copy" + (", power-of-two pre-scaled per chunk" if path == "eager" and half == "fp16" else "")
     if path == "eager":
-        groups = len(_eager_layout(w.n, shape))
+        groups = _layout_sizes(w.n, shape).groups
         d_weight = ("deferred to the backward: one product in the weight's dtype, hidden scaled by the incoming "
                     "gradient" if shape.deferred else
                     "written once in the weight's dtype" if groups == 1 and w.dtype == "bfloat16"
@@ -740,32 +877,73 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     if workload.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"the CUDA backend plans float32, bfloat16 and float16 workloads (float64 runs on the "
                          f"torch backend), got {workload.dtype!r}")
+    if workspace is not None and (isinstance(workspace, bool) or not isinstance(workspace, int) or workspace < 1):
+        raise ValueError(f"workspace must be a positive int of bytes or None, got {workspace!r}")
     budget = workspace if workspace is not None else workspace_bytes(free_bytes)
-    cached = _plan(workload, gpu.name, budget, path, bool(accumulate_in_gemm), _OVERRIDES.get(), _fp32_precision())
-    return dataclasses.replace(cached, passes=list(cached.passes), params=dict(cached.params))
-
-
-@functools.lru_cache(maxsize=256)
-def _plan(w: cost.Workload, gpu_name: str, budget: int, path, accumulate, overrides, precision) -> cost.Plan:
-    gpu = next(g for g in cost.GPUS.values() if g.name == gpu_name)
-    caps = dict(overrides)
-    can_eager = w.row_local and (w.hidden_grad or w.weight_grad)
+    caps, accumulate = dict(_OVERRIDES.get()), bool(accumulate_in_gemm)
+    can_eager = workload.row_local and (workload.hidden_grad or workload.weight_grad)
     if path == "eager" and not can_eager:
-        raise ValueError(f"the eager path needs a loss known in the forward and a gradient; {w.op!r} with "
-                         f"hidden_grad={w.hidden_grad}, weight_grad={w.weight_grad} has none")
-    composable = _candidate(w, gpu, budget, caps, "composable", accumulate)
-    if path == "composable" or not can_eager:
-        return composable
-    eager = _candidate(w, gpu, budget, caps, "eager", accumulate)
-    if path == "eager":
-        return eager
-    t_eager = cost.evaluate(eager, w, gpu).model_ms
-    t_comp = cost.evaluate(composable, w, gpu).model_ms
-    chosen, other, t_other = (eager, composable, t_comp) if t_eager <= t_comp else (composable, eager, t_eager)
-    chosen.params["alternative"] = {"path": other.path, "model_ms": round(t_other, 3)}
-    chosen.params["reason"] = (f"{chosen.path} is modelled faster than {other.path} ({min(t_eager, t_comp):.3g} ms "
-                               f"vs {t_other:.3g} ms) for {w.n} rows of {w.v} at this workspace")
+        raise ValueError(f"the eager path needs a loss known in the forward and a gradient; {workload.op!r} with "
+                         f"hidden_grad={workload.hidden_grad}, weight_grad={workload.weight_grad} has none")
+    if path is not None or not can_eager:
+        return _candidate(workload, gpu, budget, caps, path or "composable", accumulate)
+    choice = _choose_path(workload, gpu, budget, accumulate)
+    chosen = _candidate(workload, gpu, budget, caps, choice.path, accumulate)
+    chosen.params["reason"] = choice.reason
+    if choice.model_ms is None:  # unpriced (cost.unpriced said why): the rule of _path_of_unpriced
+        return chosen
+    other = _candidate(workload, gpu, budget, caps, "composable" if choice.path == "eager" else "eager", accumulate)
+    try:
+        chosen.params["alternative"] = {"path": other.path,
+                                        "model_ms": round(cost.evaluate(other, workload, gpu).model_ms, 3)}
+    except Exception as exc:  # the choice stands; only its description lacks the figure
+        cost.unpriced(f"the CUDA {other.path} plan of {workload}", exc)
     return chosen
+
+
+class _PathChoice(NamedTuple):
+    """The path a plan takes, and why: the modelled times of both paths at the decision rows (None where they
+    could not be priced)."""
+
+    path: str
+    model_ms: Optional[tuple]
+    reason: str
+
+
+def _choose_path(w: cost.Workload, gpu: cost.GPUSpec, budget: int, accumulate: bool) -> _PathChoice:
+    """The eager or the composable path for ``w``: the composable one where the eager path cannot run, else the
+    one the model prices faster at the decision rows (cached per step of ``decision_rows``: the host time of a
+    call whose N was seen in that step is a dictionary lookup)."""
+    if not (w.row_local and (w.hidden_grad or w.weight_grad)):
+        return _PathChoice("composable", None, f"{w.op} needs the composable path")
+    return _path_choice(_decision_key(w), _gpu_key(gpu), budget, accumulate, _OVERRIDES.get())
+
+
+@functools.lru_cache(maxsize=1024)
+def _path_choice(key: tuple, gpu_key: tuple, budget: int, accumulate: bool, overrides: tuple) -> _PathChoice:
+    w, gpu, caps = _decided(key), _gpu_of_key(gpu_key), dict(overrides)
+    try:
+        eager = _candidate(w, gpu, budget, caps, "eager", accumulate)
+        composable = _candidate(w, gpu, budget, caps, "composable", accumulate)
+        t_eager = cost.evaluate(eager, w, gpu).model_ms
+        t_comp = cost.evaluate(composable, w, gpu).model_ms
+    except Exception as exc:  # the choice is a matter of speed: either path runs correctly
+        cost.unpriced(f"the CUDA plans of {w}", exc)
+        return _path_of_unpriced(w, budget, caps)
+    chosen, other = ("eager", "composable") if t_eager <= t_comp else ("composable", "eager")
+    fast, slow = min(t_eager, t_comp), max(t_eager, t_comp)
+    return _PathChoice(chosen, (t_eager, t_comp),
+                       f"{chosen} is modelled faster than {other} ({fast:.3g} ms vs {slow:.3g} ms) at {w.n} rows "
+                       f"(the decision rows of N) of {w.v} at this workspace")
+
+
+def _path_of_unpriced(w: cost.Workload, budget: int, caps: dict) -> _PathChoice:
+    """The path without the model's prices: the eager path (3 products instead of 4) where its chunks fill
+    cuBLAS's 128-row output tiles (or hold every row), else the composable path."""
+    rows = _with_packing(w, budget, caps, _eager_shape_as, w.dtype == "bfloat16").rows
+    path = "eager" if rows >= min(w.n, ROW_ALIGN) else "composable"
+    return _PathChoice(path, None, f"{path}: the cost model could not price the plans, and the eager chunks have "
+                                   f"{rows} rows")
 
 
 def gpu_of(device: torch.device) -> cost.GPUSpec:
@@ -813,7 +991,10 @@ def eager_pays(p: StatsProblem) -> bool:
     needs = GradientNeeds(p.hidden.requires_grad, p.weight.requires_grad, False)
     if not (needs.hidden or needs.weight):
         return False
-    return _problem_plan(p, row_local=True, path=None, needs=needs).path == "eager"
+    dev = p.hidden.device
+    w = workload_of(p, row_local=True, hidden_grad=needs.hidden, weight_grad=needs.weight)
+    budget = workspace_bytes(_free_bytes(dev))
+    return _choose_path(w, gpu_of(dev), budget, _capabilities(dev).accumulate).path == "eager"
 
 
 def eager_rows(p: StatsProblem) -> int:
@@ -1088,7 +1269,28 @@ def _zero_rows_outside(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
 # on a stream runs its kernels in stream order, so consecutive calls can share it, and the caching allocator is
 # not asked for gigabytes on every call (a fragmented pool would then free and allocate, synchronising).
 # Not kept: buffers of a CUDA graph capture (they belong to the graph's pool) and host-mode (CPU) buffers.
+# ``release_workspace`` drops them (``fusedloss.release_workspace()``).
 _BUFFERS: dict = {}
+
+
+def release_workspace(device=None) -> int:
+    """Drop the workspace buffers this backend keeps per (device, stream) (all devices, or only ``device``'s),
+    returning them to torch's caching allocator; ``torch.cuda.empty_cache()`` then returns them to the driver.
+    The next call on a stream allocates its buffer again. Safe at any time: a call still running holds its own
+    reference, and the allocator reuses the memory in stream order. Returns the bytes released."""
+    index = None
+    if device is not None:
+        device = torch.device(device)
+        if device.type != "cuda":
+            return 0  # nothing is kept for other devices
+        index = device.index if device.index is not None else (
+            torch.cuda.current_device() if torch.cuda.is_available() else 0)
+    released = 0
+    for key in list(_BUFFERS):
+        if index is None or key[0] == index:
+            buf = _BUFFERS.pop(key, None)
+            released += 0 if buf is None else buf.numel() * buf.element_size()
+    return released
 
 
 def _workspace_buffer(device: torch.device, nbytes: int) -> torch.Tensor:

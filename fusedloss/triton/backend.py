@@ -483,6 +483,8 @@ def workspace_budget(workspace_mb: Optional[float], free_bytes: Optional[int], g
     deterministic mode."""
     if workspace_mb is None:
         workspace_mb = config.from_environment().workspace_mb
+    else:
+        workspace_mb = config.workspace_megabytes(workspace_mb, "workspace_mb")
     if workspace_mb is not None:
         return max(1, int(workspace_mb * 2**20))
     if deterministic():
@@ -653,7 +655,9 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     precision = precision or ("tf32" if allow_tf32 else "tf32x3")
     if path not in (None, "eager", "composable"):
         raise ValueError(f"path must be None, 'eager' or 'composable', got {path!r}")
-    budget = max(1, int(workspace)) if workspace is not None else workspace_budget(workspace_mb, free_bytes, gpu)
+    if workspace is not None and (isinstance(workspace, bool) or not isinstance(workspace, int) or workspace < 1):
+        raise ValueError(f"workspace must be a positive int of bytes or None, got {workspace!r}")
+    budget = workspace if workspace is not None else workspace_budget(workspace_mb, free_bytes, gpu)
     if path == "eager":
         return _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
     composable = _composable_plan(workload, gpu, cfg, precision, allow_tf32, budget)
@@ -664,9 +668,15 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     model = workload
     if workload.dtype not in gpu.tflops:  # a model without float64 rates: compare the two paths at fp32's
         model = dataclasses.replace(workload, dtype="float32")
-    if cost.evaluate(eager, model, gpu).model_ms <= cost.evaluate(composable, model, gpu).model_ms:
-        return eager
-    return composable
+    try:
+        faster = cost.evaluate(eager, model, gpu).model_ms <= cost.evaluate(composable, model, gpu).model_ms
+    except Exception as exc:  # the choice is a matter of speed: either path runs correctly
+        cost.unpriced(f"the Triton plans of {workload}", exc)
+        # without prices: the eager path (3 products instead of 4) where the workspace holds 128 rows of its
+        # chunks (or every row), as the CUDA backend's rule
+        rows = budget // eager_row_bytes(workload.v, workload.dtype, workload.has_teacher)
+        faster = rows >= min(workload.n, 128)
+    return eager if faster else composable
 
 
 def _common_params(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, budget: int) -> dict:
@@ -749,8 +759,11 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
     cublas = _cublas_math(w.dtype, allow_tf32, gpu)
     dt = _teacher_d(w)
     passes = []
-    for r0 in range(0, w.n, rows):
-        m = min(rows, w.n - r0)
+    whole, last = divmod(w.n, rows)
+    for m, count in ((rows, whole), (last, 1)):  # the chunks of each size, priced once and counted
+        if not (m and count):
+            continue
+        first = len(passes)
         if w.has_teacher:
             out = m * w.v * acc
             passes.append(cost.Pass("eager logits: teacher (cuBLAS)", flops=2.0 * m * w.v * dt,
@@ -771,6 +784,7 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
                                 "cuda_core", launches=1 + TEACHER_FOLD_MERGE_LAUNCHES))
             if w.op == "distill_jsd":
                 passes.append(_pass("eager JSD pass", 0.0, 2 * m * w.v * acc, "cuda_core", launches=2))
+        passes[first:] = [dataclasses.replace(p, count=count) for p in passes[first:]]
     dx_bytes = w.n * w.v * e_dx
     # dx: the kept logits read back, dx written over them (in place for fp32 / float64, packed for bf16 / fp16)
     passes.append(_pass("eager dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",

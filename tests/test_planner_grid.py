@@ -1,0 +1,271 @@
+"""Every shape a user can pass gets a plan, and a price: the Triton and CUDA planners over a dense grid.
+
+The backends take their run-time choices (eager or composable path, chunk rows, grouped or deferred d weight)
+from their plans (docs/design.md, "Plans and the cost model"), so a planner that raises fails the loss that
+asked. The grid: every op of the cost model, rows from 1 to ~70k (every row up to 129, every row of
+7168..7296, primes, powers of two and their neighbours), the vocabularies of Llama 3, Qwen 2.5/3, Gemma 2/3 and
+Mistral and small primes, widths 896..8192, bf16, fp16 and fp32, and every GPU of the model, sampled so that
+each value of each axis meets many of the others (a full product is ~5 million plans). A plan whose pricing
+fails falls back to a choice without prices and warns (``cost.unpriced``): here that warning is an error, so
+the grid checks that the model prices every plan, not only that the fallback catches it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import warnings
+
+import pytest
+
+from fusedloss.core import cost
+from fusedloss.cuda import backend as cuda
+from fusedloss.triton import backend as tb
+
+OPS = tuple(cost.OPS)
+GPUS = tuple(cost.GPUS)
+DTYPES = ("bfloat16", "float16", "float32")
+# Llama 3, Qwen 2.5 / Qwen 3 (tokenizer and padded head), Gemma 2 / Gemma 3, Mistral v0.3 / Nemo; small primes
+VOCABS = (128256, 151936, 152064, 256000, 262144, 32768, 131072, 2, 97, 1009, 32003, 65521)
+WIDTHS = (896, 1536, 2048, 3584, 4096, 5120, 7168, 8192)
+# None: sized from the device's free memory, as at run time; else workspace_mb
+WORKSPACES = (None, None, None, 16, 600, 16384)
+
+
+def _primes_near(points):
+    def prime(k):
+        return k > 1 and all(k % p for p in range(2, math.isqrt(k) + 1))
+
+    return {next(k for k in itertools.count(x) if prime(k)) for x in points}
+
+
+ROWS = sorted(set(range(1, 130)) | set(range(7168, 7168 + 129))
+              | {m + e for k in range(17) for m in (2**k,) for e in (-1, 0, 1) if m + e >= 1}
+              | _primes_near(range(0, 70001, 500)) | set(range(4096, 70001, 4096)) | {18000, 69997})
+
+
+def _samples(per_row: int, seed: int):
+    """``per_row`` (op, V, D, dtype, GPU, workspace) for each row count: a shuffled walk through the full product
+    of the other axes, so that consecutive rows meet different combinations."""
+    combos = list(itertools.product(OPS, VOCABS, WIDTHS, DTYPES, GPUS))
+    random.Random(seed).shuffle(combos)
+    walk = itertools.cycle(combos)
+    workspaces = itertools.cycle(WORKSPACES)
+    for n in ROWS:
+        for _ in range(per_row):
+            yield (n, *next(walk), next(workspaces))
+
+
+@pytest.fixture
+def strict_pricing():
+    """Fresh plan caches, and a fallback without prices is an error (the model must price every plan)."""
+    cuda._path_choice.cache_clear()
+    cuda._eager_kind.cache_clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        yield
+    cuda._path_choice.cache_clear()
+    cuda._eager_kind.cache_clear()
+
+
+def _check_priced(plan: cost.Plan, w: cost.Workload, gpu: cost.GPUSpec, where) -> None:
+    assert plan.path in ("eager", "composable"), where
+    if plan.path == "eager":
+        assert w.row_local and plan.params["eager_rows"] >= 1, where
+    est = cost.evaluate(plan, w, gpu)
+    assert math.isfinite(est.model_ms) and est.model_ms > 0 and math.isfinite(est.ratio), where
+
+
+def test_triton_plans_every_shape(strict_pricing):
+    for n, op, v, d, dtype, name, workspace_mb in _samples(24, seed=1):
+        w, gpu = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype), cost.GPUS[name]
+        plan = tb.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace_mb=workspace_mb)
+        _check_priced(plan, w, gpu, (n, op, v, d, dtype, name, workspace_mb))
+
+
+def test_cuda_plans_every_shape(strict_pricing):
+    for n, op, v, d, dtype, name, workspace_mb in _samples(24, seed=2):
+        w, gpu = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype), cost.GPUS[name]
+        workspace = None if workspace_mb is None else workspace_mb << 20
+        plan = cuda.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace=workspace)
+        where = (n, op, v, d, dtype, name, workspace_mb)
+        _check_priced(plan, w, gpu, where)
+        if plan.path == "eager":  # the chunks the run-time code cuts cover the rows, within the workspace
+            shape = cuda._eager_shape(w, plan.params["workspace_bytes"], {}, gpu, True)
+            assert shape.rows == plan.params["eager_rows"] and shape.row_chunks == plan.params["chunks"], where
+            layout = cuda._eager_layout(n, shape)
+            assert layout[0][0] == 0 and layout[-1][1] == n and len(layout) == plan.params["groups"], where
+        if "alternative" in plan.params:
+            assert math.isfinite(plan.params["alternative"]["model_ms"]), where
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "grpo", "distill_reverse_kl"])
+@pytest.mark.parametrize("d", [3584, 5120])
+def test_every_row_count_around_the_first_short_last_chunk_of_a_qwen_head(op, d, strict_pricing):
+    """bf16 on an H200 with its memory free: the eager chunks hold ~7000 rows of V = 152064, so rows from 7168
+    on end with a shorter chunk, whose last wave has idle programs where the whole chunks' has none."""
+    gpu = cost.GPUS["h200"]
+    for n in list(range(7168, 7168 + 129)) + [18000, 36001]:
+        w = cost.Workload(op=op, n=n, d=d, v=152064, dtype="bfloat16")
+        for planner in (tb.plan, cuda.plan):
+            _check_priced(planner(w, gpu, 139 << 30), w, gpu, (planner.__module__, op, d, n))
+
+
+def test_passes_of_one_name_with_and_without_flops_merge_into_one_entry():
+    """A pass priced at several shapes is one entry of the plan's detail, whichever of its shapes does
+    arithmetic: the idle last wave of the whole chunks has no flops, the last shorter chunk's has some."""
+    gpu, w = cost.GPUS["h200"], cost.Workload(op="cross_entropy", n=100, d=64, v=1000)
+    idle = cost.Pass("idle", flops=0.0, hbm_bytes=0.0, count=3)
+    busy = cost.Pass("idle", flops=1e9, hbm_bytes=0.0, efficiency=0.8, fixed_us=cost.LAUNCH_US)
+    for passes in ([idle, busy], [busy, idle]):
+        est = cost.evaluate(cost.Plan("triton", "eager", 3.0, passes), w, gpu)
+        entry = est.pass_detail["idle"]
+        assert entry["count"] == 4 and entry["rates"]["efficiency"] == 0.8
+        assert entry["rates"]["tflops"] == round(gpu.tflops["bfloat16"] * 0.8, 2)
+        assert entry["rates"]["launches"] == 1.0 and entry["rates"]["launch_us"] == cost.LAUNCH_US
+        assert est.model_ms == pytest.approx(1e9 / (gpu.tflops["bfloat16"] * 0.8e12) * 1e3 + cost.LAUNCH_US * 1e-3)
+
+
+def test_a_pass_executed_several_times_counts_its_totals_once_per_execution():
+    gpu, w = cost.GPUS["h200"], cost.Workload(op="cross_entropy", n=100, d=64, v=1000)
+    one = cost.Pass("fold", hbm_bytes=1e6, math="cuda_core", fixed_us=2 * cost.LAUNCH_US, instructions=320.0)
+    three = cost.evaluate(cost.Plan("cuda", "eager", 3.0, [cost.Pass(**{**one.__dict__, "count": 3})]), w, gpu)
+    merged = cost.evaluate(cost.Plan("cuda", "eager", 3.0, [one, one, one]), w, gpu)
+    assert three.model_ms == pytest.approx(merged.model_ms)
+    assert three.pass_detail["fold"]["rates"] == merged.pass_detail["fold"]["rates"]
+    assert three.pass_detail["fold"]["rates"]["launches"] == 6.0
+
+
+@pytest.mark.parametrize("planner", ["cuda", "triton"])
+def test_a_plan_the_model_cannot_price_still_runs(planner, monkeypatch):
+    """A defect of the pricing never fails the call: the plan takes its choice without prices (the eager path
+    where the workspace holds 128 rows of its chunks) and says so once (a RuntimeWarning naming the error)."""
+    cuda._path_choice.cache_clear()
+    cuda._eager_kind.cache_clear()
+
+    def broken(*args, **kwargs):
+        raise KeyError("tflops")
+
+    monkeypatch.setattr(cost, "evaluate", broken)
+    w = cost.Workload(op="cross_entropy", n=18000, d=3584, v=152064, dtype="bfloat16")
+    small = cost.Workload(op="cross_entropy", n=4096, d=4096, v=152064, dtype="bfloat16")
+    gpu = cost.GPUS["h200"]
+    try:
+        if planner == "cuda":
+            with pytest.warns(RuntimeWarning, match="could not price .*KeyError"):
+                plan = cuda.plan(w, gpu, 139 << 30)
+            shape = cuda._eager_shape(w, plan.params["workspace_bytes"], {}, gpu, True)
+            assert plan.path == "eager" and shape.group_rows == 0 and not shape.deferred  # the plain chunks
+            assert shape.rows * shape.ld * cuda._bytes_per_element(w, shape.packed) <= 4 << 30
+            assert "could not price" in plan.params["reason"]
+            with pytest.warns(RuntimeWarning):  # 256 KiB hold one row of 152064 columns: composable
+                assert cuda.plan(small, gpu, workspace=256 << 10).path == "composable"
+        else:
+            with pytest.warns(RuntimeWarning, match="could not price .*KeyError"):
+                plan = tb.plan(w, gpu, 139 << 30)
+            assert plan.path == "eager" and plan.params["eager_rows"] >= 128
+            with pytest.warns(RuntimeWarning):
+                assert tb.plan(small, gpu, workspace_mb=1).path == "composable"
+    finally:
+        cuda._path_choice.cache_clear()
+        cuda._eager_kind.cache_clear()
+
+
+# ------------------------------------------------------------------------------------------------
+# The CUDA plan's cost and cache do not grow with N
+# ------------------------------------------------------------------------------------------------
+def test_the_layout_counts_are_the_layout():
+    rng = random.Random(0)
+    for _ in range(3000):
+        n = rng.randint(1, 50000)
+        rows = rng.randint(1, 9000)
+        group = rng.choice([0, rows, rng.randint(rows, 3 * rows + 1000)])
+        shape = cuda._Shape(rows, 0, 7, 1, 64, False, group)
+        layout = cuda._eager_layout(n, shape)
+        sizes = cuda._layout_sizes(n, shape)
+        chunks = [r1 - r0 for _, _, cs in layout for r0, r1 in cs]
+        assert sizes.chunk_rows == {m: chunks.count(m) for m in sorted(set(chunks))}
+        assert sizes.group_rows == {m: [g1 - g0 for g0, g1, _ in layout].count(m)
+                                    for m in sorted({g1 - g0 for g0, g1, _ in layout})}
+        assert (sizes.chunks, sizes.groups) == (len(chunks), len(layout))
+        assert sizes.multi_chunk_groups == sum(len(cs) > 1 for _, _, cs in layout)
+        assert sizes.first_group == layout[0][1] - layout[0][0]
+        assert cuda._chunk_count(n, group or rows, rows) == len(chunks)
+
+
+def test_group_candidates_visit_the_sizes_one_at_a_time_would():
+    """``_group_candidates`` jumps from one group size to the next; counting the groups up one at a time (the
+    plain rule: every size that fits, sizes 1/64 apart above 64 x 128 rows) visits the same sizes."""
+    rng = random.Random(1)
+    for _ in range(400):
+        v = rng.choice([97, 1009, 32768, 151936, 262144])
+        w = cost.Workload(op=rng.choice(["cross_entropy", "distill_jsd"]), n=rng.randint(1, 3_000_000), d=4096, v=v)
+        budget = rng.choice([64 << 20, 1 << 30, 4 << 30, 64 << 30])
+        base = cuda._with_packing(w, budget, {}, cuda._eager_shape_as, True)
+        live = 4 + (4 if w.has_teacher else 0)
+        largest = (budget // base.ld - live) // 2
+        want, bar = [], None
+        for groups in range(1, min(base.row_chunks, 20000)):
+            size = min(w.n, math.ceil(math.ceil(w.n / groups) / 128) * 128)
+            if bar is None or size <= bar:
+                if size <= largest:
+                    want.append((groups, size))
+                gap = size // 64 if size > 64 * 128 else 1
+                bar = min(largest, size - gap) // 128 * 128
+        if base.row_chunks >= 20000:
+            continue
+        got = [(g, s.group_rows) for g, s in cuda._group_candidates(w, budget, {}, base)]
+        assert got == want, (w, budget)
+
+
+def test_decision_rows_round_n_up_by_at_most_a_32nd():
+    previous = 0
+    for n in range(1, 20000):
+        rows = cuda.decision_rows(n)
+        assert rows >= previous and rows % 128 == 0 and n <= rows < n + max(128, n / 32)
+        previous = rows
+    for n in (2**k + e for k in range(14, 40) for e in (-1, 0, 1)):
+        rows = cuda.decision_rows(n)
+        assert rows % 128 == 0 and n <= rows < n + n / 32
+    assert [cuda.decision_rows(n) for n in (1, 4096, 4097, 16384, 16385)] == [128, 4096, 4224, 16384, 16896]
+
+
+def test_the_plan_cache_hits_under_varying_sequence_lengths():
+    """The run-time choices (the path, the eager shape's kind) are cached per step of ``decision_rows``, not
+    per N: 2000 calls of random lengths up to 65536 price the plans ~200 times, the rest are lookups; the
+    chunks are cut for each N itself, as ``plan`` reports them."""
+    cuda._path_choice.cache_clear()
+    cuda._eager_kind.cache_clear()
+    gpu, budget, rng = cost.GPUS["h200"], cuda.WORKSPACE_MAX_BYTES, random.Random(2)
+    try:
+        for i in range(2000):
+            w = cost.Workload(op="cross_entropy", n=rng.randint(1, 65536), d=4096, v=152064)
+            path = cuda._choose_path(w, gpu, budget, True).path
+            shape = cuda._eager_shape(w, budget, {}, gpu, True) if path == "eager" else None
+            if i % 100 == 0:
+                plan = cuda.plan(w, gpu, workspace=budget)
+                assert plan.path == path
+                if shape is not None:
+                    assert (plan.params["eager_rows"], plan.params["chunks"]) == (shape.rows, shape.row_chunks)
+        info = cuda._path_choice.cache_info()
+        assert info.hits + info.misses == 2000 + 20
+        assert info.misses <= 200 and info.hits >= 1800, info
+    finally:
+        cuda._path_choice.cache_clear()
+        cuda._eager_kind.cache_clear()
+
+
+def test_planning_time_does_not_grow_with_n():
+    """The eager layout's counts come from divisions and the grouped candidates are bounded by the workspace:
+    planning a billion rows costs what planning a thousand does."""
+    import time
+
+    gpu = cost.GPUS["h200"]
+    for n in (10**9, 10**12):
+        for op in ("cross_entropy", "distill_jsd"):
+            w = cost.Workload(op=op, n=n, d=8192, v=256000)
+            start = time.perf_counter()
+            cost.evaluate(cuda.plan(w, gpu, gpu.memory_bytes // 2), w, gpu)
+            cost.evaluate(tb.plan(w, gpu), w, gpu)
+            assert time.perf_counter() - start < 1.0, (op, n)
