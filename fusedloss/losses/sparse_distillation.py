@@ -16,8 +16,8 @@ teacher's log-probs as served::
                    m = (1 - beta) q + beta p, summed over the support (and the tail); at most ``loss_max_clamp``.
 
 then ``sum / max(1, scored positions)`` ("batchmean"; verl's "token-mean"). The student side is K + 1
-log-probabilities per position: ``token_logprobs`` with K ids (one statistics pass for the log-sum-exp, the
-logits at the K columns read on their own), never the logits. The per-position math is a few operations on
+log-probabilities per position: ``token_logprobs`` with K ids (named columns of one statistics pass,
+``core/columns.py``), never the logits. The per-position math is a few operations on
 ``[N, |S|+1]`` tensors, written in the order of TRL's own code so that float64 results and gradients agree
 with it to rounding.
 """
