@@ -423,17 +423,18 @@ def online_update(state, z, zt, tgt, v0, cols, col_mask, F: tl.constexpr):
 
 
 class Named(NamedTuple):
-    """Named columns (core/columns.py): ``ids`` int64 ``[N, K]`` (-1: none) and ``values`` ``[N, K]``, the
-    logits at them (forward, written) or their given dz (gradient, read); ``count`` = K."""
+    """Named columns (core/columns.py): ``ids`` int64 ``[N, K]`` (-1: none) and ``entries`` ``[N, K]``, the
+    logits at them (forward, written) or their given dz (gradient, read); ``count`` = K. (Not ``values``: a
+    compiled kernel's tuple has an attribute of that name, its elements.)"""
 
     ids: Any
-    values: Any
+    entries: Any
     count: Any
 
 
 @triton.jit
 def store_named_logits(z, named: Named, rows, row_mask, cols):
-    """The tile's logits at the rows' named columns that lie in it, into ``named.values``: the statistics'
+    """The tile's logits at the rows' named columns that lie in it, into ``named.entries``: the statistics'
     own z, so that z_k - m is exact near the maximum. A column outside every row's tile costs one load per row
     and entry."""
     first = tl.min(cols, axis=0)
@@ -444,7 +445,7 @@ def store_named_logits(z, named: Named, rows, row_mask, cols):
         hit = row_mask & (col >= first) & (col <= last)
         if tl.max(hit.to(tl.int32), axis=0) > 0:
             value = tl.sum(tl.where(cols[None, :] == col[:, None], z, 0.0), axis=1)
-            tl.store(named.values + at + k, value, mask=hit)
+            tl.store(named.entries + at + k, value, mask=hit)
 
 
 @triton.jit
@@ -458,7 +459,7 @@ def named_dz(dz, named: Named, rows, row_mask, cols):
         col = tl.load(named.ids + at + k, mask=row_mask, other=-1)
         hit = row_mask & (col >= first) & (col <= last)
         if tl.max(hit.to(tl.int32), axis=0) > 0:
-            value = tl.load(named.values + at + k, mask=hit, other=0.0)
+            value = tl.load(named.entries + at + k, mask=hit, other=0.0)
             dz = tl.where(cols[None, :] == col[:, None], value[:, None].to(dz.dtype), dz)
     return dz
 
@@ -470,7 +471,7 @@ def named_rows(named: Named, rows, row_mask):
     at = rows.to(tl.int64) * named.count
     carries = row_mask & (rows < 0)
     for k in range(named.count):
-        value = tl.load(named.values + at + k, mask=row_mask, other=0.0)
+        value = tl.load(named.entries + at + k, mask=row_mask, other=0.0)
         carries = carries | (row_mask & (value != 0.0))
     return carries
 
