@@ -81,3 +81,24 @@ def test_opcheck_backward_op(kind):
     torch.library.opcheck(statistics._statistics_backward_op,
                           (*flat, "torch", stats, coeffs, True, True, p.bias is not None),
                           test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))
+
+
+def test_opcheck_with_named_columns():
+    """Named columns (core/columns.py): the forward op's extra rows (log q at the columns) and the backward op's
+    given dz of those columns."""
+    p = _problem("plain")
+    g = torch.Generator().manual_seed(3)
+    columns = torch.randint(0, V, (N, 3), generator=g)
+    columns[:, 0] = p.targets.clamp(min=0)  # each row's target is one of its columns
+    columns[p.targets < 0] = -1
+    p = dataclasses.replace(p, columns=columns)
+    torch.library.opcheck(statistics._statistics_op, (*statistics._flatten(p), "torch"))
+    flat = tuple(x.detach() if isinstance(x, torch.Tensor) else x for x in statistics._flatten(p))
+    stats = statistics._statistics_op(*flat, "torch")
+    assert stats.shape == (len(statistics.Statistics._fields) + 3, N)
+    column_dz = torch.randn(N, 3, generator=g, dtype=stats.dtype)
+    rows = len(statistics.Statistics._fields)
+    coeffs = statistics.dz_coefficients(torch.randn_like(stats[:rows]), stats[:rows], None, p.targets, V)
+    torch.library.opcheck(statistics._statistics_backward_op,
+                          (*flat, "torch", stats, coeffs, True, True, False, column_dz),
+                          test_utils=("test_schema", "test_faketensor", "test_aot_dispatch_dynamic"))

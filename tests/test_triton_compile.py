@@ -156,6 +156,9 @@ def _problem(dtype, n, d, v, scenario):
                             teacher_hidden=torch.empty(n, d, **meta), teacher_weight=torch.empty(v, d, **meta),
                             teacher_bias=torch.empty(v, **meta), teacher_transform=LogitTransform(1.5, 1.0, 30.0),
                             want_kl_rev=True, want_kl_fwd=True, jsd_beta=0.5)
+    if scenario == "columns":  # token_logprobs with K targets: named columns (core/columns.py) and the entropy
+        return StatsProblem(hidden=h, weight=w, bias=None, targets=targets, transform=LogitTransform(),
+                            columns=torch.empty(n, 5, device="meta", dtype=torch.int64), want_entropy=True)
     if scenario == "rich":  # every student-side feature at once: the most registers without a teacher
         return StatsProblem(hidden=h, weight=w, bias=torch.empty(v, **meta), targets=targets,
                             transform=LogitTransform(0.7, 1.0, 30.0), want_entropy=True, want_extras=True,
@@ -173,7 +176,11 @@ def _run_paths(p, cfg, paths):
     if "composable" in paths:
         stats = backend.forward_statistics(p, tiles=cfg)
         coeffs = torch.empty(7, p.hidden.shape[0], device="meta", dtype=p.acc_dtype)
-        backend.backward_gradients(p, stats, coeffs, needs, tiles=cfg)
+        named = {}
+        if p.columns is not None:  # (statistics, the named columns' logits); their given dz back
+            stats = stats[0]
+            named = dict(column_dz=torch.empty(p.columns.shape, device="meta", dtype=p.acc_dtype))
+        backend.backward_gradients(p, stats, coeffs, needs, tiles=cfg, **named)
     if "eager" in paths:  # the eager path has its own tiles (tiles_for(p, "eager"))
         def chunk_fn(stats, rows):
             m = rows.stop - rows.start
@@ -191,7 +198,8 @@ def _count():
     ns = (1, 7, 300, 4096)
     variants = {}
     for scenario, paths in (("cross_entropy", ("composable", "eager")), ("rich", ("composable",)),
-                            ("teacher", ("composable", "eager")), ("distill", ("eager",))):
+                            ("teacher", ("composable", "eager")), ("distill", ("eager",)),
+                            ("columns", ("composable",))):
         for path in paths:
             start = len(launches)
             for n in ns:
@@ -303,14 +311,16 @@ def _compile(dtypes=("bfloat16", "float16", "float32"), arch: str = "sm_90a", de
     seen = set()
     for dtype in (getattr(torch, name) for name in dtypes):
         for kind, scenario in (("lean", "cross_entropy"), ("heavy", "rich"), ("teacher", "teacher"),
-                               ("teacher", "distill")):
+                               ("teacher", "distill"), ("heavy", "columns")):
             for i, cfg in enumerate(backend.candidates(dtype, kind, target=_backend_target(arch))):
                 if defaults_only and i > 0:
                     continue
                 start = len(launches)
-                # the lean distillation's composable launches are the teacher scenario's, with fewer flags
-                paths = ("eager",) if scenario == "distill" else ("composable", "eager")
-                if scenario == "distill" and i > 0:
+                # the lean distillation's composable launches are the teacher scenario's, with fewer flags; the
+                # named columns take the composable path only
+                paths = ("eager",) if scenario == "distill" else ("composable",) if scenario == "columns" else (
+                    "composable", "eager")
+                if scenario in ("distill", "columns") and i > 0:
                     continue
                 _run_paths(_problem(dtype, 300, 4096, 151936, scenario), cfg, paths)
                 if kind == "lean" and i == 0:  # a hidden size that is not a multiple of 16 keeps the fast path

@@ -30,6 +30,9 @@ constexpr int kStateFields = kRowFields + 1;
   X(int, teacher_bias_dtype, kFloat32) X(Transform, tf, Transform()) X(Transform, teacher_tf, Transform()) \
   /* int64 [rows], -1 = ignored row; 0 = no targets (every row valid) */                                  \
   X(uint64_t, targets, 0)                                                                                 \
+  /* named columns (fusedloss/core/columns.py): int64 [rows, num_columns] vocabulary ids, -1 = none; the  \
+     fold writes the logits at those inside its tile to float column_logits [rows, num_columns] */        \
+  X(uint64_t, columns, 0) X(int64_t, num_columns, 0) X(uint64_t, column_logits, 0)                        \
   /* what the problem asks for */                                                                         \
   X(bool, want_entropy, false) X(bool, want_kl_rev, false) X(bool, want_kl_fwd, false)                    \
   X(bool, want_mean_logit, false) X(bool, want_extras, false)                                             \

@@ -80,6 +80,11 @@ inline void validate(const TileArgs& a, Kernel k) {
   const bool several_tiles = !a.first || !a.last;
   switch (k) {
     case Kernel::kFold:
+      if (a.num_columns != 0) {
+        FL_CHECK(a.num_columns > 0, "`num_columns` must not be negative, got ", a.num_columns);
+        FL_CHECK_PTR(a, columns, "the named columns' ids are read there (num_columns > 0)");
+        FL_CHECK_PTR(a, column_logits, "the named columns' logits are written there (num_columns > 0)");
+      }
       if (several_tiles) {
         FL_CHECK_PTR(a, state, "a fold over several vocabulary tiles keeps its running state there");
         FL_CHECK_STRIDE(a, state_stride);

@@ -198,6 +198,12 @@ FL_HD RowState fold_lane(const TileArgs& a, int64_t row, int64_t lane, int64_t n
   return st;
 }
 
+// The logit z of vocabulary column y (inside the tile) of a row, as the fold forms it.
+FL_HD float logit_at(const TileArgs& a, int64_t row, int64_t y) {
+  const float x = load_as_float(reinterpret_cast<const void*>(a.x), a.dtype, row * a.ld + (y - a.v0));
+  return transform_logit(x, bias_at(a.bias, a.bias_dtype, y), a.tf).z;
+}
+
 // ---- fold: merge a row's tile partials into the running state; finalise on the last tile ------------
 template <bool kEntropy, bool kTeacher>
 FL_HD void fold_row_finish(const TileArgs& a, int64_t row, const RowState& part) {
@@ -213,10 +219,12 @@ FL_HD void fold_row_finish(const TileArgs& a, int64_t row, const RowState& part)
   float zy = a.first ? 0.0f : state[kZy * ss + row];
   if (a.targets != 0) {
     const int64_t y = reinterpret_cast<const int64_t*>(a.targets)[row];
-    if (y >= a.v0 && y < a.v0 + a.cols) {
-      const float x = load_as_float(reinterpret_cast<const void*>(a.x), a.dtype, row * a.ld + (y - a.v0));
-      zy = transform_logit(x, bias_at(a.bias, a.bias_dtype, y), a.tf).z;
-    }
+    if (y >= a.v0 && y < a.v0 + a.cols) zy = logit_at(a, row, y);
+  }
+  // The named columns' logits, from the tile the statistics fold: z_k - m is then exact near the maximum.
+  for (int64_t k = 0; k < a.num_columns; ++k) {
+    const int64_t y = reinterpret_cast<const int64_t*>(a.columns)[row * a.num_columns + k];
+    if (y >= a.v0 && y < a.v0 + a.cols) reinterpret_cast<float*>(a.column_logits)[row * a.num_columns + k] = logit_at(a, row, y);
   }
   RowState run = part;
   if (!a.first) {

@@ -2,6 +2,7 @@
 differentiable op, one implementation per backend."""
 
 from .problem import LogitTransform, Statistics, StatsProblem
-from .statistics import TeacherHead, dz_coefficients, token_statistics
+from .statistics import TeacherHead, column_statistics, dz_coefficients, token_statistics
 
-__all__ = ["LogitTransform", "Statistics", "StatsProblem", "TeacherHead", "dz_coefficients", "token_statistics"]
+__all__ = ["LogitTransform", "Statistics", "StatsProblem", "TeacherHead", "column_statistics", "dz_coefficients",
+           "token_statistics"]

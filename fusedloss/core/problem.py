@@ -78,6 +78,16 @@ The chain rule back to the raw product x is elementwise::
 then ``d hidden = dx @ W``, ``d weight = dx.T @ h``, ``d bias = dx.sum(0)``. Gradients are returned in
 the dtype of the tensor they belong to; backends accumulate them in fp32 (float64 for float64).
 Ignored rows (negative target) have all-zero coefficients, and a backend may skip them entirely.
+``d bias`` sums dx before it is rounded to a half dtype: each of its entries is a sum over the rows, and the
+sum of rounded values would carry every row's rounding.
+
+Named columns (``StatsProblem.columns``, ``core/columns.py``; the K log-probs of ``token_logprobs`` with
+``[..., K]`` targets): the forward also returns the logits at K given columns of each row, read from the
+tiles the statistics are folded from, so that ``z_k - row_max`` is exact near the maximum, as ``z_y - m`` is.
+The backward takes the dz of those columns as given (``column_dz``, ``[N, K]``: the column's dz before the
+teacher and uniform terms, formed per row by ``core/columns.py`` as the target formula above generalised to
+K one-hot shares), in place of the formula, before the chain rule and the single rounding of dx. A row whose
+coefficients are all zero still carries gradient where one of its ``column_dz`` is not.
 """
 
 from __future__ import annotations
@@ -119,6 +129,11 @@ class StatsProblem:
     bias: Optional[torch.Tensor]
     targets: Optional[torch.Tensor]
     transform: LogitTransform
+    # Named columns (``core/columns.py``): int64 ``[N, K]`` vocabulary ids, -1 for none. The forward also
+    # returns the logits at them, read from the tiles the statistics are folded from, and the backward takes
+    # the dz of each named column as given (``column_dz``) instead of the one-target formula. A row's target,
+    # where it has one, is one of its named columns. No teacher: dz at a named column has no teacher term.
+    columns: Optional[torch.Tensor] = None
     teacher_hidden: Optional[torch.Tensor] = None
     teacher_weight: Optional[torch.Tensor] = None
     teacher_bias: Optional[torch.Tensor] = None
@@ -202,5 +217,6 @@ def gathered_rows(p: StatsProblem, rows: torch.Tensor) -> StatsProblem:
     def pick(t):
         return None if t is None else t.index_select(0, rows)
 
-    return dataclasses.replace(p, hidden=pick(p.hidden), targets=pick(p.targets), teacher_hidden=pick(p.teacher_hidden))
+    return dataclasses.replace(p, hidden=pick(p.hidden), targets=pick(p.targets), columns=pick(p.columns),
+                               teacher_hidden=pick(p.teacher_hidden))
 

@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import backends
+from . import backends, columns
 from .problem import NUM_COEFFS, GradientNeeds, LogitTransform, Statistics, StatsProblem, accumulation_dtype
 
 _NUM_OUTPUTS = len(Statistics._fields)
@@ -92,6 +92,7 @@ def _argument_table() -> tuple:
 
 
 _ARGUMENTS = _argument_table()
+_NUM_FLAT = sum(len(args) for _, args in _ARGUMENTS)
 _PROBLEM_SCHEMA = ", ".join(f"{kind} {name}" for _, args in _ARGUMENTS for name, kind in args)
 
 
@@ -118,37 +119,50 @@ def _unflatten(flat) -> StatsProblem:
 _NEEDS = ("need_hidden", "need_weight", "need_bias")
 
 
+# The op's output: the statistics, one [N] row each (Statistics' order), then with named columns one row per
+# column, log q there (core/columns.py).
 @torch.library.custom_op("fusedloss::token_statistics", mutates_args=(),
                          schema=f"({_PROBLEM_SCHEMA}, str backend) -> Tensor")
 def _statistics_op(*args) -> torch.Tensor:
     *flat, backend = args
     problem = _unflatten(flat)
     with _on_device_of(problem.hidden), autocast_off(problem.hidden.device):
-        return torch.stack(tuple(backends.get(backend).forward_statistics(problem)))
+        out = backends.get(backend).forward_statistics(problem)
+        if problem.columns is None:
+            return torch.stack(tuple(out))
+        stats, logits = out
+        return torch.cat((torch.stack(tuple(stats)), columns.log_probs(stats, logits, problem.columns).T))
 
 
 @_statistics_op.register_fake
 def _(*args):
-    hidden = args[0]
-    return hidden.new_empty((_NUM_OUTPUTS, hidden.shape[0]), dtype=accumulation_dtype(hidden.dtype))
+    p = _unflatten(args[:-1])
+    rows = _NUM_OUTPUTS + (0 if p.columns is None else p.columns.shape[1])
+    return p.hidden.new_empty((rows, p.hidden.shape[0]), dtype=accumulation_dtype(p.hidden.dtype))
 
 
 @torch.library.custom_op("fusedloss::token_statistics_backward", mutates_args=(),
                          schema=f"({_PROBLEM_SCHEMA}, str backend, Tensor stats, Tensor coeffs, "
-                                f"{', '.join('bool ' + n for n in _NEEDS)}) -> (Tensor, Tensor, Tensor)")
+                                f"{', '.join('bool ' + n for n in _NEEDS)}, Tensor? column_dz=None) "
+                                "-> (Tensor, Tensor, Tensor)")
 def _statistics_backward_op(*args) -> tuple:
-    *flat, backend, stats, coeffs, need_hidden, need_weight, need_bias = args
+    flat = args[:_NUM_FLAT]
+    backend, stats, coeffs, need_hidden, need_weight, need_bias, *rest = args[_NUM_FLAT:]
+    column_dz = rest[0] if rest else None  # (a default argument may not be passed on)
     problem = _unflatten(flat)
     needs = GradientNeeds(need_hidden, need_weight, need_bias and problem.bias is not None)
+    named = {} if column_dz is None else {"column_dz": column_dz}
     with _on_device_of(problem.hidden), autocast_off(problem.hidden.device):
-        grads = backends.get(backend).backward_gradients(problem, Statistics(*stats.unbind(0)), coeffs, needs)
+        grads = backends.get(backend).backward_gradients(problem, Statistics(*stats[:_NUM_OUTPUTS].unbind(0)),
+                                                         coeffs, needs, **named)
     # custom ops cannot return None: an unneeded gradient travels as an empty tensor.
     return tuple(g if g is not None else problem.hidden.new_empty(0) for g in grads)
 
 
 @_statistics_backward_op.register_fake
 def _(*args):
-    *flat, _backend, _stats, _coeffs, need_hidden, need_weight, need_bias = args
+    flat = args[:_NUM_FLAT]
+    need_hidden, need_weight, need_bias = args[_NUM_FLAT + 3:_NUM_FLAT + 6]
     p = _unflatten(flat)
     return (
         torch.empty_like(p.hidden) if need_hidden else p.hidden.new_empty(0),
@@ -318,10 +332,17 @@ def head_gradients(problem: StatsProblem, backend: str, stats: torch.Tensor, gra
     (``needs_input_grad``: hidden, weight, bias first, as the op's table). The backward of every autograd
     function over the op: this one, and the distributed heads' (gathered FSDP2, ZeRO-3), whose ``problem`` has
     the gathered head and whose ``vocab_size`` is the logical vocabulary."""
-    coeffs = dz_coefficients(grad_stats, stats, problem.jsd_beta, problem.targets, vocab_size)
+    coeffs = dz_coefficients(grad_stats[:_NUM_OUTPUTS], stats[:_NUM_OUTPUTS], problem.jsd_beta, problem.targets,
+                             vocab_size)
+    column_dz = None
+    if problem.columns is not None:  # the named columns' one-hot shares (core/columns.py)
+        logp_row = Statistics._fields.index("logp")
+        coeffs, column_dz = columns.gradients(coeffs, problem.columns, stats[_NUM_OUTPUTS:].T,
+                                              grad_stats[_NUM_OUTPUTS:].T, problem.targets, grad_stats[logp_row])
     need_h, need_w, need_b = needs_input_grad[:3]
     need_b = need_b and problem.bias is not None
-    dh, dw, db = _statistics_backward_op(*_flatten(problem), backend, stats, coeffs, need_h, need_w, need_b)
+    dh, dw, db = _statistics_backward_op(*_flatten(problem), backend, stats, coeffs, need_h, need_w, need_b,
+                                         column_dz)
     return dh if need_h else None, dw if need_w else None, db if need_b else None
 
 
@@ -361,9 +382,12 @@ class TeacherHead(NamedTuple):
 
 def build_problem(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[torch.Tensor] = None,
                   targets: Optional[torch.Tensor] = None, transform: LogitTransform = LogitTransform(),
-                  teacher: Optional[TeacherHead] = None, **wants) -> StatsProblem:
+                  teacher: Optional[TeacherHead] = None, columns: Optional[torch.Tensor] = None,
+                  **wants) -> StatsProblem:
     """The StatsProblem of a call, with the teacher detached (gradients flow to the student only) and every
     option a plain Python value, so that torch.compile traces it without meeting a user-defined class."""
+    if columns is not None and teacher is not None:
+        raise ValueError("named columns (K log-probs per position) take no teacher: their dz has no teacher term")
     teacher_fields = {}
     if teacher is not None:
         teacher_fields = dict(
@@ -373,7 +397,7 @@ def build_problem(hidden: torch.Tensor, weight: torch.Tensor, *, bias: Optional[
                                                               teacher.softcap)))
     flags = {k: _plain(_FIELD_TYPES[k], v) for k, v in wants.items()}
     return StatsProblem(hidden=hidden, weight=weight, bias=bias, targets=targets,
-                        transform=_plain_transform(transform), **teacher_fields, **flags)
+                        transform=_plain_transform(transform), columns=columns, **teacher_fields, **flags)
 
 
 _FIELD_TYPES = {f.name: f.type for f in dataclasses.fields(StatsProblem)}
@@ -398,3 +422,12 @@ def token_statistics(hidden: torch.Tensor, weight: torch.Tensor, *, backend: str
     transform, teacher and the ``want_*`` flags). ``backend`` is a concrete backend name, never "auto"."""
     stats = _statistics_op(*_flatten(build_problem(hidden, weight, **problem)), backend)
     return Statistics(*stats.unbind(0))
+
+
+def column_statistics(hidden: torch.Tensor, weight: torch.Tensor, columns: torch.Tensor, *, backend: str = "torch",
+                      **problem) -> tuple[Statistics, torch.Tensor]:
+    """``token_statistics`` and the ``[N, K]`` log-probabilities at ``columns`` (int64 ids ``[N, K]``, -1 for
+    none: 0 there), read from the same tiles (core/columns.py); each row's target, where it has one, is one of
+    its columns. Differentiable in hidden, weight and bias."""
+    out = _statistics_op(*_flatten(build_problem(hidden, weight, columns=columns, **problem)), backend)
+    return Statistics(*out[:_NUM_OUTPUTS].unbind(0)), out[_NUM_OUTPUTS:].T

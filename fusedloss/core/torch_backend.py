@@ -15,7 +15,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import partials
+from . import columns, partials
 from .problem import (
     COEF_CONST,
     COEF_KL_REV,
@@ -236,24 +236,36 @@ def _teacher_tile(p: StatsProblem, rows, v0: int, v1: int, out=None):
                         out)[0]
 
 
-def forward_statistics(p: StatsProblem) -> Statistics:
+def forward_statistics(p: StatsProblem):
+    """The problem's ``Statistics``; with named columns, ``(Statistics, [N, K] logits at them)``, read from the
+    tiles the statistics are folded from (core/columns.py)."""
     # Ignored rows (padding, prompt tokens) cost nothing: run on the valid rows only. backward_gradients
     # recomputes the logits in these same row blocks.
     rows = valid_rows(p)
     if rows is None:
-        return _forward_rows(p)
-    full = torch.zeros((len(Statistics._fields), p.hidden.shape[0]), device=p.hidden.device, dtype=p.acc_dtype)
-    if rows.numel():
-        full.index_copy_(1, rows, torch.stack(tuple(_forward_rows(gathered_rows(p, rows)))))
-    return Statistics(*full.unbind(0))
+        stats, logits = _forward_rows(p)
+    else:
+        n = p.hidden.shape[0]
+        full = torch.zeros((len(Statistics._fields), n), device=p.hidden.device, dtype=p.acc_dtype)
+        logits = None if p.columns is None else torch.zeros(p.columns.shape, device=p.hidden.device,
+                                                               dtype=p.acc_dtype)
+        if rows.numel():
+            some, some_logits = _forward_rows(gathered_rows(p, rows))
+            full.index_copy_(1, rows, torch.stack(tuple(some)))
+            if logits is not None:
+                logits.index_copy_(0, rows, some_logits)
+        stats = Statistics(*full.unbind(0))
+    return stats if p.columns is None else (stats, logits)
 
 
-def _forward_rows(p: StatsProblem) -> Statistics:
-    """The statistics of rows that all have a target >= 0 (or none): forward_statistics picks them."""
+def _forward_rows(p: StatsProblem) -> tuple:
+    """(statistics, logits at the named columns or None) of rows that all have a target >= 0 (or none):
+    forward_statistics picks them."""
     acc = p.acc_dtype
     n, v = p.hidden.shape[0], p.weight.shape[0]
     dev = p.hidden.device
     out = {name: torch.zeros(n, device=dev, dtype=acc) for name in Statistics._fields}
+    named = None if p.columns is None else torch.zeros(p.columns.shape, device=dev, dtype=acc)
     scratch = Scratch(dev, acc)
     for r0 in range(0, n, ROW_CHUNK):
         rows = slice(r0, min(n, r0 + ROW_CHUNK))
@@ -264,6 +276,8 @@ def _forward_rows(p: StatsProblem) -> Statistics:
             cols = v1 - v0
             z, _ = _student_tile(p, rows, v0, v1, scratch("z", rows.stop - r0, cols))
             zt = _teacher_tile(p, rows, v0, v1, scratch("zt", rows.stop - r0, cols))
+            if named is not None:
+                named[rows] = columns.gather(z, p.columns[rows], v0, named[rows])
             state = partials.merge_pair(state, _tile_partials(z, zt, p, tgt, v0, v1, scratch))
         for name, value in partials.finalize(state, p, v).items():
             out[name][rows] = value
@@ -272,7 +286,7 @@ def _forward_rows(p: StatsProblem) -> Statistics:
         kl_qm, kl_pm = jsd_sums(p, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]))
         out["kl_qm"] = kl_qm
         out["jsd"] = p.jsd_beta * kl_pm + (1.0 - p.jsd_beta) * kl_qm
-    return Statistics(**out)
+    return Statistics(**out), named
 
 
 class RowNorms(NamedTuple):
@@ -411,9 +425,10 @@ def _dz_from_frame(p: StatsProblem, coeffs, norms: RowNorms, tgt, frame: ExpFram
     return dz
 
 
-def _finish_dz(p: StatsProblem, dz, c, coeffs, logpt=None):
+def _finish_dz(p: StatsProblem, dz, c, coeffs, logpt=None, carries=None):
     """The terms every route adds last: the teacher's probabilities (forward KL), the uniform term, the chain
-    rule through temperature, soft-cap and logit_scale, and exact zeros on the rows outside the loss."""
+    rule through temperature, soft-cap and logit_scale, and exact zeros on the rows outside the loss (those
+    whose coefficients are all zero, or not ``carries`` where given)."""
     coef = coeffs[:, :, None]
     if logpt is not None and p.want_kl_fwd:
         dz.add_(coef[COEF_TEACHER_PROB] * torch.exp(logpt))
@@ -427,11 +442,19 @@ def _finish_dz(p: StatsProblem, dz, c, coeffs, logpt=None):
         dz.mul_(scale)
     # Rows that do not enter the loss (ignored, masked) give exact zeros, as in the kernels: their logits may
     # overflow exp (q = inf, times a zero coefficient = NaN) or be NaN padding.
-    return _zero_rows(dz, ~(coeffs != 0).any(dim=0))
+    return _zero_rows(dz, ~((coeffs != 0).any(dim=0) if carries is None else carries))
+
+
+class Named(NamedTuple):
+    """The named columns of a tile's rows (``StatsProblem.columns``, ``[rows, K]``) and their given dz."""
+
+    columns: torch.Tensor
+    dz: torch.Tensor
 
 
 def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt, v0, v1,
-                         scratch: Optional[Scratch] = None, kl_ratio: Optional[torch.Tensor] = None):
+                         scratch: Optional[Scratch] = None, kl_ratio: Optional[torch.Tensor] = None,
+                         named: Optional[Named] = None):
     """dx for one tile: the generic dz of problem.py, then the chain rule through temperature, soft-cap and
     logit_scale. Shared by the eager and the recompute paths. ``norms``: the tile's rows' ``RowNorms``.
     Terms whose coefficients the problem cannot produce are not formed (a cross-entropy tile is exp, one
@@ -439,7 +462,8 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt
     on the call's ``scratch`` buffers: on a CPU these elementwise passes, not the products, set the time.
     ``kl_ratio``: (z - row_max) - (z_t - teacher_at_max) of this tile if the caller formed it (the eager
     path's forward did), used on the rows where both maxima are finite (the same operations, so the same
-    bits)."""
+    bits). ``named``: the rows' named columns, whose dz is given (core/columns.py) and written in place of the
+    formula's before the teacher and uniform terms."""
     rows, cols = z.shape
     scratch = scratch or Scratch(z.device, z.dtype)
     coef = coeffs[:, :, None]
@@ -489,7 +513,11 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt
     if tgt is not None:
         dz.scatter_(1, idx, torch.where(inside, target_column(a, inner_y, q_y, logq_y),
                                         dz.gather(1, idx).squeeze(1))[:, None])
-    return _finish_dz(p, dz, c, coeffs, logpt)
+    carries = None
+    if named is not None:
+        columns.put(dz, named.columns, named.dz, v0)
+        carries = (coeffs != 0).any(dim=0) | (named.dz != 0).any(dim=1)
+    return _finish_dz(p, dz, c, coeffs, logpt, carries)
 
 
 def _repair_rows(out, careful, bad=None) -> None:
@@ -515,8 +543,10 @@ def _zero_rows(t, rows):
 
 
 
-def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds):
-    """(d hidden, d weight, d bias), each None when not needed. Accumulates in fp32 (float64):
+def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds, *,
+                       column_dz: Optional[torch.Tensor] = None):
+    """(d hidden, d weight, d bias), each None when not needed; ``column_dz``: the given dz of the named
+    columns (``[N, K]``, core/columns.py). Accumulates in fp32 (float64):
     d hidden in an [N, D] accumulator, d weight one vocabulary tile at a time over all row chunks,
     so no full-size fp32 [V, D] buffer is ever held (only the [VOCAB_TILE, D] one of the current tile).
 
@@ -543,6 +573,10 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     norms_act = torch.stack(tuple(pick(x) for x in row_norms(saved)))
     n_act = h_act.shape[0]
     carries = (coeffs_act != 0).any(dim=0)  # [n_act]: rows whose dz is not identically zero
+    named_act = None
+    if column_dz is not None:
+        named_act = Named(pick(p.columns), pick(column_dz.to(acc)))
+        carries = carries | (named_act.dz != 0).any(dim=1)
     chunks = [(r0, min(n_act, r0 + ROW_CHUNK)) for r0 in range(0, n_act, ROW_CHUNK)]
     live = torch.stack([carries[r0:r1].any() for r0, r1 in chunks]).tolist() if chunks else []
     chunks = [(r0, r1) for (r0, r1), keep in zip(chunks, live) if keep]
@@ -567,8 +601,9 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                 zt, _ = _logits_tile(ht_act[r0:r1], p.teacher_weight[v0:v1], tb, p.teacher_transform, acc,
                                      scratch("zt", r1 - r0, v1 - v0))
             tgt = None if tgt_act is None else tgt_act[r0:r1]
+            named = None if named_act is None else Named(named_act.columns[r0:r1], named_act.dz[r0:r1])
             dx = logits_gradient_tile(p, z, c, zt, coeffs_act[:, r0:r1], RowNorms(*norms_act[:, r0:r1].unbind(0)),
-                                      tgt, v0, v1, scratch)
+                                      tgt, v0, v1, scratch, named=named)
             if dh_act is not None:
                 dh_act[r0:r1].addmm_(dx, w_acc)
             if dw_tile is not None:

@@ -16,7 +16,10 @@ Design
                     and the chain rule), in place for fp32; for bf16/fp16 packed over the fp32 tile it reads
                     (one block per row, ``PACKED_MIN_ROWS``), or into a separate half copy for tiles of few
                     rows and the fp16 eager path; that dx feeds the two gradient products. Rows outside the
-                    loss get exact zeros.
+                    loss get exact zeros. d bias sums dx as formed, never its half copy: a bf16/fp16 tile's dx
+                    is formed once more into an fp32 scratch for it (``_unrounded_column_sums``). Named columns
+                    (core/columns.py): the fold writes their logits, and their given dz is written over dx in
+                    fp32 (``_named_dx``, ``columns.put``) before the products read it.
 
 The plan
     ``plan(workload, gpu, free_bytes)`` decides everything about a call (workspace, tile shape, eager or
@@ -72,7 +75,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from .. import config
-from ..core import backends, cost, torch_backend
+from ..core import backends, columns, cost, torch_backend
 from ..core import problem as coef  # coef.COEF_*: the dz formula's coefficient rows (docs/design.md)
 from ..core.problem import NUM_COEFFS, DeferredProduct, GradientNeeds, Statistics, StatsProblem
 from . import sass_counts
@@ -1246,17 +1249,78 @@ def _set_tile(a, x: torch.Tensor, xt: Optional[torch.Tensor], v0: int) -> None:
 
 def _contiguous_problem(p: StatsProblem) -> StatsProblem:
     targets = None if p.targets is None else p.targets.to(torch.int64).contiguous()
+    columns = None if p.columns is None else p.columns.to(torch.int64).contiguous()
     bias = None if p.bias is None else p.bias.contiguous()
     tbias = None if p.teacher_bias is None else p.teacher_bias.contiguous()
-    if targets is p.targets and bias is p.bias and tbias is p.teacher_bias:
+    if targets is p.targets and columns is p.columns and bias is p.bias and tbias is p.teacher_bias:
         return p
-    return dataclasses.replace(p, targets=targets, bias=bias, teacher_bias=tbias)
+    return dataclasses.replace(p, targets=targets, columns=columns, bias=bias, teacher_bias=tbias)
 
 
-def _active_rows(coeffs: torch.Tensor, targets: Optional[torch.Tensor]) -> torch.Tensor:
-    """[rows] bool: the rows whose gradient is not identically zero (the dx kernel's row_inactive)."""
+def _with_columns(a, p: StatsProblem, r0: int, logits: torch.Tensor) -> None:
+    """The fold also writes the logits at the named columns of rows from ``r0`` into ``logits`` ([N, K] fp32)."""
+    k = p.columns.shape[1]
+    a.columns, a.num_columns, a.column_logits = _ptr(p.columns, r0 * k), k, _ptr(logits, r0 * k)
+
+
+def _named_dx(p: StatsProblem, column_dz: torch.Tensor, coeffs: torch.Tensor, x: torch.Tensor, r0: int,
+              v0: int) -> torch.Tensor:
+    """``[rows, K]`` fp32 dx of the named columns of the tile ``x`` (rows from ``r0``, columns from ``v0``), from
+    their given dz (core/columns.py) and the uniform term, through the chain rule at the tile's raw logits
+    (read before dx overwrites them; 0 outside the tile): the value ``columns.put`` writes over the dx kernel's
+    formula there, rounded once to dx's dtype."""
+    rows, cols = x.shape
+    named = p.columns[r0:r0 + rows]
+    dz = column_dz[r0:r0 + rows].to(torch.float32)
+    if p.want_mean_logit:
+        dz = dz + coeffs[coef.COEF_UNIFORM, r0:r0 + rows, None]
+    tf = p.transform
+    chain = float(tf.logit_scale) / float(tf.temperature)  # formed in double, as the kernels' Transform.chain
+    if tf.softcap is None:
+        return dz * chain
+    u = columns.gather(x, named, v0, torch.zeros_like(dz))
+    if p.bias is not None:
+        u = u + p.bias[named.clamp(min=0)].to(torch.float32)
+    c = float(tf.softcap) * torch.tanh(u * float(tf.logit_scale) / float(tf.softcap))
+    return dz * (chain * (1.0 - (c / float(tf.softcap)) ** 2))
+
+
+def _active_rows(coeffs: torch.Tensor, targets: Optional[torch.Tensor],
+                 column_dz: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[rows] bool: the rows whose gradient is not identically zero (the dx kernel's row_inactive, or a
+    given dz at a named column)."""
     active = (coeffs != 0).any(dim=0)
+    if column_dz is not None:
+        active = active | (column_dz != 0).any(dim=1)
     return active if targets is None else active & (targets >= 0)
+
+
+# fp32 elements of the scratch in which the column sums of an unrounded dx are formed (16 MiB)
+_SUM_SCRATCH_ELEMENTS = 1 << 22
+
+
+def _unrounded_column_sums(ex: "_Exec", p: StatsProblem, targets, r0: int, out: torch.Tensor, coeffs: torch.Tensor,
+                           coeff_stride: int, x: torch.Tensor, xt: Optional[torch.Tensor], v0: int,
+                           named: Optional[tuple] = None) -> torch.Tensor:
+    """``[cols]`` fp32: the sums over the rows of the tile ``x`` (rows from ``r0`` of ``targets``, ``out`` and
+    ``coeffs``, whose rows are ``coeff_stride`` apart) of dx as the kernel forms it, never of its half-precision
+    rounding: d bias (problem.py). The dx kernel runs again into an fp32 scratch, a slice of rows at a time,
+    while the tile still holds the logits; ``named``: (columns, fp32 dx) of the named columns, written over it
+    first."""
+    rows, cols = x.shape
+    step = max(1, min(rows, _SUM_SCRATCH_ELEMENTS // max(1, cols)))
+    scratch = torch.empty((step, cols), device=x.device, dtype=torch.float32)
+    total = torch.zeros(cols, device=x.device, dtype=torch.float32)
+    for s0 in range(0, rows, step):
+        s1 = min(rows, s0 + step)
+        a = _tile_args(p, targets, r0 + s0, out)
+        a.coeffs, a.coeff_stride = _ptr(coeffs, r0 + s0), coeff_stride
+        _set_tile(a, x[s0:s1], None if xt is None else xt[s0:s1], v0)
+        dx = _dx_into(ex, a, scratch[: s1 - s0])
+        if named is not None:
+            columns.put(dx, named[0][s0:s1], named[1][s0:s1], v0)
+        total += dx.sum(0)
+    return total
 
 
 def _zero_rows_outside(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
@@ -1370,7 +1434,9 @@ def _dx_into(ex: _Exec, a, dx: torch.Tensor) -> torch.Tensor:
 # Forward: the composable op's statistics (1 product; 2 for the JSD over several tiles)
 # ------------------------------------------------------------------------------------------------
 @_call_options
-def forward_statistics(p: StatsProblem) -> Statistics:
+def forward_statistics(p: StatsProblem):
+    """The problem's ``Statistics``; with named columns, ``(Statistics, [N, K] logits at them)``, which the fold
+    reads from the tiles it folds (core/columns.py)."""
     if p.acc_dtype == torch.float64:
         return torch_backend.forward_statistics(p)
     p = _contiguous_problem(p)
@@ -1378,8 +1444,14 @@ def forward_statistics(p: StatsProblem) -> Statistics:
     n, v = p.hidden.shape[0], p.weight.shape[0]
     dev = p.hidden.device
     out = torch.empty((_NUM_OUTPUTS, n), device=dev, dtype=torch.float32)
+    named = None if p.columns is None else torch.zeros(p.columns.shape, device=dev, dtype=torch.float32)
+
+    def result():
+        stats = Statistics(*out.unbind(0))
+        return stats if named is None else (stats, named)
+
     if n == 0:
-        return Statistics(*out.unbind(0))
+        return result()
     shape = _shapes(p)[0]
     products = _Products(dev)
     ws = _Workspace(shape.rows, shape.ld, p, dx_copy=False)
@@ -1393,7 +1465,7 @@ def forward_statistics(p: StatsProblem) -> Statistics:
         for r0 in range(0, n, shape.rows):
             rows = slice(r0, min(n, r0 + shape.rows))
             a = _tile_args(p, p.targets, r0, out)
-            attach(a)
+            attach(a, r0)
             for v0 in range(0, v, shape.cols):
                 v1 = min(v, v0 + shape.cols)
                 if reuse:  # the one tile is still in the workspace
@@ -1404,17 +1476,19 @@ def forward_statistics(p: StatsProblem) -> Statistics:
                 a.first, a.last = v0 == 0, v1 == v
                 launch(a)
 
-    def with_state(a):
+    def with_state(a, r0):
         a.state, a.state_stride = _ptr(state), shape.rows
+        if named is not None:
+            _with_columns(a, p, r0, named)
 
-    def with_jsd_acc(a):
+    def with_jsd_acc(a, r0):
         a.jsd_acc, a.jsd_acc_stride = _ptr(jsd_acc), shape.rows
 
     with _fp32_products(dev, p.hidden.dtype):
         sweep(ex.fold, with_state)
         if p.jsd_beta is not None and p.has_teacher:
             sweep(ex.jsd, with_jsd_acc, reuse=one_tile)
-    return Statistics(*out.unbind(0))
+    return result()
 
 
 _LSE_ROWS = tuple(Statistics._fields.index(k) for k in ("lse", "lse_lo", "lse_t", "lse_t_lo"))
@@ -1459,8 +1533,11 @@ def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple) -> tuple:
 # Backward (recompute): 3 products over exactly the forward's tiles
 # ------------------------------------------------------------------------------------------------
 @_call_options
-def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds):
-    """(d hidden, d weight, d bias) in the dtypes of their tensors, each None when not needed.
+def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds, *,
+                       column_dz: Optional[torch.Tensor] = None):
+    """(d hidden, d weight, d bias) in the dtypes of their tensors, each None when not needed; ``column_dz``:
+    the given dz of the named columns (``[N, K]``, core/columns.py), written over the dx kernel's formula there
+    in fp32 before dx is rounded (``_named_dx``).
 
     Every row block of the forward is recomputed with the same GEMM shapes (rows outside the loss are not
     skipped: their dx is written as zeros), so the recomputed logits equal the forward's bit for bit and a
@@ -1468,8 +1545,10 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     inside: d weight of a tile is summed in fp32 over the row chunks (or written once when one chunk holds
     every row); d hidden is summed in fp32 over the vocabulary tiles (or written once for one tile)."""
     if p.acc_dtype == torch.float64:
-        return torch_backend.backward_gradients(p, saved, coeffs, needs)
+        return torch_backend.backward_gradients(p, saved, coeffs, needs, column_dz=column_dz)
     p = _contiguous_problem(p)
+    if column_dz is None:  # no given dz: the formula at every column
+        p = dataclasses.replace(p, columns=None)
     ex = _Exec(p.hidden.device)
     h_all, w = p.hidden, p.weight
     n, v = h_all.shape[0], w.shape[0]
@@ -1481,7 +1560,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     products = _Products(dev)
     coeffs = coeffs.to(torch.float32).contiguous()
     stats = torch.stack(tuple(saved)).to(torch.float32).contiguous()
-    h_dw = _zero_rows_outside(h_all, _active_rows(coeffs, p.targets)) if needs.weight else None
+    h_dw = _zero_rows_outside(h_all, _active_rows(coeffs, p.targets, column_dz)) if needs.weight else None
+    half = h_all.dtype != torch.float32
     one_vocab_tile = shape.vocab_tiles == 1
     # d hidden: fp32 over the vocabulary tiles (the hidden's own buffer when it is fp32), or direct
     dh = dh_acc = None
@@ -1507,10 +1587,18 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
             for r0 in range(0, n, shape.rows):
                 rows = slice(r0, min(n, r0 + shape.rows))
                 x, xt = ws.logits(products, p, rows, v0, v1)
+                named = None
+                if p.columns is not None:  # read from the logits before dx is written over them
+                    named = (p.columns[rows], _named_dx(p, column_dz, coeffs, x, r0, v0))
+                part = None
+                if db_tile is not None and half:
+                    part = _unrounded_column_sums(ex, p, p.targets, r0, stats, coeffs, n, x, xt, v0, named)
                 a = _tile_args(p, p.targets, r0, stats)
                 a.coeffs, a.coeff_stride = _ptr(coeffs, r0), n
                 _set_tile(a, x, xt, v0)
                 dx = _dx_into(ex, a, ws.dx_of(x, h_all.dtype))
+                if named is not None:
+                    columns.put(dx, *named, v0)
                 if dh is not None:
                     if one_vocab_tile:
                         (products.into if dh_acc.dtype == torch.float32 else products.direct)(dh[rows], dx, w)
@@ -1526,7 +1614,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                     else:
                         products.accumulate(dw_acc, dx.T, h_dw[rows])
                 if db_tile is not None:
-                    part = dx.sum(0, dtype=torch.float32)
+                    if part is None:  # an fp32 dx: summed as it is
+                        part = dx.sum(0, dtype=torch.float32)
                     if r0 == 0:
                         db_tile[:cols].copy_(part)
                     else:
@@ -1611,14 +1700,21 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
                 coeffs = coeffs.to(torch.float32).contiguous()
                 a.coeffs, a.coeff_stride = _ptr(coeffs), m
                 unscale = None
+                part = None  # d bias of the chunk, from dx as formed (problem.py)
+                if db is not None and h_all.dtype == torch.bfloat16:
+                    part = _unrounded_column_sums(ex, p, tgt, 0, out, coeffs, m, x, xt, 0)
                 if grouped:
                     dx = _dx_into(ex, a, ws.dx_at(r0 - g0, m, v))
                 elif half16:
                     _dx_into(ex, a, x)  # fp32 in place first: the scale comes from its largest entry
+                    if db is not None:
+                        part = x.sum(0)
                     dx = ws.view(ws.dx, m, v)
                     unscale = _scaled_half_dx(x, dx)
                 else:
                     dx = _dx_into(ex, a, ws.dx_of(x, h_all.dtype))
+                if db is not None:
+                    db.add_(dx.sum(0, dtype=torch.float32) if part is None else part)
                 if needs.weight:
                     active.append(_active_rows(coeffs, tgt))
             # the group's products (one chunk's without groups: its dx is where the chunk left it)
@@ -1643,9 +1739,6 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
                         dw.mul_(dw_scale / unscale)
                     products.accumulate(dw, dx.T, h)
                 dw_scale = unscale
-            if db is not None:
-                part = dx.sum(0, dtype=torch.float32)
-                db.add_(part if unscale is None else part * unscale)
     if dw is not None and dw_scale is not None:
         dw.mul_(dw_scale)
     return loss, (dh, dw, db)

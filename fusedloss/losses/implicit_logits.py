@@ -16,7 +16,7 @@ import torch
 
 from .. import _validation as v
 from ..config import RunOptions
-from ..core import LogitTransform, Statistics, TeacherHead, backends, eager, token_statistics
+from ..core import LogitTransform, Statistics, TeacherHead, backends, column_statistics, eager, token_statistics
 from ..core.statistics import autocast_dtype, build_problem
 from ..distributed.head import prepare_head
 
@@ -62,6 +62,14 @@ class ImplicitLogits:
         return token_statistics(self.hidden, self.weight, bias=self.bias, targets=targets,
                                 transform=transform or self.transform, teacher=teacher, backend=self.backend,
                                 **wants)
+
+    def column_statistics(self, columns: torch.Tensor, *, targets=None, **wants) -> tuple:
+        """``(statistics, [N, K] log-probabilities at columns)`` (core/columns.py): ``columns`` validated ids
+        ``[N, K]``, -1 for none; ``targets`` one of each row's columns (-1: the row is ignored). Needs the head
+        whole on this device."""
+        wants.update(self.run.problem_fields())
+        return column_statistics(self.hidden, self.weight, columns, bias=self.bias, targets=targets,
+                                 transform=self.transform, backend=self.backend, **wants)
 
     def row_local_loss(self, row_loss: eager.RowLoss, *, targets=None, teacher: Optional[TeacherHead] = None,
                        **wants) -> torch.Tensor:

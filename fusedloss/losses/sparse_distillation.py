@@ -16,8 +16,8 @@ teacher's log-probs as served::
                    m = (1 - beta) q + beta p, summed over the support (and the tail); at most ``loss_max_clamp``.
 
 then ``sum / max(1, scored positions)`` ("batchmean"; verl's "token-mean"). The student side is K + 1
-log-probabilities per position: ``token_logprobs`` with K ids (one statistics pass for the log-sum-exp, the
-logits at the K columns read on their own), never the logits. The per-position math is a few operations on
+log-probabilities per position: ``token_logprobs`` with K ids (named columns of one statistics pass,
+``core/columns.py``), never the logits. The per-position math is a few operations on
 ``[N, |S|+1]`` tensors, written in the order of TRL's own code so that float64 results and gradients agree
 with it to rounding.
 """
@@ -163,8 +163,11 @@ def sparse_distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher
         support = ids >= 0
 
     student_lp, _, _ = several_logprobs(logits, ids)
-    per_position = sparse_divergence(student_lp, teacher_lp, support, float(beta), loss_add_tail,
-                                     renormalize=renormalize, log_prob_min_clamp=log_prob_min_clamp)
+    # The per-position math in float64 (a few values per position; MPS has none): the tail bucket divides by
+    # 1 - mass, which fp32 rounds at 1.5e-3 relative for a student 4e-5 short of its teacher's top-k.
+    wide = torch.float64 if student_lp.device.type != "mps" else student_lp.dtype
+    per_position = sparse_divergence(student_lp.to(wide), teacher_lp.to(wide), support, float(beta), loss_add_tail,
+                                     renormalize=renormalize, log_prob_min_clamp=log_prob_min_clamp).to(acc)
     if loss_max_clamp is not None:
         per_position = per_position.clamp(min=-loss_max_clamp, max=loss_max_clamp)
     per_position = torch.where(scored, per_position, torch.zeros_like(per_position))

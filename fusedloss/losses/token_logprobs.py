@@ -8,7 +8,6 @@ from typing import Literal, Optional, overload
 import torch
 
 from .. import _validation as v
-from ..core.gathered import gathered_logits
 from .implicit_logits import ImplicitLogits, alignment_hint, implicit_logits
 from .options import HEAD, RUN, SHARDING, shared_arguments, shared_options
 
@@ -107,14 +106,11 @@ def several_logprobs(logits: ImplicitLogits, ids: torch.Tensor, **wants):
     """``([N, K] log q at ids, the row statistics, [N] row targets)`` for validated ids ``[N, K]`` (-1: none,
     0 there) on a head held whole on this device; ``wants``: more statistics (``want_entropy``, ...).
 
-    One statistics pass for the log-sum-exp (and the entropy), the logits at
-    the K columns read on their own (``core/gathered.py``), and ``log q_k = (z_k - row_max) - log s``.
-
-    ``log s = (lse - row_max) + lse_lo`` carries the core's log-sum-exp to twice the working precision
-    (docs/design.md, "Numerical doctrine"); its gradient is the core's ``d lse / dz = q`` times
-    ``-sum_k g_k``, and the gathered logits carry the one-hot share, so ``d log q_k / dz_j = [j = y_k] - q_j``
-    exactly. A row with at least one id is a valid row of the core (its largest id is the core's target,
-    whose own log-prob is left unused); a row with none is ignored there and gives 0."""
+    One statistics pass that also reads the logits at the K columns from its own tiles (named columns,
+    ``core/columns.py``): ``log q_k = (z_k - row_max) - log s`` keeps the digits of a confident row, and the
+    backward forms each named column's dz with every one-hot share in fp32, before dx is rounded once. A row
+    with at least one id is a valid row of the core (its largest id is the core's target, whose own log-prob
+    is left unused); a row with none is ignored there and gives 0."""
     if logits.distributed is not None:
         raise ValueError("K log-probs per position (token_logprobs with [..., K] targets, "
                          "sparse_distillation_loss) need the whole head on this device: a vocabulary-parallel, "
@@ -122,9 +118,5 @@ def several_logprobs(logits: ImplicitLogits, ids: torch.Tensor, **wants):
                          "token_logprobs, call once per column of targets")
     k = ids.shape[-1]
     row_target = ids.amax(-1) if k > 0 else ids.new_full((logits.num_rows,), -1)
-    stats = logits.statistics(targets=row_target, **wants)
-    z = gathered_logits(logits.hidden, logits.weight, logits.bias, ids, logits.transform)
-    row_max = stats.row_max.detach().unsqueeze(-1)
-    log_s = (stats.lse.unsqueeze(-1) - row_max) + stats.lse_lo.detach().unsqueeze(-1)
-    logp = torch.where(ids >= 0, (z - row_max) - log_s, torch.zeros_like(z))
+    stats, logp = logits.column_statistics(ids, targets=row_target, **wants)
     return logp, stats, row_target

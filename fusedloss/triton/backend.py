@@ -12,8 +12,11 @@ Backward (``logits_gradient`` + cuBLAS)
     For each vocabulary chunk, the Triton kernel forms the logits tile again, bit for bit as the forward did,
     and writes dx into a bounded workspace (in the input dtype for bf16/fp16, the naive path's rounding;
     fp32 / float64 otherwise); two cuBLAS products accumulate ``d hidden += dx @ W[chunk]`` and
-    ``d weight[chunk] = dx.T @ h`` in fp32 (float64), ``d bias`` is the column sum of dx. Three GEMM-sized
-    products, no atomics: the same bits from run to run. A frozen weight skips the d weight product.
+    ``d weight[chunk] = dx.T @ h`` in fp32 (float64), ``d bias`` is the column sum of dx as formed (a half dx's
+    sums are stored by the kernel before the cast, per row block, and added here in a fixed order). Three
+    GEMM-sized products, no atomics: the same bits from run to run. A frozen weight skips the d weight product.
+    Named columns (core/columns.py): the forward kernel stores the logits at them as it folds them, the
+    gradient kernel writes their given dz into its fp32 tile before the cast.
 
 Eager path (``eager_gradients``, ``core/eager.py``), for losses known in the forward
     For each chunk of rows, the forward kernel keeps the capped logits in the workspace while it forms the
@@ -985,7 +988,17 @@ def _rows(p: StatsProblem, r0: int, r1: int) -> StatsProblem:
         return p
     return dataclasses.replace(
         p, hidden=p.hidden[r0:r1], targets=None if p.targets is None else p.targets[r0:r1],
+        columns=None if p.columns is None else p.columns[r0:r1],
         teacher_hidden=None if p.teacher_hidden is None else p.teacher_hidden[r0:r1])
+
+
+def _named(lc: "_Launch", columns: Optional[torch.Tensor], values: Optional[torch.Tensor]):
+    """The kernels' ``Named`` (tile_math): the problem's named columns and their values, or nothing."""
+    if columns is None:
+        return _kernels().tm.Named(lc.dummy, lc.dummy, 0)
+    if values is None:  # logits nobody reads (a tuning run of the forward)
+        values = _alloc(columns.shape, lc.acc, columns.device)
+    return _kernels().tm.Named(columns.contiguous(), values, columns.shape[1])
 
 
 def _forward_flags(p: StatsProblem, store: bool):
@@ -999,7 +1012,7 @@ def _forward_flags(p: StatsProblem, store: bool):
                     HAS_TEACHER_SOFTCAP=in_tile and p.teacher_transform.softcap is not None,
                     HAS_TARGETS=p.targets is not None, WANT_E=p.want_entropy, WANT_S2=p.want_extras,
                     WANT_SZ=p.want_mean_logit, WANT_TOP1=p.want_extras and p.targets is not None,
-                    STORE_LOGITS=store, TEACHER_AT_MAX=at_max)
+                    STORE_LOGITS=store, TEACHER_AT_MAX=at_max, HAS_COLUMNS=p.columns is not None)
 
 
 def _fold_flags(p: StatsProblem):
@@ -1020,10 +1033,10 @@ def _jsd_flags(p: StatsProblem, load: bool):
                     HAS_TEACHER_SOFTCAP=p.teacher_transform.softcap is not None, HAS_TARGETS=p.targets is not None)
 
 
-def _gradient_flags(p: StatsProblem, load: bool):
+def _gradient_flags(p: StatsProblem, load: bool, column_sums: bool = False):
     """Only the terms the problem can produce: c2 r with reverse KL, c3 p with forward KL, c4 log m with
     the JSD (a teacher's -inf entry never meets a zero coefficient), c1 log q with entropy or JSD, c5 with
-    the mean logit."""
+    the mean logit. ``column_sums``: the kernel also stores the column sums of dx (d bias of a half dx)."""
     tm = _kernels().tm
     t = p.has_teacher
     kl_rev, kl_fwd, jsd = t and p.want_kl_rev, t and p.want_kl_fwd, t and p.jsd_beta is not None
@@ -1035,7 +1048,7 @@ def _gradient_flags(p: StatsProblem, load: bool):
                     HAS_TARGETS=p.targets is not None,
                     HAS_LOG_TERMS=p.want_entropy or jsd,
                     HAS_KL_REV=kl_rev, HAS_KL_FWD=kl_fwd, HAS_JSD=jsd, HAS_MEAN_LOGIT=p.want_mean_logit,
-                    LOAD_LOGITS=load)
+                    LOAD_LOGITS=load, HAS_COLUMNS=p.columns is not None, HAS_DB=column_sums)
 
 
 def _check_inputs(p: StatsProblem) -> None:
@@ -1054,9 +1067,11 @@ def _check_inputs(p: StatsProblem) -> None:
 # Forward
 
 
-def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], launch: Optional[_Launch] = None):
+def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], launch: Optional[_Launch] = None,
+                      named_logits: Optional[torch.Tensor] = None):
     """Launch the statistics kernel on all rows of ``p``; returns the ``[F, splits, N]`` partials. ``store``:
-    the eager path's (c, z_t) workspace views to keep the tiles in."""
+    the eager path's (c, z_t) workspace views to keep the tiles in; ``named_logits``: ``[N, K]`` zeros that
+    take the logits at the problem's named columns."""
     k = _kernels()
     lc = launch or _launch(p, cfg)
     n, v = p.hidden.shape[0], p.weight.shape[0]
@@ -1066,15 +1081,18 @@ def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], 
     ws = lc.workspace(*(store or (None, None)))
     tgt = p.targets if p.targets is not None else lc.dummy
     lc.run(k.forward, row_blocks * splits, lc.student, lc.teacher, ws, tgt, lc.params, part,
-           n, v, p.hidden.shape[1], p.teacher_hidden.shape[1] if p.has_teacher else 0, per, splits, group,
+           _named(lc, p.columns, named_logits), n, v, p.hidden.shape[1],
+           p.teacher_hidden.shape[1] if p.has_teacher else 0, per, splits, group,
            flags=_forward_flags(p, store is not None))
     return part, (row_blocks, per, splits, group)
 
 
-def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None) -> dict:
-    """Every statistic of ``p``'s rows, ``{name: [N]}`` (zeros on ignored rows and where not asked)."""
+def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None,
+                named_logits: Optional[torch.Tensor] = None) -> dict:
+    """Every statistic of ``p``'s rows, ``{name: [N]}`` (zeros on ignored rows and where not asked);
+    ``named_logits``: as ``_forward_partials``."""
     lc = _launch(p, cfg)
-    part, (row_blocks, per, splits, group) = _forward_partials(p, cfg, store, lc)
+    part, (row_blocks, per, splits, group) = _forward_partials(p, cfg, store, lc, named_logits)
     out = _finalized(part, p, p.weight.shape[0])
     if p.jsd_beta is not None:
         qm, pm = _jsd_pass(lc, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]),
@@ -1187,17 +1205,21 @@ def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple, *, tiles: Optional[TileC
         return _jsd_pass(_launch(p, cfg), lse, lse_t, grid)
 
 
-def forward_statistics(p: StatsProblem, *, tiles: Optional[TileConfig] = None) -> Statistics:
-    """Every statistic the problem asks for. ``tiles``: a launch configuration other than ``tiles_for``'s
-    (tests use it to cross tile and split borders; the backward must then be given the same one)."""
+def forward_statistics(p: StatsProblem, *, tiles: Optional[TileConfig] = None):
+    """Every statistic the problem asks for; with named columns, ``(Statistics, [N, K] logits at them)``, as
+    the statistics kernel met them (core/columns.py). ``tiles``: a launch configuration other than
+    ``tiles_for``'s (tests use it to cross tile and split borders; the backward must then be given the same
+    one)."""
     _check_inputs(p)
     n = p.hidden.shape[0]
+    named = None if p.columns is None else _alloc(p.columns.shape, p.acc_dtype, p.hidden.device)
     if n == 0:
         zero = torch.zeros(n, dtype=p.acc_dtype, device=p.hidden.device)
-        return Statistics(*([zero] * len(Statistics._fields)))
-    with _on_device(p.hidden):
-        out = _statistics(p, tiles or tiles_for(p))
-    return Statistics(**out)
+        stats = Statistics(*([zero] * len(Statistics._fields)))
+    else:
+        with _on_device(p.hidden):
+            stats = Statistics(**_statistics(p, tiles or tiles_for(p), named_logits=named))
+    return stats if named is None else (stats, named)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -1243,27 +1265,44 @@ def _direct_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, acc: to
 
 
 def _gradient_block(lc: _Launch, p: StatsProblem, coeffs: torch.Tensor, norm: torch.Tensor, norm_t: torch.Tensor,
-                    v0: int, v1: int, dx: torch.Tensor, store: Optional[tuple] = None) -> None:
-    """dx of rows ``p`` (a row chunk) and columns [v0, v1) into ``dx`` (``[rows, v1 - v0]`` view)."""
+                    v0: int, v1: int, dx: torch.Tensor, store: Optional[tuple] = None,
+                    column_dz: Optional[torch.Tensor] = None, column_sums: Optional[torch.Tensor] = None) -> None:
+    """dx of rows ``p`` (a row chunk) and columns [v0, v1) into ``dx`` (``[rows, v1 - v0]`` view);
+    ``column_dz``: the given dz of the rows' named columns; ``column_sums``: ``[row blocks, >= v1 - v0]`` that
+    take each row block's sums of dx before its cast (d bias)."""
     n = p.hidden.shape[0]
     cfg = lc.cfg
     programs = _cdiv(n, cfg.block_m) * _cdiv(v1 - v0, cfg.block_v)
     tgt = p.targets if p.targets is not None else lc.dummy
+    db = column_sums if column_sums is not None else lc.dummy
     lc.run(_kernels().gradient, programs, lc.student, lc.teacher, lc.workspace(*(store or (None, None))), tgt,
-           lc.params, coeffs, norm, norm_t, dx, n, v0, v1, p.hidden.shape[1],
-           p.teacher_hidden.shape[1] if p.has_teacher else 0, dx.stride(0), GRADIENT_GROUP,
-           flags=_gradient_flags(p, store is not None))
+           lc.params, coeffs, norm, norm_t, dx, _named(lc, p.columns, column_dz), db, n, v0, v1, p.hidden.shape[1],
+           p.teacher_hidden.shape[1] if p.has_teacher else 0, dx.stride(0), db.stride(0), GRADIENT_GROUP,
+           flags=_gradient_flags(p, store is not None, column_sums is not None))
 
 
 def _packed_gradient(lc: _Launch, p: StatsProblem, coeffs: torch.Tensor, norm: torch.Tensor, norm_t: torch.Tensor,
-                     dx: torch.Tensor, store: tuple) -> None:
+                     dx: torch.Tensor, store: tuple, column_sums: Optional[torch.Tensor] = None) -> None:
     """The eager chunk's half-precision dx over its kept fp32 tile (``dx``: the tile's 16-bit view, ``[rows,
-    V]`` with row stride 2 ld): one program per row block, walking the columns in order."""
+    V]`` with row stride 2 ld): one program per row block, walking the columns in order; ``column_sums`` as
+    ``_gradient_block``'s."""
     n = p.hidden.shape[0]
     tgt = p.targets if p.targets is not None else lc.dummy
+    db = column_sums if column_sums is not None else lc.dummy
     lc.run(_kernels().packed_gradient, _cdiv(n, lc.cfg.block_m), lc.student, lc.teacher, lc.workspace(*store), tgt,
-           lc.params, coeffs, norm, norm_t, dx, n, p.weight.shape[0], p.hidden.shape[1],
-           p.teacher_hidden.shape[1] if p.has_teacher else 0, dx.stride(0), flags=_gradient_flags(p, True))
+           lc.params, coeffs, norm, norm_t, dx, _named(lc, None, None), db, n, p.weight.shape[0], p.hidden.shape[1],
+           p.teacher_hidden.shape[1] if p.has_teacher else 0, dx.stride(0), db.stride(0),
+           flags=_gradient_flags(p, True, column_sums is not None))
+
+
+def _column_sums(lc: _Launch, rows: int, cols: int, half: bool) -> Optional[torch.Tensor]:
+    """Where a gradient launch over ``rows`` x ``cols`` leaves its row blocks' column sums of dx for d bias:
+    needed where dx is rounded to a half dtype (an fp32 or float64 dx is summed as it is), else None."""
+    if not half:
+        return None
+    cfg = lc.cfg
+    return _alloc((_cdiv(rows, cfg.block_m), _cdiv(cols, cfg.block_v) * cfg.block_v), lc.acc, lc.p.hidden.device,
+                  zero=False)
 
 
 def _dx_dtype(p: StatsProblem) -> torch.dtype:
@@ -1286,10 +1325,12 @@ def _normalisers(saved: Statistics, acc: torch.dtype, teacher: bool) -> tuple:
 
 
 def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor, needs: GradientNeeds, *,
-                       tiles: Optional[TileConfig] = None):
-    """(d hidden, d weight, d bias), each None when not needed; see the module docstring. ``tiles`` must be
-    the forward's."""
+                       column_dz: Optional[torch.Tensor] = None, tiles: Optional[TileConfig] = None):
+    """(d hidden, d weight, d bias), each None when not needed; see the module docstring. ``column_dz``: the
+    given dz of the named columns (``[N, K]``, core/columns.py). ``tiles`` must be the forward's."""
     _check_inputs(p)
+    if column_dz is None:  # no given dz: the formula at every column
+        p = dataclasses.replace(p, columns=None)
     acc = p.acc_dtype
     h, w, b = p.hidden, p.weight, p.bias
     n, v, d = h.shape[0], w.shape[0], h.shape[1]
@@ -1309,6 +1350,10 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
             rows, cols = backward_chunks(n, v, d, _DTYPE_NAMES[h.dtype], pl.params["workspace_bytes"], cfg)
         lc = _launch(p, cfg)
         coeffs = coeffs.to(acc).contiguous()
+        carries = (coeffs != 0).any(dim=0)
+        if p.columns is not None:
+            column_dz = column_dz.to(acc).contiguous()
+            carries = carries | (column_dz != 0).any(dim=1)
         norm, norm_t = _normalisers(saved, acc, p.has_teacher)
         dh_acc = (dh if dh.dtype == acc else _alloc((n, d), acc, dev, zero=False)) if need_h else None
         db_acc = (db if db.dtype == acc else _alloc((v,), acc, dev)) if need_b else None
@@ -1316,9 +1361,10 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         direct = rows >= n
         dw_block = (_alloc((min(cols, v), d), acc, dev, zero=False) if need_w and w.dtype != acc and not direct
                     else None)
-        h_w = _masked_rows(h, (coeffs != 0).any(dim=0)) if need_w else None
+        h_w = _masked_rows(h, carries) if need_w else None
         # Rows of a whole number of tiles: the kernel stores them without a column mask.
         work = _alloc((min(rows, n), _cdiv(min(cols, v), cfg.block_v) * cfg.block_v), _dx_dtype(p), dev, zero=False)
+        sums = _column_sums(lc, min(rows, n), min(cols, v), _dx_dtype(p) != acc) if need_b else None
         for v0 in range(0, v, cols):
             v1 = min(v, v0 + cols)
             dw_out = None if not need_w else dw[v0:v1] if dw_block is None else dw_block[: v1 - v0]
@@ -1328,15 +1374,18 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
                 chunk_lc = lc if part is p else _launch(part, cfg)
                 dx = work[: r1 - r0, : v1 - v0]
                 _gradient_block(chunk_lc, part, coeffs[:, r0:r1].contiguous(), norm[:, r0:r1].contiguous(),
-                                norm_t[:, r0:r1].contiguous(), v0, v1, dx)
+                                norm_t[:, r0:r1].contiguous(), v0, v1, dx,
+                                column_dz=None if p.columns is None else column_dz[r0:r1],
+                                column_sums=sums)
                 if need_h:
                     _product(dh_acc[r0:r1], dx, w[v0:v1], accumulate=v0 > 0)
                 if need_w and direct and w.dtype != acc:
                     _direct_product(dw_out, dx.T, h_w[r0:r1], acc)
                 elif need_w:
                     _product(dw_out, dx.T, h_w[r0:r1], accumulate=r0 > 0)
-                if need_b:
-                    db_acc[v0:v1] += dx.sum(0, dtype=acc)
+                if need_b:  # from dx as formed, never from its rounded copy (problem.py)
+                    blocks = _cdiv(r1 - r0, cfg.block_m)
+                    db_acc[v0:v1] += dx.sum(0, dtype=acc) if sums is None else sums[:blocks, : v1 - v0].sum(0)
             if dw_block is not None:
                 dw[v0:v1].copy_(dw_out)
         if need_h and dh_acc is not dh:
@@ -1391,6 +1440,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
         # r starts where the tile's does (docs/design.md, "The logits workspace")
         packed = _dx_dtype(p) != acc
         dx_ws = c_ws.view(_dx_dtype(p)) if packed else c_ws
+        sums = _column_sums(_launch(p, elementwise), m_max, v, packed) if db is not None else None
         teacher_weight = _teacher_tensors(p, acc)[1] if p.has_teacher else None
         for r0 in range(0, n, step):
             r1 = min(n, r0 + step)
@@ -1409,13 +1459,13 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
             norm, norm_t = _normalisers(Statistics(**stats), acc, p.has_teacher)
             dx = dx_ws[:m, :v]
             if packed:
-                _packed_gradient(_launch(part, elementwise), part, coeffs, norm, norm_t, dx, store)
+                _packed_gradient(_launch(part, elementwise), part, coeffs, norm, norm_t, dx, store, sums)
             else:
                 _gradient_block(_launch(part, elementwise), part, coeffs, norm, norm_t, 0, v, dx, store)
             if dh is not None:
                 _product(dh[r0:r1], dx, w, accumulate=False)
             if dw is not None:
                 _product(dw, dx.T, _masked_rows(part.hidden, (coeffs != 0).any(dim=0)), accumulate=r0 > 0)
-            if db is not None:
-                db += dx.sum(0, dtype=acc)
+            if db is not None:  # from dx as formed, never from its rounded copy (problem.py)
+                db += dx.sum(0, dtype=acc) if sums is None else sums[:_cdiv(m, elementwise.block_m), :v].sum(0)
     return loss, (dh, dw, db)

@@ -15,7 +15,10 @@ lse, and a confident row's ``1 - q_y`` lives in the last bits of z. ``norm`` hol
 (lse, lse_lo, logp, row_max) per row (``[4, N]``; the target column takes logp itself), ``norm_t`` the
 teacher's (lse_t, lse_t_lo, teacher_at_max, kl_rev_rel) (``[4, N]``; the last two with the first student
 column, the reverse KL's frame). Row blocks without any row that carries gradient write zeros and skip the
-product. ``packed_gradient_kernel``: the eager path's half-precision dx written over the kept fp32 tile.
+product. ``named`` (``F.HAS_COLUMNS``): the named columns and their given dz (core/columns.py). ``F.HAS_DB``:
+each program also stores its tile's column sums of dx before the cast (``db_ptr``, ``[row blocks, columns]``),
+which the backend adds up in a fixed order for d bias. ``packed_gradient_kernel``: the eager path's
+half-precision dx written over the kept fp32 tile.
 """
 
 import triton
@@ -23,18 +26,21 @@ import triton.language as tl
 
 from .tile_math import (
     Head,
+    Named,
     both_tiles,
     grouped_program,
     load_coefficients,
     load_normaliser,
     load_targets,
     logits_gradient,
+    named_rows,
 )
 
 
 @triton.jit
-def dx_tile(student: Head, teacher: Head, ws: Head, tgt_ptr, params_ptr, coef_ptr, norm_ptr, norm_t_ptr, N, v_end,
-            D, DT, rows, row_mask, cols, col_mask, coef, active, F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr):
+def dx_tile(student: Head, teacher: Head, ws: Head, tgt_ptr, params_ptr, coef_ptr, norm_ptr, norm_t_ptr, named, N,
+            v_end, D, DT, rows, row_mask, cols, col_mask, coef, active, F: tl.constexpr, T: tl.constexpr,
+            ACC: tl.constexpr):
     """dx of one [BLOCK_M, BLOCK_V] tile (0 where no row carries gradient)."""
     BLOCK_M: tl.constexpr = tl.constexpr(T.BLOCK_M)  # a constexpr on every Triton (tile_math.raw_product)
     BLOCK_V: tl.constexpr = tl.constexpr(T.BLOCK_V)
@@ -55,14 +61,31 @@ def dx_tile(student: Head, teacher: Head, ws: Head, tgt_ptr, params_ptr, coef_pt
         z, c, zt = both_tiles(student, teacher, ws, D, DT, params_ptr, rows, row_mask, cols, col_mask,
                               want_teacher, F, T, ACC)
         dx = logits_gradient(z, c, zt, norm, norm_t, frame, coef, logq_y, tgt, cols, col_mask, active, params_ptr,
-                             F)
+                             named, rows, F)
     return dx
+
+
+@triton.jit
+def carrying_rows(coef_ptr, named, N, rows, row_mask, F: tl.constexpr):
+    """(coefficients, rows that carry gradient): a non-zero coefficient, or a non-zero given dz at a named
+    column."""
+    coef, active = load_coefficients(coef_ptr, N, rows, row_mask)
+    if F.HAS_COLUMNS:
+        active = active | named_rows(named, rows, row_mask)
+    return coef, active
+
+
+@triton.jit
+def store_column_sums(dx, db_ptr, at, cols, mask):
+    """The tile's sums over its rows of dx as formed (fp32 or float64), before dx is rounded to a half dtype:
+    d bias sums them (problem.py), as the torch backend sums its unrounded tiles."""
+    tl.store(db_ptr + at + cols, tl.sum(dx, axis=0), mask=mask)
 
 
 @triton.jit(do_not_specialize=["N", "v_start", "v_end", "D", "DT", "stride_dx", "group_m"])
 def logits_gradient_kernel(
     student: Head, teacher: Head, ws: Head, tgt_ptr, params_ptr, coef_ptr, norm_ptr, norm_t_ptr, dx_ptr,
-    N, v_start, v_end, D, DT, stride_dx, group_m,
+    named: Named, db_ptr, N, v_start, v_end, D, DT, stride_dx, stride_db, group_m,
     F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
 ):
     BLOCK_M: tl.constexpr = tl.constexpr(T.BLOCK_M)  # a constexpr on every Triton (tile_math.raw_product)
@@ -76,9 +99,12 @@ def logits_gradient_kernel(
     # allocates them so): hints on the products, so that the tile moves 16 bytes at a time.
     cols = tl.multiple_of(v_start + pid_v * BLOCK_V, 16) + tl.arange(0, BLOCK_V)
     col_mask = cols < v_end
-    coef, active = load_coefficients(coef_ptr, N, rows, row_mask)
-    dx = dx_tile(student, teacher, ws, tgt_ptr, params_ptr, coef_ptr, norm_ptr, norm_t_ptr, N, v_end, D, DT, rows,
-                 row_mask, cols, col_mask, coef, active, F, T, ACC)
+    coef, active = carrying_rows(coef_ptr, named, N, rows, row_mask, F)
+    dx = dx_tile(student, teacher, ws, tgt_ptr, params_ptr, coef_ptr, norm_ptr, norm_t_ptr, named, N, v_end, D, DT,
+                 rows, row_mask, cols, col_mask, coef, active, F, T, ACC)
+    if F.HAS_DB:  # this row block's sums, [row block, column of the chunk]
+        store_column_sums(dx, db_ptr, pid_m.to(tl.int64) * stride_db, pid_v * BLOCK_V + tl.arange(0, BLOCK_V),
+                          col_mask)
     out = (dx_ptr + tl.multiple_of(rows.to(tl.int64)[:, None] * stride_dx, [16, 16])
            + (pid_v * BLOCK_V + tl.arange(0, BLOCK_V))[None, :])
     # The workspace's rows hold a whole number of tiles: dx is 0 past the chunk, and stored unmasked there.
@@ -88,7 +114,7 @@ def logits_gradient_kernel(
 @triton.jit(do_not_specialize=["N", "v_end", "D", "DT", "stride_dx"])
 def packed_gradient_kernel(
     student: Head, teacher: Head, ws: Head, tgt_ptr, params_ptr, coef_ptr, norm_ptr, norm_t_ptr, dx_ptr,
-    N, v_end, D, DT, stride_dx,
+    named: Named, db_ptr, N, v_end, D, DT, stride_dx, stride_db,
     F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
 ):
     """The eager path's dx in half precision written over the fp32 logits tile it is read from
@@ -101,12 +127,14 @@ def packed_gradient_kernel(
     BLOCK_V: tl.constexpr = tl.constexpr(T.BLOCK_V)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_mask = rows < N
-    coef, active = load_coefficients(coef_ptr, N, rows, row_mask)
+    coef, active = carrying_rows(coef_ptr, named, N, rows, row_mask, F)
     base = dx_ptr + tl.multiple_of(rows.to(tl.int64)[:, None] * stride_dx, [16, 16])
     for v0 in range(0, v_end, BLOCK_V):
         cols = tl.multiple_of(v0, 16) + tl.arange(0, BLOCK_V)
         col_mask = cols < v_end
-        dx = dx_tile(student, teacher, ws, tgt_ptr, params_ptr, coef_ptr, norm_ptr, norm_t_ptr, N, v_end, D, DT,
-                     rows, row_mask, cols, col_mask, coef, active, F, T, ACC)
+        dx = dx_tile(student, teacher, ws, tgt_ptr, params_ptr, coef_ptr, norm_ptr, norm_t_ptr, named, N, v_end, D,
+                     DT, rows, row_mask, cols, col_mask, coef, active, F, T, ACC)
+        if F.HAS_DB:
+            store_column_sums(dx, db_ptr, tl.program_id(0).to(tl.int64) * stride_db, cols, col_mask)
         tl.debug_barrier()  # every thread's loads of this tile before any store over it
         tl.store(base + cols[None, :], dx.to(dx_ptr.dtype.element_ty), mask=row_mask[:, None])

@@ -16,6 +16,9 @@ first column of the tile holding that maximum, ``tile_math.online_update``); ``t
 forms the teacher's statistics once the student's are final (docs/design.md, "The Triton teacher on the eager
 path").
 
+With ``F.HAS_COLUMNS`` the kernel also stores the logits at the rows' named columns (``named``; core/columns.py)
+as it meets them, the very z its statistics fold.
+
 Row blocks whose targets are all ignored skip the whole sweep and write the empty state (m = -inf,
 sums 0). N, V, D and the grid sizes are runtime values and are not specialised: one compiled variant
 serves every sequence length.
@@ -26,11 +29,13 @@ import triton.language as tl
 
 from .tile_math import (
     Head,
+    Named,
     both_tiles,
     empty_state,
     online_update,
     split_program,
     split_tile,
+    store_named_logits,
     store_state,
     store_tiles,
 )
@@ -38,7 +43,7 @@ from .tile_math import (
 
 @triton.jit(do_not_specialize=["N", "V", "D", "DT", "tiles_per_split", "num_splits", "group_m"])
 def statistics_forward_kernel(
-    student: Head, teacher: Head, ws: Head, tgt_ptr, params_ptr, part_ptr,
+    student: Head, teacher: Head, ws: Head, tgt_ptr, params_ptr, part_ptr, named: Named,
     N, V, D, DT, tiles_per_split, num_splits, group_m,
     F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
 ):
@@ -52,5 +57,7 @@ def statistics_forward_kernel(
                                       F.HAS_TEACHER, F, T, ACC)
                 if F.STORE_LOGITS:
                     store_tiles(c, ws, rows, row_mask, cols, col_mask)
+                if F.HAS_COLUMNS:
+                    store_named_logits(z, named, rows, active, cols)
                 state = online_update(state, z, zt, tgt, v0, cols, col_mask, F)
     store_state(state, part_ptr, split, num_splits, N, rows, row_mask)

@@ -90,6 +90,10 @@ class Flags(NamedTuple):
     # eager forward of a reverse KL: no teacher in the tile, but where the teacher's logit at the student's first
     # maximum column (ztm) is to be read: the first column of the tile holding that maximum, in ztm's slot
     TEACHER_AT_MAX: bool = False
+    # named columns (core/columns.py): the forward stores the logits at them, the gradient writes their given dz
+    HAS_COLUMNS: bool = False
+    # the gradient also stores each tile's column sums of dx before it is rounded (d bias of a half dx)
+    HAS_DB: bool = False
 
 
 class Tiles(NamedTuple):
@@ -418,6 +422,60 @@ def online_update(state, z, zt, tgt, v0, cols, col_mask, F: tl.constexpr):
     return m_new, s, t, e, s2, sz, mt, st, a, b, zy, mb, ztm
 
 
+class Named(NamedTuple):
+    """Named columns (core/columns.py): ``ids`` int64 ``[N, K]`` (-1: none) and ``entries`` ``[N, K]``, the
+    logits at them (forward, written) or their given dz (gradient, read); ``count`` = K. (Not ``values``: a
+    compiled kernel's tuple has an attribute of that name, its elements.)"""
+
+    ids: Any
+    entries: Any
+    count: Any
+
+
+@triton.jit
+def store_named_logits(z, named: Named, rows, row_mask, cols):
+    """The tile's logits at the rows' named columns that lie in it, into ``named.entries``: the statistics'
+    own z, so that z_k - m is exact near the maximum. A column outside every row's tile costs one load per row
+    and entry."""
+    first = tl.min(cols, axis=0)
+    last = tl.max(cols, axis=0)
+    at = rows.to(tl.int64) * named.count
+    for k in range(named.count):
+        col = tl.load(named.ids + at + k, mask=row_mask, other=-1)
+        hit = row_mask & (col >= first) & (col <= last)
+        if tl.max(hit.to(tl.int32), axis=0) > 0:
+            value = tl.sum(tl.where(cols[None, :] == col[:, None], z, 0.0), axis=1)
+            tl.store(named.entries + at + k, value, mask=hit)
+
+
+@triton.jit
+def named_dz(dz, named: Named, rows, row_mask, cols):
+    """dz with the rows' named columns in this tile set to their given values (entries naming one column hold
+    one value, so their order does not matter)."""
+    first = tl.min(cols, axis=0)
+    last = tl.max(cols, axis=0)
+    at = rows.to(tl.int64) * named.count
+    for k in range(named.count):
+        col = tl.load(named.ids + at + k, mask=row_mask, other=-1)
+        hit = row_mask & (col >= first) & (col <= last)
+        if tl.max(hit.to(tl.int32), axis=0) > 0:
+            value = tl.load(named.entries + at + k, mask=hit, other=0.0)
+            dz = tl.where(cols[None, :] == col[:, None], value[:, None].to(dz.dtype), dz)
+    return dz
+
+
+@triton.jit
+def named_rows(named: Named, rows, row_mask):
+    """The rows with a non-zero given dz at one of their named columns: they carry gradient whatever their
+    coefficients."""
+    at = rows.to(tl.int64) * named.count
+    carries = row_mask & (rows < 0)
+    for k in range(named.count):
+        value = tl.load(named.entries + at + k, mask=row_mask, other=0.0)
+        carries = carries | (row_mask & (value != 0.0))
+    return carries
+
+
 @triton.jit
 def store_state(state, part_ptr, split, num_splits, N, rows, row_mask):
     """Partial statistics of one (row block, split) into ``part[field, split, row]``."""
@@ -477,8 +535,8 @@ def target_column(a, logq_y, inner_y):
 
 
 @triton.jit
-def logits_gradient(z, c, zt, norm, norm_t, frame, coef, logq_y, tgt, cols, col_mask, active, params_ptr,
-                    F: tl.constexpr):
+def logits_gradient(z, c, zt, norm, norm_t, frame, coef, logq_y, tgt, cols, col_mask, active, params_ptr, named,
+                    rows, F: tl.constexpr):
     """dx for one tile (``torch_backend.logits_gradient_tile``): the generic dz of problem.py,
 
         dz_j = a ([j = y] - q_j) + q_j (c0 + c1 log q_j + c2 r_j + c4 log m_j) + c3 p_j + c5,
@@ -487,8 +545,9 @@ def logits_gradient(z, c, zt, norm, norm_t, frame, coef, logq_y, tgt, cols, col_
     with only the terms the problem can produce (``Flags``), then the chain rule
     dx = dz * (logit_scale / temperature) * (1 - (c / softcap)**2). Off the target a's share -a q_j joins c0;
     the target column is formed per row (``target_column``) from ``logq_y``, the forward's log-probability of
-    the target, ``(z_y - m) - log s``: the most accurate form of it there is. Padded columns and inactive rows
-    are forced to exactly 0 (their q may be inf * 0 = NaN)."""
+    the target, ``(z_y - m) - log s``: the most accurate form of it there is. With ``F.HAS_COLUMNS`` the named
+    columns' dz is the given one (``named``, core/columns.py), before the teacher and uniform terms. Padded
+    columns and inactive rows are forced to exactly 0 (their q may be inf * 0 = NaN)."""
     a, c0, c1, c2, c3, c4, c5 = coef
     lse, lse_lo = norm
     logq = (z - lse[:, None]) - lse_lo[:, None]
@@ -522,6 +581,8 @@ def logits_gradient(z, c, zt, norm, norm_t, frame, coef, logq_y, tgt, cols, col_
     dz = tl.where(q == 0.0, 0.0, q * inner)  # q_j log q_j -> 0 where q_j = 0 (a -inf logit)
     if F.HAS_TARGETS:
         dz = tl.where(cols[None, :] == tgt[:, None], target_column(a, logq_y, inner_y)[:, None], dz)
+    if F.HAS_COLUMNS:
+        dz = named_dz(dz, named, rows, active, cols)
     if F.HAS_KL_FWD:
         dz += c3[:, None] * tl.exp(logpt)
     if F.HAS_MEAN_LOGIT:
