@@ -255,6 +255,8 @@ ARCH_CANDIDATES: dict = {
     # 24 bytes per thread; 3.9.0: 12-20), where 64 x 128 holds.
     "sm_100": {
         ("half", "lean"): (TileConfig(64, 128, 64, 8, 4), TileConfig(64, 128, 64, 8, 3)),
+        # fp32 with named columns: 64 x 64 spills 4 bytes per thread on Triton 3.9.0, 64 x 32 none
+        ("fp32", "heavy"): (TileConfig(64, 32, 16, 8, 3),),
     },
     # RTX 50 / RTX PRO 6000 (mma.sync, 99 KB of shared memory): the 128 x 128 lean tile spills 16-24 bytes per
     # thread there, 64 x 128 none; a teacher's two products fit 64 x 32 (64 x 64 spills 112-144 bytes with fp32
