@@ -433,16 +433,20 @@ class Named(NamedTuple):
 
 
 @triton.jit
+def named_hit(named: Named, at, row_mask, cols):
+    """Each row's named column at entry offset ``at`` and whether it lies in this tile's columns."""
+    col = tl.load(named.ids + at, mask=row_mask, other=-1)
+    return col, row_mask & (col >= tl.min(cols, axis=0)) & (col <= tl.max(cols, axis=0))
+
+
+@triton.jit
 def store_named_logits(z, named: Named, rows, row_mask, cols):
     """The tile's logits at the rows' named columns that lie in it, into ``named.entries``: the statistics'
     own z, so that z_k - m is exact near the maximum. A column outside every row's tile costs one load per row
     and entry."""
-    first = tl.min(cols, axis=0)
-    last = tl.max(cols, axis=0)
     at = rows.to(tl.int64) * named.count
     for k in range(named.count):
-        col = tl.load(named.ids + at + k, mask=row_mask, other=-1)
-        hit = row_mask & (col >= first) & (col <= last)
+        col, hit = named_hit(named, at + k, row_mask, cols)
         if tl.max(hit.to(tl.int32), axis=0) > 0:
             value = tl.sum(tl.where(cols[None, :] == col[:, None], z, 0.0), axis=1)
             tl.store(named.entries + at + k, value, mask=hit)
@@ -452,12 +456,9 @@ def store_named_logits(z, named: Named, rows, row_mask, cols):
 def named_dz(dz, named: Named, rows, row_mask, cols):
     """dz with the rows' named columns in this tile set to their given values (entries naming one column hold
     one value, so their order does not matter)."""
-    first = tl.min(cols, axis=0)
-    last = tl.max(cols, axis=0)
     at = rows.to(tl.int64) * named.count
     for k in range(named.count):
-        col = tl.load(named.ids + at + k, mask=row_mask, other=-1)
-        hit = row_mask & (col >= first) & (col <= last)
+        col, hit = named_hit(named, at + k, row_mask, cols)
         if tl.max(hit.to(tl.int32), axis=0) > 0:
             value = tl.load(named.entries + at + k, mask=hit, other=0.0)
             dz = tl.where(cols[None, :] == col[:, None], value[:, None].to(dz.dtype), dz)
