@@ -18,7 +18,7 @@ def _rel(a, b):
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "distillation_loss", "grpo_loss"])
-def test_ignored_rows_with_huge_logits_give_finite_gradients(backend, op, monkeypatch):
+def test_ignored_rows_with_huge_logits_give_finite_gradients(backend, device, op, monkeypatch):
     """Ignored / masked rows must not contribute, even when exp of their logits overflows (inf * 0 = NaN)."""
     g = torch.Generator().manual_seed(0)
     n, d, v = 6, 8, 37
@@ -28,6 +28,7 @@ def test_ignored_rows_with_huge_logits_give_finite_gradients(backend, op, monkey
     w = torch.randn(v, d, generator=g)
     y = torch.randint(0, v, (n,), generator=g)
     y[2] = y[4] = -100
+    h, w, y = h.to(device), w.to(device), y.to(device)
     for eager in ("1", "0"):
         monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -37,7 +38,8 @@ def test_ignored_rows_with_huge_logits_give_finite_gradients(backend, op, monkey
             loss = fusedloss.distillation_loss(hh, ww, h.nan_to_num(), w, y, beta=0.5, backend=backend)
         else:
             mask = (y >= 0).reshape(2, 3)
-            loss = fusedloss.grpo_loss(hh.reshape(2, 3, d), ww, y.clamp(min=0).reshape(2, 3), torch.tensor([1.0, -1.0]),
+            loss = fusedloss.grpo_loss(hh.reshape(2, 3, d), ww, y.clamp(min=0).reshape(2, 3),
+                                       torch.tensor([1.0, -1.0], device=device),
                                        mask, temperature=0.3, backend=backend)
         loss.backward()
         assert torch.isfinite(loss), (op, eager)
@@ -46,12 +48,13 @@ def test_ignored_rows_with_huge_logits_give_finite_gradients(backend, op, monkey
         assert (hh.grad[[2, 4]] == 0).all(), (op, eager)
 
 
-def test_grpo_ids_outside_the_mask_are_never_read_and_inside_must_be_tokens(backend):
+def test_grpo_ids_outside_the_mask_are_never_read_and_inside_must_be_tokens(backend, device):
     g = torch.Generator().manual_seed(1)
     h, w = torch.randn(2, 3, 5, generator=g, dtype=torch.float64), torch.randn(11, 5, generator=g, dtype=torch.float64)
     ids = torch.randint(0, 11, (2, 3), generator=g)
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]], dtype=torch.bool)
     adv = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    h, w, ids, mask, adv = (t.to(device) for t in (h, w, ids, mask, adv))
     padded = ids.clone()
     padded[~mask] = -1  # pad ids outside the vocabulary, outside the mask: fine
     a = fusedloss.grpo_loss(h, w, padded, adv, mask, backend=backend)
@@ -65,7 +68,7 @@ def test_grpo_ids_outside_the_mask_are_never_read_and_inside_must_be_tokens(back
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dapo"])
-def test_grpo_fractional_mask_weights_tokens_like_trl(backend, level, loss_type):
+def test_grpo_fractional_mask_weights_tokens_like_trl(backend, device, level, loss_type):
     """TRL multiplies per-token terms by the mask (tool masks, partial credit): a 0.5 weighs half."""
     g = torch.Generator().manual_seed(2)
     h = torch.randn(2, 4, 6, generator=g, dtype=torch.float64).requires_grad_()
@@ -74,6 +77,8 @@ def test_grpo_fractional_mask_weights_tokens_like_trl(backend, level, loss_type)
     mask = torch.tensor([[1.0, 0.5, 0.25, 0.0], [1.0, 1.0, 0.0, 0.0]], dtype=torch.float64)
     adv = torch.tensor([0.7, -0.3], dtype=torch.float64)
     old = torch.randn(2, 4, generator=g, dtype=torch.float64) * 0.1 - 2.0
+    h = h.detach().to(device).requires_grad_()
+    w, ids, mask, adv, old = (t.to(device) for t in (w, ids, mask, adv, old))
     kw = dict(old_logprobs=old, loss_type=loss_type, importance_sampling_level=level, return_details=True)
     loss, det = fusedloss.grpo_loss(h, w, ids, adv, mask, backend=backend, **kw)
     ref_loss, ref_det = reference.grpo_loss(h, w, ids, adv, mask, **kw)
@@ -155,12 +160,13 @@ def test_forced_eager_path_matches_the_reference_across_chunks(case, monkeypatch
         assert _rel(a, e) < 1e-10
 
 
-def test_nan_padding_rows_stay_out_of_the_weight_gradient(backend, monkeypatch):
+def test_nan_padding_rows_stay_out_of_the_weight_gradient(backend, device, monkeypatch):
     """Fully masked attention rows can leave NaN hidden states in padding: ignored rows must not touch d weight."""
     g = torch.Generator().manual_seed(5)
     h, w = torch.randn(4, 6, generator=g), torch.randn(19, 6, generator=g)
     h[1] = float("nan")
     y = torch.tensor([3, -100, 7, 5])
+    h, w, y = h.to(device), w.to(device), y.to(device)
     for eager in ("0", "1"):
         monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
@@ -178,7 +184,7 @@ def _with_backend(backend):
 
 
 @pytest.mark.parametrize("op", ["token_logprobs", "cross_entropy", "kl_fwd", "kl_rev", "jsd"])
-def test_minus_inf_bias_masks_vocabulary_entries(backend, op, monkeypatch):
+def test_minus_inf_bias_masks_vocabulary_entries(backend, device, op, monkeypatch):
     """A -inf bias (vocabulary masking) gives q = 0 there: finite statistics and gradients like the reference,
     also when a whole vocabulary tile is masked."""
     from fusedloss.core import torch_backend
@@ -192,6 +198,7 @@ def test_minus_inf_bias_masks_vocabulary_entries(backend, op, monkeypatch):
     b[-3:] = -math.inf
     y = torch.tensor([1, 20, 30])
     ht, wt = torch.randn(n, d, generator=g, dtype=torch.float64), torch.randn(v, d, generator=g, dtype=torch.float64)
+    h, w, b, y, ht, wt = (t.to(device) for t in (h, w, b, y, ht, wt))
 
     # The reference's autograd turns 0 * log 0 into NaN gradients; a bias of -1e4 underflows exp to exactly 0
     # in float64 and is the same problem for it.
@@ -219,15 +226,17 @@ def test_minus_inf_bias_masks_vocabulary_entries(backend, op, monkeypatch):
             assert _rel(a, e) < 1e-9, (op, eager)
 
 
-def test_grpo_kl_metric_is_a_masked_mean_even_for_one_token_completions(backend):
+def test_grpo_kl_metric_is_a_masked_mean_even_for_one_token_completions(backend, device):
     g = torch.Generator().manual_seed(7)
     h, w = torch.randn(2, 1, 4, generator=g, dtype=torch.float64), torch.randn(9, 4, generator=g, dtype=torch.float64)
     ids = torch.tensor([[2], [5]])
     mask = torch.tensor([[1], [0]], dtype=torch.bool)
     ref_lp = torch.full((2, 1), -1.0, dtype=torch.float64)
-    _, det = fusedloss.grpo_loss(h, w, ids, torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
+    adv = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    h, w, ids, mask, ref_lp, adv = (t.to(device) for t in (h, w, ids, mask, ref_lp, adv))
+    _, det = fusedloss.grpo_loss(h, w, ids, adv, mask,
                                  ref_logprobs=ref_lp, beta=0.1, return_details=True, backend=backend)
-    _, want = reference.grpo_loss(h, w, ids, torch.tensor([1.0, -1.0], dtype=torch.float64), mask,
+    _, want = reference.grpo_loss(h, w, ids, adv, mask,
                                   ref_logprobs=ref_lp, beta=0.1, return_details=True)
     assert _rel(det.kl, want.kl) < 1e-12
 

@@ -147,12 +147,20 @@ def test_ties_take_the_smaller_id_first(tiles, k):
             assert row_v[j] > row_v[j + 1] or (row_v[j] == row_v[j + 1] and row_i[j] < row_i[j + 1])
 
 
-def test_every_backend_gives_the_same_result(backend):
-    h, w = tied_head(torch.float32)
-    b = torch.linspace(-1, 1, 23)
+def test_every_backend_gives_the_same_result(backend, device):
+    """Ties resolve alike on every backend. On the CPU the backends share their arithmetic to the bit; on a GPU
+    the values come from different exponentials and sums (cuBLAS and torch vs Triton), so they agree to fp32
+    rounding while the ids, integer logits with ties, stay identical."""
+    h, w = (t.to(device) for t in tied_head(torch.float32))
+    b = torch.linspace(-1, 1, 23, device=device)
     ref = fusedloss.topk_logprobs(h, w, 6, bias=b, return_lse=True, backend="torch")
     got = fusedloss.topk_logprobs(h, w, 6, bias=b, return_lse=True, backend=backend)
-    assert torch.equal(got.ids, ref.ids) and torch.equal(got.logprobs, ref.logprobs) and torch.equal(got.lse, ref.lse)
+    assert torch.equal(got.ids, ref.ids)
+    if device.type == "cpu":
+        assert torch.equal(got.logprobs, ref.logprobs) and torch.equal(got.lse, ref.lse)
+    else:
+        torch.testing.assert_close(got.logprobs, ref.logprobs, rtol=2e-6, atol=2e-6)
+        torch.testing.assert_close(got.lse, ref.lse, rtol=2e-6, atol=2e-6)
 
 
 def test_float32_within_the_naive_error(tiles):
