@@ -317,7 +317,7 @@ def gpu_model_key(name: Optional[str]) -> Optional[str]:
 
 def free_bytes_now(device) -> Optional[int]:
     """Memory free for torch on the device: the driver's free memory plus what torch's allocator caches
-    unused (what the CUDA backend sizes its workspace from, fusedloss/cuda/backend.py ``_free_bytes``)."""
+    unused (what the CUDA backend sizes its workspace from, fusedloss/backends/cuda/backend.py ``_free_bytes``)."""
     import torch
 
     if device.type != "cuda":
@@ -345,9 +345,9 @@ def modelled(op: str, impl: str, n: int, d: int, v: int, dtype: str, gpu: str, d
     if backend == "auto":
         import torch
 
-        from fusedloss.core import backends
+        from fusedloss.core import registry
 
-        backend = backends.resolve("auto", torch.device(device_type))
+        backend = registry.resolve("auto", torch.device(device_type))
         info["auto_resolves_to"] = backend
     why = None
     if backend in ("cuda", "triton"):
@@ -1356,9 +1356,9 @@ def availability(name: str, op: str, device: str, compile_mode: str = "default")
 def resolve_auto(device: str) -> str:
     import torch
 
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
-    return "fusedloss:" + backends.resolve("auto", torch.device(device))
+    return "fusedloss:" + registry.resolve("auto", torch.device(device))
 
 
 def main(argv=None) -> int:

@@ -4,8 +4,8 @@
         --dtype bfloat16 --gpu h200 --json
     python benchmarks/cost_model.py --table            # the before/after table (markdown)
 
-It asks the backend's ``plan(workload, gpu, free_bytes)`` (``fusedloss.cuda.backend.plan``,
-``fusedloss.triton.backend.plan``: the functions the backends use for their run-time choices) and evaluates
+It asks the backend's ``plan(workload, gpu, free_bytes)`` (``fusedloss.backends.cuda.backend.plan``,
+``fusedloss.backends.triton.backend.plan``: the functions the backends use for their run-time choices) and evaluates
 it with ``fusedloss.core.cost.evaluate``: GEMM flops, the bytes each pass moves through HBM, the modelled
 time (a roofline per pass, with the GEMM-shape efficiency and launch costs of ``fusedloss.core.cost``) and
 its ratio to the product-count bound (the fewest GEMM-sized products any exact method needs, at the
@@ -50,7 +50,8 @@ class NoPlan(RuntimeError):
 
 def backend_plan_function(backend: str):
     """The backend module's ``plan(workload, gpu, free_bytes=None)``, or NoPlan saying why there is none."""
-    module_name = {"cuda": "fusedloss.cuda.backend", "triton": "fusedloss.triton.backend"}.get(backend)
+    module_name = {"cuda": "fusedloss.backends.cuda.backend",
+                   "triton": "fusedloss.backends.triton.backend"}.get(backend)
     if module_name is None:
         raise NoPlan(f"--backend must be 'cuda' or 'triton' (the GPU backends), got {backend!r}")
     try:

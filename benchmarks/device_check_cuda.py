@@ -91,14 +91,14 @@ def _host_public_api(ctx: Context):
     if not ctx.smoke:
         yield
         return
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
-    original = backends.resolve
-    backends.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
+    original = registry.resolve
+    registry.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
     try:
         yield
     finally:
-        backends.resolve = original
+        registry.resolve = original
 
 
 @contextlib.contextmanager
@@ -211,9 +211,9 @@ def _judge_gradients(checks, label, grads, truth, naive):
 def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
     import torch
 
+    from fusedloss.backends.cuda import backend as cuda
     from fusedloss.core.eager import formed
     from fusedloss.core.problem import GradientNeeds
-    from fusedloss.cuda import backend as cuda
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     p, raw = _make(ctx, name, n, v, d, dtype, peaked, teacher)
@@ -257,9 +257,9 @@ def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
 def path_checks(ctx, results):
     import torch
 
+    from fusedloss.backends.cuda import backend as cuda
     from fusedloss.core.eager import formed
     from fusedloss.core.problem import GradientNeeds
-    from fusedloss.cuda import backend as cuda
 
     checks, info = [], {}
     n, v, d = ctx.N_path, ctx.V[1], ctx.D
@@ -374,9 +374,9 @@ def confident_checks(ctx, results):
     """fp32 rows with lse ~ 30 and 1 - q_y from ~0.1 to ~1e-4: logp and d sum(logp) within 1e-5 of float64."""
     import torch
 
+    from fusedloss.backends.cuda import backend as cuda
     from fusedloss.core.eager import formed
     from fusedloss.core.problem import GradientNeeds, LogitTransform, StatsProblem
-    from fusedloss.cuda import backend as cuda
 
     dev = ctx.device
     checks = []
@@ -452,7 +452,7 @@ def timing_checks(ctx, results):
 
     import fusedloss
     from benchmarks import cases, cost_model
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.backends.cuda import backend as cuda
 
     n, d, v = ctx.timing_shape
     rows = []
@@ -535,7 +535,7 @@ def environment(ctx):
 
     import fusedloss
     from benchmarks import cost_model
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.backends.cuda import backend as cuda
 
     env = {"status": fusedloss.backend_status(), "torch": torch.__version__, "runtime": cuda.runtime_info(),
            "smoke": ctx.smoke}
@@ -568,7 +568,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.backends.cuda import backend as cuda
 
     ctx = Context(args.cpu_smoke, args.quick, args.budget_s)
     report = {"sections": list(args.only), "cases": []}

@@ -150,7 +150,7 @@ def _problem_kwargs(c, tf, teacher, y, workspace_mb):
 
 def run_case(c: dict, dtype: torch.dtype, device, path: str, workspace_mb, global_tf32: bool = False) -> dict:
     """One case on one path: statistics (composable path) and gradients against float64 and naive."""
-    from fusedloss.triton import backend as tb
+    from fusedloss.backends.triton import backend as tb
 
     h64, w64, b64, y, teacher64 = make_case(c, device)
     # The run in dtype sees rounded values; the references use exactly those values.
@@ -304,7 +304,7 @@ def determinism(c: dict, dtype, device) -> dict:
 def top1_ties(device, dtypes) -> list:
     """is_top1 = first argmax on exact ties, through the backend protocol (forward_statistics), with the tied
     tokens in one tile, in different tiles and in different vocabulary splits."""
-    from fusedloss.triton import backend as tb
+    from fusedloss.backends.triton import backend as tb
 
     g = torch.Generator().manual_seed(0)
     n, d, v = 64, 64, 5003
@@ -370,7 +370,7 @@ def _median_ms(fn, device, repeat: int) -> float:
 def timing(device, smoke: bool) -> list:
     """Forward, composable backward and eager path of cross-entropy-like problems timed separately, beside
     one cuBLAS product of the same size and the cost model's passes for the plan the backend ran."""
-    from fusedloss.triton import backend as tb
+    from fusedloss.backends.triton import backend as tb
 
     shapes = ([("bfloat16", 64, 64, 1031), ("float32", 32, 64, 1031)] if smoke else
               [("bfloat16", 16384, 4096, 151936), ("float32", 4096, 4096, 151936)])
@@ -453,7 +453,7 @@ def legacy_plan(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
 
 
 def cost_table() -> list:
-    from fusedloss.triton import backend as tb
+    from fusedloss.backends.triton import backend as tb
 
     gpu = cost.GPUS["h200"]
     rows = []

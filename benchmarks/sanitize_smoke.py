@@ -38,10 +38,10 @@ def tiles(device: str) -> int:
     torch backend. Returns the number of failures."""
     import math
 
-    from fusedloss.core import torch_backend
+    from fusedloss.backends import torch as torch_backend
+    from fusedloss.backends.cuda import backend as cuda
     from fusedloss.core.eager import formed
     from fusedloss.core.problem import GradientNeeds, LogitTransform, StatsProblem
-    from fusedloss.cuda import backend as cuda
 
     failures = 0
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ computing a loss over ``N`` tokens with hidden size ``D`` and vocabulary ``V`` (
   ``[N]`` statistics held; one ``[min(N, 4096), min(V, 32768)]`` tile in the operand dtype per pass; the backward
   recomputes the logits: 4 products.
 * fusedloss: ``[N]`` statistics held (and, on the eager path, the gradients themselves); the logits workspace
-  of the GPU backend's plan (``fusedloss.cuda.backend.plan``, the function the
+  of the GPU backend's plan (``fusedloss.backends.cuda.backend.plan``, the function the
   cost model evaluates and the backend runs by) and its products (3 on the eager path of a loss known in the
   forward, 4 for log-probs whose loss comes later); on a CPU, the torch backend's ``[1024, 4096]`` fp32 tiles
   (a few live at a time) and its 4 products (without a teacher it takes the recomputing path there).
@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Optional
 
 from . import config as _config
+from .backends import torch as _torch_backend
 from .core import cost
-from .core import torch_backend as _torch_backend
 
 __all__ = ["SizingEstimate", "estimate"]
 
@@ -160,7 +160,7 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         print(fusedloss.estimate("Qwen2.5-7B/config.json", tokens=16384))
         print(fusedloss.estimate(hidden_size=3584, vocab_size=152064, tokens=16384, dtype="bf16", op="grpo"))
     """
-    from .cuda import backend as cuda_backend
+    from .backends.cuda import backend as cuda_backend
 
     given_d, given_v = _read_config(config) if config is not None else (None, None)
     d = _positive_int("hidden_size", hidden_size if hidden_size is not None else given_d)

@@ -40,8 +40,8 @@ def test_the_issue_command_prints_one_json_object():
 
 
 def test_estimate_evaluates_the_backends_own_plan():
-    """The model's figures are those of fusedloss.cuda.backend.plan, not of a copy of it."""
-    from fusedloss.cuda import backend as cuda
+    """The model's figures are those of fusedloss.backends.cuda.backend.plan, not of a copy of it."""
+    from fusedloss.backends.cuda import backend as cuda
 
     w = cost.Workload(op="token_logprobs", n=4096, d=4096, v=128256)
     free = cost.GPUS["h200"].memory_bytes // 2
@@ -51,7 +51,7 @@ def test_estimate_evaluates_the_backends_own_plan():
 
 
 def test_triton_plan_is_used_when_the_backend_has_one_and_missing_said_clearly():
-    import fusedloss.triton.backend as triton_backend
+    import fusedloss.backends.triton.backend as triton_backend
 
     rc, out, err = cli("--op", "token_logprobs", "--backend", "triton", "--json")
     e = json.loads(out)

@@ -4,7 +4,7 @@ A ``TorchDispatchMode`` logs every aten op of one forward and backward of each e
 CUDA backend's code on CPU tensors, the kernels' host twins in place of the launches), at two chunk counts;
 the difference is what one more row chunk costs, the rest what the call costs once. Views and allocations
 (no kernel on a GPU) and the GEMM-sized products (priced apart) are left out. The model's constants
-(fusedloss/cuda/backend.py, ``small_launches``) must cover what the trace
+(backends/cuda/backend.py, ``small_launches``) must cover what the trace
 counts without overstating it, so the model follows the code.
 """
 
@@ -15,8 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedloss
-from fusedloss.core import backends
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.core import registry
 
 pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
 
@@ -61,8 +61,8 @@ def _call(op: str, n: int, chunk_rows: int) -> int:
 @pytest.fixture
 def host_mode(monkeypatch):
     """The CUDA backend on CPU tensors (its host twins), the eager path forced."""
-    real = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
+    real = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
     monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
 
 

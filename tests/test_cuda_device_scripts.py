@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends.cuda import backend as cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")

@@ -1,7 +1,7 @@
 """The CUDA backend's kernel math, checked on the CPU through the extension's host twins.
 
 ``fusedloss._C`` exports, beside the device kernels, host loops that run the same ``__host__ __device__``
-functions (csrc/fusedloss/math.h, tile.h) over CPU pointers, and ``fusedloss.cuda.backend`` runs them
+functions (csrc/fusedloss/math.h, tile.h) over CPU pointers, and ``fusedloss.backends.cuda.backend`` runs them
 when handed CPU tensors. These tests compare them with float64 brute force on materialised logits and
 with the torch backend: every statistic, ignored rows, bias, scale, soft-cap, temperature, peaked rows,
 prime vocabularies, one token, a teacher (with its own logit_scale and soft-cap), the JSD, multi-tile
@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from fusedloss.core import torch_backend
+from fusedloss.backends import torch as torch_backend
+from fusedloss.backends.cuda import backend as cuda
 from fusedloss.core.problem import NUM_COEFFS, GradientNeeds, LogitTransform, Statistics, StatsProblem
-from fusedloss.cuda import backend as cuda
 
 pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
 
@@ -532,10 +532,10 @@ def test_deferred_d_weight_through_autograd(monkeypatch):
     gradient scales d hidden and d weight as the torch backend's autograd does; a second backward raises, as
     for any graph that was not retained."""
     import fusedloss
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
     monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
     g = torch.Generator().manual_seed(6)
     h, w = torch.randn(6, 16, generator=g), torch.randn(53, 16, generator=g) / 4
@@ -625,10 +625,10 @@ def test_public_api_edges_on_the_host_path(eager, monkeypatch):
     import math
 
     import fusedloss
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
     monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
     g = torch.Generator().manual_seed(5)
     h, w = torch.randn(4, 6, generator=g), torch.randn(19, 6, generator=g)

@@ -1,6 +1,6 @@
 """The CUDA backend's plan: the decisions it takes for a call, checked without a GPU.
 
-``fusedloss.cuda.backend.plan`` is what the backend uses at run time and what the cost model evaluates:
+``fusedloss.backends.cuda.backend.plan`` is what the backend uses at run time and what the cost model evaluates:
 workspace from free memory (bounded, overridable), tile and chunk shapes, the eager path only where its
 chunks pay, accumulation inside the GEMM, padded leading dimensions. These tests pin those decisions at
 the acceptance shapes (H200, D=4096, bf16) and check that the run-time code follows the plan (tile shapes,
@@ -16,9 +16,9 @@ import torch
 
 import fusedloss
 from fusedloss import config
-from fusedloss.core import backends, cost
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.core import cost, registry
 from fusedloss.core.problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
-from fusedloss.cuda import backend as cuda
 
 H200 = cost.GPUS["h200"]
 GIB = 2**30
@@ -366,7 +366,7 @@ def test_release_workspace_drops_the_kept_buffers(monkeypatch):
 def test_release_workspace_never_imports_a_backend(monkeypatch):
     """A backend never imported keeps nothing: releasing does not import it (the CUDA backend loads its
     extension on import)."""
-    monkeypatch.delitem(sys.modules, "fusedloss.cuda.backend")
+    monkeypatch.delitem(sys.modules, "fusedloss.backends.cuda.backend")
     monkeypatch.setattr(cuda, "_BUFFERS", {(0, 7): torch.empty(64, dtype=torch.uint8)})
-    assert backends.release_workspace() == 0
-    assert "fusedloss.cuda.backend" not in sys.modules
+    assert registry.release_workspace() == 0
+    assert "fusedloss.backends.cuda.backend" not in sys.modules

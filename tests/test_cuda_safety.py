@@ -22,8 +22,8 @@ import torch
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.core import registry
 
 built = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
 F64 = torch.float64
@@ -75,9 +75,9 @@ def test_availability_with_the_extension_and_no_device(monkeypatch):
         pytest.skip("a CUDA device is visible")
     assert cuda.availability() == "built; no CUDA device visible"
     assert fusedloss.backend_status()["cuda"] == "built; no CUDA device visible"
-    monkeypatch.setattr(backends, "_CUDA_SKIP_WARNED", [])
+    monkeypatch.setattr(registry, "_CUDA_SKIP_WARNED", [])
     with pytest.warns(UserWarning, match="because the CUDA backend cannot run: built; no CUDA device visible"):
-        assert backends.resolve("auto", torch.device("cuda")) != "cuda"
+        assert registry.resolve("auto", torch.device("cuda")) != "cuda"
     info = cuda.runtime_info()
     assert info["devices"] == 0 and info["driver"] is None and info["runtime"].count(".") == 1
 
@@ -193,8 +193,8 @@ def _grads(h16, w16, y, run):
 @built
 @pytest.mark.parametrize("path", ["eager", "composable"])
 def test_fp16_gradients_survive_a_gradscaler_sized_scale(path, monkeypatch):
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
     monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if path == "eager" else "0")
     h16, w16, y = _fp16_case()
     scale = 2.0**16
@@ -235,7 +235,7 @@ def test_fp16_pre_scale_is_exact_and_keeps_tiny_values():
 # ------------------------------------------------------------------------------------------------
 TF32_SCRIPT = r"""
 import os, torch
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends.cuda import backend as cuda
 m = torch.backends.cuda.matmul
 dev = torch.device("cuda")
 inside = []

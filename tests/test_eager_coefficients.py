@@ -17,11 +17,12 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss.core import backends, eager, torch_backend
+from fusedloss.backends import torch as torch_backend
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.backends.triton import backend as tb
+from fusedloss.core import eager, registry
 from fusedloss.core.problem import Statistics
 from fusedloss.core.statistics import dz_coefficients
-from fusedloss.cuda import backend as cuda
-from fusedloss.triton import backend as tb
 
 FIELDS = Statistics._fields
 # the statistics whose gradients enter the coefficients
@@ -269,8 +270,8 @@ def test_eager_gradients_are_the_materialised_bits(backend_name, case, monkeypat
     monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
     kw = {}
     if backend_name == "cuda":  # the CUDA backend's code on CPU tensors (its host twins)
-        real = backends.resolve
-        monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
+        real = registry.resolve
+        monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
     elif backend_name == "torch":
         monkeypatch.setattr(torch_backend, "eager_rows", lambda p: 8)
     else:

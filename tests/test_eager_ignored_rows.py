@@ -15,13 +15,13 @@ from conftest import rel_err
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
+from fusedloss.core import registry
 
 
 def _recording(monkeypatch, backend):
     """Record the row count of every problem the backend's eager path is handed."""
     seen = []
-    module = backends.get(backend)
+    module = registry.get(backend)
     original = module.eager_gradients
 
     def eager_gradients(p, chunk_fn, needs):

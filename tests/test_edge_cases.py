@@ -10,7 +10,7 @@ import torch
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
+from fusedloss.core import registry
 
 
 def _rel(a, b):
@@ -106,7 +106,7 @@ def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
         pytest.skip("with a GPU, CPU tensors are the case to check: covered by the device script")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        backends.resolve("triton", torch.device("cpu"))
+        registry.resolve("triton", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name,kwargs", [("unbiased", {"unbiased": 1}),
@@ -120,7 +120,7 @@ def test_group_advantages_flags_are_bools(name, kwargs):
 def test_forced_eager_path_matches_the_reference_across_chunks(case, monkeypatch):
     """The 3-product path (taken on GPUs and for distillation by policy) on every row-local loss, forced and
     cut into chunks of 3 rows, against the float64 reference: values and gradients."""
-    from fusedloss.core import torch_backend
+    from fusedloss.backends import torch as torch_backend
 
     monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
     monkeypatch.setattr(torch_backend, "eager_rows", lambda p: 3)
@@ -181,7 +181,7 @@ def _with_backend(backend):
 def test_minus_inf_bias_masks_vocabulary_entries(backend, op, monkeypatch):
     """A -inf bias (vocabulary masking) gives q = 0 there: finite statistics and gradients like the reference,
     also when a whole vocabulary tile is masked."""
-    from fusedloss.core import torch_backend
+    from fusedloss.backends import torch as torch_backend
 
     monkeypatch.setattr(torch_backend, "VOCAB_TILE", 8)
     g = torch.Generator().manual_seed(6)
@@ -391,7 +391,7 @@ def test_kl_next_to_a_masked_entry_does_not_depend_on_the_tiling(beta, eager, mo
     """A probability that underflows only at the row's scale (logit -490 against a maximum of 688) facing a
     masked (-inf) entry on the other side: the KL is +inf (mass where the other side has none), whatever the
     vocabulary tile; it was 1.79, inf or NaN depending on VOCAB_TILE."""
-    from fusedloss.core import torch_backend
+    from fusedloss.backends import torch as torch_backend
 
     monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
     v = 7

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss.core import backends, cost
+from fusedloss.backends.cuda import backend as cuda_backend
+from fusedloss.backends.triton import backend as tb
+from fusedloss.core import cost, registry
 from fusedloss.core.problem import LogitTransform, StatsProblem
-from fusedloss.cuda import backend as cuda_backend
-from fusedloss.triton import backend as tb
 
 # (torch's device name, capability, SMs, memory, gfx name on ROCm) -> the table entry both backends price it as
 DEVICES = [
@@ -46,7 +46,7 @@ def test_both_backends_price_a_device_as_the_same_gpu(monkeypatch, name, capabil
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(torch.version, "hip", "6.4" if arch else None)
-    backends._device_gpu.cache_clear()
+    registry._device_gpu.cache_clear()
     tb._cuda_target.cache_clear()
     try:
         device = torch.device("cuda", 0)
@@ -56,7 +56,7 @@ def test_both_backends_price_a_device_as_the_same_gpu(monkeypatch, name, capabil
         assert tb.gpu_of(device) == cuda_backend.gpu_of(device) == spec
         assert tb.device_target(device) == (arch or f"sm_{capability[0]}{capability[1]}")
     finally:
-        backends._device_gpu.cache_clear()
+        registry._device_gpu.cache_clear()
         tb._cuda_target.cache_clear()
 
 
@@ -174,8 +174,8 @@ def test_backend_status_says_which_gpu_the_plans_price(monkeypatch, name, capabi
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
     monkeypatch.setattr(torch.version, "hip", "6.4" if arch else None)
-    backends._device_gpu.cache_clear()
+    registry._device_gpu.cache_clear()
     try:
-        assert backends.gpu_model() == want
+        assert registry.gpu_model() == want
     finally:
-        backends._device_gpu.cache_clear()
+        registry._device_gpu.cache_clear()

@@ -30,8 +30,8 @@ from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, make_head, rel_er
 
 import fusedloss  # noqa: E402
 from fusedloss import reference  # noqa: E402
-from fusedloss.core import backends  # noqa: E402
-from fusedloss.cuda import backend as cuda_backend  # noqa: E402
+from fusedloss.backends.cuda import backend as cuda_backend  # noqa: E402
+from fusedloss.core import registry  # noqa: E402
 
 B, C, D, V = 3, 5, 11, 37
 RATIOS = torch.tensor([0.5, 0.7, 0.9, 1.0, 1.1, 1.37, 1.7], dtype=torch.float64)
@@ -238,8 +238,8 @@ def _cuda_host(monkeypatch):
     """Route backend="cuda" to the CUDA backend with CPU tensors: its host twins run the kernels' math."""
     if not cuda_backend.extension_built():
         pytest.skip(f"CUDA extension not built: {cuda_backend.availability()}")
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
 
 
 ALL_BACKENDS = BACKENDS + ([] if "cuda" in BACKENDS else ["cuda-host"])

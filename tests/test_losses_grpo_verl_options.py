@@ -15,8 +15,8 @@ from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, rel_err
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
-from fusedloss.cuda import backend as cuda_backend
+from fusedloss.backends.cuda import backend as cuda_backend
+from fusedloss.core import registry
 
 pytest.importorskip("trl")
 from test_losses_grpo import grpo_data  # noqa: E402
@@ -65,8 +65,8 @@ def _backend(which, monkeypatch):
         return which, device_for(which)
     if not cuda_backend.extension_built():
         pytest.skip(f"CUDA extension not built: {cuda_backend.availability()}")
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
     return "cuda", torch.device("cpu")
 
 

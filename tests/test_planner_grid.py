@@ -19,9 +19,9 @@ import warnings
 
 import pytest
 
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.backends.triton import backend as tb
 from fusedloss.core import cost
-from fusedloss.cuda import backend as cuda
-from fusedloss.triton import backend as tb
 
 OPS = tuple(cost.OPS)
 GPUS = tuple(cost.GPUS)

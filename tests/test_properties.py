@@ -40,7 +40,8 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import fusedloss
-from fusedloss.core import backends, torch_backend
+from fusedloss.backends import torch as torch_backend
+from fusedloss.core import registry
 
 F64 = torch.float64
 PRIMES = (1, 2, 3, 5, 7, 11, 13, 17, 31, 37)
@@ -97,7 +98,7 @@ def configured(backend: str, eager: Optional[str], tiles: Optional[tuple]):
     """FUSEDLOSS_EAGER, the torch backend's tile sizes and (for the CUDA host twins) the backend resolution,
     for the forward and the backward of one run alike."""
     saved_env = os.environ.get("FUSEDLOSS_EAGER")
-    saved = (torch_backend.ROW_CHUNK, torch_backend.VOCAB_TILE, torch_backend.eager_rows, backends.resolve)
+    saved = (torch_backend.ROW_CHUNK, torch_backend.VOCAB_TILE, torch_backend.eager_rows, registry.resolve)
     try:
         if eager is None:
             os.environ.pop("FUSEDLOSS_EAGER", None)
@@ -109,14 +110,14 @@ def configured(backend: str, eager: Optional[str], tiles: Optional[tuple]):
             torch_backend.eager_rows = lambda p: rows
         if backend == "cuda" and not torch.cuda.is_available():
             original = saved[3]
-            backends.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
+            registry.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
         yield
     finally:
         if saved_env is None:
             os.environ.pop("FUSEDLOSS_EAGER", None)
         else:
             os.environ["FUSEDLOSS_EAGER"] = saved_env
-        torch_backend.ROW_CHUNK, torch_backend.VOCAB_TILE, torch_backend.eager_rows, backends.resolve = saved
+        torch_backend.ROW_CHUNK, torch_backend.VOCAB_TILE, torch_backend.eager_rows, registry.resolve = saved
 
 
 # --------------------------------------------------------------------------------------------------

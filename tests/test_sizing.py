@@ -9,8 +9,8 @@ import pytest
 
 import fusedloss
 from fusedloss.__main__ import main
+from fusedloss.backends.cuda import backend as cuda_backend
 from fusedloss.core import cost
-from fusedloss.cuda import backend as cuda_backend
 
 GiB, MiB = 2**30, 2**20
 QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "vocab_size": 152064}

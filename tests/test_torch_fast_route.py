@@ -1,4 +1,4 @@
-"""The torch backend's eager fast route (core/torch_backend.py: ``_eager_partials``, ``_dz_from_frame``).
+"""The torch backend's eager fast route (backends/torch.py: ``_eager_partials``, ``_dz_from_frame``).
 
 On a CPU an eager chunk of a cross-entropy, GRPO or reverse-KL distillation loss forms its statistics in place
 and its dz from the forward's exp(z - m), in fewer passes over the [rows, V] tile than the general route. Both
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss.core import torch_backend
+from fusedloss.backends import torch as torch_backend
 
 V = 53  # prime
 

@@ -23,7 +23,7 @@ import torch
 from conftest import make_head, make_teacher, rel_err
 
 from fusedloss import reference
-from fusedloss.core import torch_backend
+from fusedloss.backends import torch as torch_backend
 from fusedloss.core.problem import (
     GradientNeeds,
     LogitTransform,
@@ -32,7 +32,7 @@ from fusedloss.core.problem import (
 )
 from fusedloss.core.statistics import dz_coefficients
 
-triton_backend = pytest.importorskip("fusedloss.triton.backend")
+triton_backend = pytest.importorskip("fusedloss.backends.triton.backend")
 if triton_backend.availability() != "available":  # pragma: no cover - depends on the machine
     pytest.skip(f"triton backend: {triton_backend.availability()}", allow_module_level=True)
 

@@ -105,7 +105,7 @@ def _install_stub_driver(arch: str = "sm_90a"):
     from triton import knobs
     from triton.runtime import driver
 
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend
 
     target = _gpu_target(arch)
     # meta tensors launch as the backend would on the target: its tiles and its fp32 precision
@@ -169,8 +169,8 @@ def _problem(dtype, n, d, v, scenario):
 def _run_paths(p, cfg, paths):
     import torch
 
+    from fusedloss.backends.triton import backend
     from fusedloss.core.problem import GradientNeeds
-    from fusedloss.triton import backend
 
     needs = GradientNeeds(True, True, p.bias is not None)
     if "composable" in paths:
@@ -192,7 +192,7 @@ def _run_paths(p, cfg, paths):
 def _count():
     import torch
 
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend
 
     _, launches = _install_stub_driver()
     ns = (1, 7, 300, 4096)
@@ -261,7 +261,7 @@ _JOBS: list = []
 def _launched_tiles(rec) -> str:
     """The tile configuration a recorded launch ran with (its ``Tiles`` constexpr, warps and stages): the
     eager path's kernels run with tiles of their own, not the candidate the composable path was given."""
-    from fusedloss.triton.backend import TileConfig
+    from fusedloss.backends.triton.backend import TileConfig
 
     tiles = next(v for v in rec["constants"].values() if type(v).__name__ == "Tiles")
     return repr(TileConfig(int(tiles.BLOCK_M), int(tiles.BLOCK_V), int(tiles.BLOCK_K), rec["num_warps"],
@@ -305,7 +305,7 @@ def _compile(dtypes=("bfloat16", "float16", "float32"), arch: str = "sm_90a", de
 
     import torch
 
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend
 
     _, launches = _install_stub_driver(arch)
     seen = set()

@@ -5,7 +5,7 @@ the backend's Python is the GPU's), and the backend's own kernel launches are co
 allocations (no kernel on a GPU) and the GEMM-sized products (priced apart) are left out, and so are the aten
 ops the interpreter itself runs inside a kernel. The eager path runs at two chunk counts (the difference is
 what one more chunk costs, the rest what the call costs once); the composable one at two backward block
-counts. The model's figures (fusedloss/triton/backend.py, ``small_launches``) must cover what the trace counts
+counts. The model's figures (fusedloss/backends/triton/backend.py, ``small_launches``) must cover what the trace counts
 without overstating it by more than a third, so the model follows the code.
 """
 
@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedloss
-from fusedloss.triton import backend as tb
+from fusedloss.backends.triton import backend as tb
 
 _PRODUCTS = {"mm", "addmm", "addmm_", "baddbmm", "bmm", "matmul"}
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",

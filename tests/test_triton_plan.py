@@ -23,7 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from fusedloss.core import cost
 from fusedloss.core.problem import LogitTransform, StatsProblem
 
-tb = pytest.importorskip("fusedloss.triton.backend")
+tb = pytest.importorskip("fusedloss.backends.triton.backend")
 
 H200 = cost.GPUS["h200"]
 ACCEPTANCE = dict(n=16384, d=4096, v=151936, dtype="bfloat16")
@@ -276,7 +276,7 @@ def test_fp32_precision_for_every_flag_state(torch_tf32, problem_tf32, env, monk
 
 _FLAG_SCRIPT = r"""
 import json, sys, torch
-from fusedloss.triton.backend import _cublas_tf32
+from fusedloss.backends.triton.backend import _cublas_tf32
 m = torch.backends.cuda.matmul
 mode = sys.argv[1]
 if mode == "legacy": m.allow_tf32 = True
@@ -411,7 +411,7 @@ class _OpLog(TorchDispatchMode):
 def test_d_weight_accumulation_follows_the_probed_capabilities(caps, expected, monkeypatch):
     """The Triton backend accumulates as the device's probe says it can (``cuda.backend._capabilities``,
     which warns once when it cannot), never by catching an error of the real product."""
-    from fusedloss.cuda import backend as cuda_backend
+    from fusedloss.backends.cuda import backend as cuda_backend
 
     monkeypatch.setattr(tb, "_capabilities", lambda device: cuda_backend.Capabilities(*caps))
     out = torch.empty(64, 32, device="meta")

@@ -9,8 +9,8 @@ unless a pass says it overlaps the previous one; ``pass_breakdown`` says which l
 compares it with the *product-count bound* of the workload: the time of the fewest GEMM-sized products any
 exact method needs for that op at the GPU's dense peak (``product_bound``).
 
-The backends' own plan functions are what the model evaluates (``fusedloss.cuda.backend.plan``,
-``fusedloss.triton.backend.plan``), and the same functions drive their run-time choices (eager or
+The backends' own plan functions are what the model evaluates (``fusedloss.backends.cuda.backend.plan``,
+``fusedloss.backends.triton.backend.plan``), and the same functions drive their run-time choices (eager or
 composable path, chunk rows, vocabulary tile), so the model and the code cannot drift apart.
 ``benchmarks/cost_model.py`` is the command line over this module, and the benchmark stores the modelled
 figures beside the measured ones. See docs/design.md, "Plans and the cost model".

@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import config
-from . import backends
+from . import registry
 from .problem import DeferredProduct, GradientNeeds, Statistics, StatsProblem, gathered_rows, valid_rows
 from .statistics import SECOND_ORDER_MESSAGE, autocast_off, dz_coefficients
 
@@ -75,7 +75,7 @@ class _EagerLoss(torch.autograd.Function):
         active = valid_rows(problem)
         kept = problem if active is None else gathered_rows(problem, active)
         with device, autocast_off(hidden.device):
-            loss, grads = backends.get(backend_name).eager_gradients(
+            loss, grads = registry.get(backend_name).eager_gradients(
                 kept, _chunk_function(row_loss, kept, active), needs)
         # Saved (not kept on ctx) so that autograd frees them after the backward, and a second backward
         # without retain_graph=True raises as it does for any PyTorch graph. A deferred d weight saves its
@@ -135,7 +135,7 @@ def formed(grads: tuple) -> tuple:
 
 
 def supports_eager(backend_name: str) -> bool:
-    return backends.has_eager_path(backend_name)
+    return registry.has_eager_path(backend_name)
 
 
 def eager_loss(problem: StatsProblem, backend_name: str, row_loss: RowLoss) -> torch.Tensor:
@@ -156,7 +156,7 @@ def pays(backend_name: str, problem: StatsProblem, eager: Optional[bool] = None)
     ``FUSEDLOSS_EAGER=1``) forces the eager path, ``False`` (``0``) turns it off, None follows the plan."""
     if _forced(eager):
         return True
-    policy = backends.eager_policy(backend_name)
+    policy = registry.eager_policy(backend_name)
     return True if policy is None else bool(policy(problem))
 
 

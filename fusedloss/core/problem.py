@@ -1,6 +1,6 @@
 """What every backend computes: the per-token statistics problem (docs/design.md, "The statistics problem").
 
-A backend implements ``core/backends.py::Backend``: ``forward_statistics(problem)`` and
+A backend implements ``core/registry.py::Backend``: ``forward_statistics(problem)`` and
 ``backward_gradients(problem, saved, coeffs, needs)`` (the eager path and the JSD sweep are optional
 protocols beside it). Nothing loss-specific ever reaches a backend: the losses (``fusedloss/losses``) only turn
 these per-row statistics into a loss, and their gradients into the per-row coefficients below. That is what lets one

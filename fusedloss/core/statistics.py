@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import backends, columns
+from . import columns, registry
 from .problem import NUM_COEFFS, GradientNeeds, LogitTransform, Statistics, StatsProblem, accumulation_dtype
 
 _NUM_OUTPUTS = len(Statistics._fields)
@@ -127,7 +127,7 @@ def _statistics_op(*args) -> torch.Tensor:
     *flat, backend = args
     problem = _unflatten(flat)
     with _on_device_of(problem.hidden), autocast_off(problem.hidden.device):
-        out = backends.get(backend).forward_statistics(problem)
+        out = registry.get(backend).forward_statistics(problem)
         if problem.columns is None:
             return torch.stack(tuple(out))
         stats, logits = out
@@ -153,7 +153,7 @@ def _statistics_backward_op(*args) -> tuple:
     needs = GradientNeeds(need_hidden, need_weight, need_bias and problem.bias is not None)
     named = {} if column_dz is None else {"column_dz": column_dz}
     with _on_device_of(problem.hidden), autocast_off(problem.hidden.device):
-        grads = backends.get(backend).backward_gradients(problem, Statistics(*stats[:_NUM_OUTPUTS].unbind(0)),
+        grads = registry.get(backend).backward_gradients(problem, Statistics(*stats[:_NUM_OUTPUTS].unbind(0)),
                                                          coeffs, needs, **named)
     # custom ops cannot return None: an unneeded gradient travels as an empty tensor.
     return tuple(g if g is not None else problem.hidden.new_empty(0) for g in grads)

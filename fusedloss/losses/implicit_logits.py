@@ -16,7 +16,7 @@ import torch
 
 from .. import _validation as v
 from ..config import RunOptions
-from ..core import LogitTransform, Statistics, TeacherHead, backends, column_statistics, eager, token_statistics
+from ..core import LogitTransform, Statistics, TeacherHead, column_statistics, eager, registry, token_statistics
 from ..core.statistics import autocast_dtype, build_problem
 from ..distributed.head import prepare_head
 
@@ -143,8 +143,8 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
     v.require_real("logit_scale", logit_scale)
     v.require_real("softcap", softcap, positive=True, allow_none=True)
     if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, one of {backends.BACKEND_NAMES}, got {backend!r}")
-    name = backends.resolve(backend, device)
+        raise TypeError(f"backend must be a string, one of {registry.BACKEND_NAMES}, got {backend!r}")
+    name = registry.resolve(backend, device)
     lead = tuple(hidden.shape[:-1])
     return ImplicitLogits(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])),
                           weight=_rows_contiguous(weight), bias=None if bias is None else bias.contiguous(),

@@ -74,9 +74,9 @@ def eager_policy(name: str) -> Optional[Callable[[StatsProblem], bool]]:
 
 
 BACKEND_MODULES = {
-    "torch": "fusedloss.core.torch_backend",
-    "triton": "fusedloss.triton.backend",
-    "cuda": "fusedloss.cuda.backend",
+    "torch": "fusedloss.backends.torch",
+    "triton": "fusedloss.backends.triton.backend",
+    "cuda": "fusedloss.backends.cuda.backend",
 }
 BACKEND_NAMES = ("auto",) + tuple(BACKEND_MODULES)
 
@@ -85,7 +85,7 @@ BACKEND_NAMES = ("auto",) + tuple(BACKEND_MODULES)
 def _module(name: str):
     module = importlib.import_module(BACKEND_MODULES[name])
     if not isinstance(module, Backend):
-        raise TypeError(f"{module.__name__} does not implement the Backend protocol (core/backends.py)")
+        raise TypeError(f"{module.__name__} does not implement the Backend protocol (core/registry.py)")
     return module
 
 

@@ -74,10 +74,11 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from .. import config
-from ..core import backends, columns, cost, torch_backend
-from ..core import problem as coef  # coef.COEF_*: the dz formula's coefficient rows (docs/design.md)
-from ..core.problem import NUM_COEFFS, DeferredProduct, GradientNeeds, Statistics, StatsProblem
+from ... import config
+from ...core import columns, cost, registry
+from ...core import problem as coef  # coef.COEF_*: the dz formula's coefficient rows (docs/design.md)
+from ...core.problem import NUM_COEFFS, DeferredProduct, GradientNeeds, Statistics, StatsProblem
+from .. import torch as torch_backend
 from . import sass_counts
 
 _NUM_OUTPUTS = len(Statistics._fields)
@@ -92,7 +93,7 @@ def _load_extension():
     """``(fusedloss._C, None)``, or ``(None, why)``: not built, or built from sources whose protocol
     (output names, coefficient order) differs from problem.py's, which it would then read and write wrongly."""
     try:
-        from .. import _C
+        from ... import _C
     except ImportError as exc:  # not built (no nvcc, FUSEDLOSS_CUDA=0) or a plain source checkout
         return None, exc
     expected = {"OUTPUT_NAMES": list(Statistics._fields), "NUM_COEFFS": NUM_COEFFS, "COEF_INDEX": _COEF_ORDER,
@@ -158,7 +159,7 @@ _NOT_BUILT_FIX = ("fix: install a manylinux wheel of fusedloss (it carries the e
 
 def _build_status() -> str:
     try:
-        from .. import _build_info
+        from ... import _build_info
     except ImportError:
         return ("not built: fusedloss._C is missing (install the package with pip so that setup.py builds "
                 "the CUDA extension)")
@@ -167,7 +168,7 @@ def _build_status() -> str:
 
 def auto_skip_reason() -> Optional[str]:
     """Why ``backend="auto"`` cannot give CUDA tensors this backend when the driver or the build is to blame
-    (the availability sentence, with its fix), for the warning ``core/backends.py`` gives once; None when the
+    (the availability sentence, with its fix), for the warning ``core/registry.py`` gives once; None when the
     backend is available or nothing is to be fixed (built without it on purpose, a ROCm torch, a GPU older
     than sm_80)."""
     state = availability()
@@ -672,7 +673,7 @@ def kernel_name(kind: str, w: cost.Workload, dx_out: Optional[str] = None, packe
 def _kernel(name: str, kind: str, w: cost.Workload, elements: float, bytes_per_element: float, launches: int,
             extra_bytes: float = 0.0, dx_out: Optional[str] = None, packed: bool = False) -> cost.Pass:
     """An elementwise kernel over ``elements`` logits: its bytes, and the warp-instructions of its vector loop
-    per logit as compiled (fusedloss/cuda/sass_counts.py, from tools/sass_counts.py)."""
+    per logit as compiled (fusedloss/backends/cuda/sass_counts.py, from tools/sass_counts.py)."""
     counts = sass_counts.KERNELS[kernel_name(kind, w, dx_out, packed)]
     return cost.Pass(name, hbm_bytes=float(elements) * bytes_per_element + extra_bytes, math="cuda_core",
                      fixed_us=launches * cost.LAUNCH_US, instructions=float(elements) * counts["per_column"] / 32,
@@ -952,13 +953,13 @@ def _path_of_unpriced(w: cost.Workload, budget: int, caps: dict) -> _PathChoice:
 def gpu_of(device: torch.device) -> cost.GPUSpec:
     """The cost model's spec for the device's GPU (``backends.device_gpu``, the Triton backend's too: by name,
     else by architecture); the H200's for CPU tensors (host mode)."""
-    return backends.device_gpu(device)
+    return registry.device_gpu(device)
 
 
 workload_of = cost.Workload.of  # the cost model's description of a problem
 
 
-_free_bytes = backends.free_bytes  # fixed per device for the process (core/backends.py)
+_free_bytes = registry.free_bytes  # fixed per device for the process (core/registry.py)
 
 
 def _problem_plan(p: StatsProblem, *, row_local: bool, path: Optional[str],
@@ -1498,7 +1499,7 @@ _LSE_ROWS = tuple(Statistics._fields.index(k) for k in ("lse", "lse_lo", "lse_t"
 def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple) -> tuple:
     """``(KL(q || m), KL(p || m))`` summed over this problem's columns, ``[N]`` each (fp32), q and p normalised
     by the given (hi, lo) pairs: the generalized JSD's second sweep (the forward's jsd pass, host twins included)
-    with normalisers from elsewhere, as a vocabulary-parallel head needs them (core/backends.py, ``JsdBackend``;
+    with normalisers from elsewhere, as a vocabulary-parallel head needs them (core/registry.py, ``JsdBackend``;
     docs/design.md, "Distributed"). The pass keeps its two sums in its accumulators (no tile is the last),
     which are the answer; ignored rows give 0."""
     if p.acc_dtype == torch.float64:

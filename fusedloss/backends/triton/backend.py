@@ -1,4 +1,4 @@
-"""Triton backend of the statistics core (the ``Backend`` protocol of ``core/backends.py``).
+"""Triton backend of the statistics core (the ``Backend`` protocol of ``core/registry.py``).
 
 Forward (``statistics_forward``; ``jsd_forward`` for the JSD mixture)
     A grouped 1-D grid of (row block, vocabulary split) programs. Each program forms ``[BLOCK_M, BLOCK_V]``
@@ -67,9 +67,9 @@ from typing import Callable, NamedTuple, Optional
 
 import torch
 
-from .. import config
-from ..core import backends, cost, partials
-from ..core.problem import GradientNeeds, Statistics, StatsProblem
+from ... import config
+from ...core import cost, partials, registry
+from ...core.problem import GradientNeeds, Statistics, StatsProblem
 
 _INTERPRET_HINT = ("no CUDA device visible; set TRITON_INTERPRET=1 to run the Triton kernels on the CPU "
                    "interpreter (slow)")
@@ -806,12 +806,12 @@ def workload_of(p: StatsProblem, needs: GradientNeeds, row_local: bool) -> cost.
 
 
 def gpu_of(device: torch.device) -> cost.GPUSpec:
-    """The GPU a problem runs on (``backends.device_gpu``, the CUDA backend's too); the H200 the model targets
+    """The GPU a problem runs on (``registry.device_gpu``, the CUDA backend's too); the H200 the model targets
     for CPU (interpreter) and meta tensors."""
-    return backends.device_gpu(device)
+    return registry.device_gpu(device)
 
 
-_free_bytes = backends.free_bytes  # fixed per device for the process (core/backends.py)
+_free_bytes = registry.free_bytes  # fixed per device for the process (core/registry.py)
 
 
 def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: Optional[TileConfig] = None):
@@ -1193,7 +1193,7 @@ def _jsd_pass(lc: _Launch, lse: tuple, lse_t: tuple, grid: tuple, store: Optiona
 def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple, *, tiles: Optional[TileConfig] = None) -> tuple:
     """``(KL(q || m), KL(p || m))`` summed over this problem's columns, ``[N]`` each in the accumulation dtype,
     q and p normalised by the given (hi, lo) pairs: the JSD kernel launched with normalisers from elsewhere, as
-    a vocabulary-parallel head needs them (core/backends.py, ``JsdBackend``; docs/design.md, "Distributed").
+    a vocabulary-parallel head needs them (core/registry.py, ``JsdBackend``; docs/design.md, "Distributed").
     Ignored rows give 0."""
     _check_inputs(p)
     n, v = p.hidden.shape[0], p.weight.shape[0]

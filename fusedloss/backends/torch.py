@@ -15,8 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import columns, partials
-from .problem import (
+from ..core import columns, partials
+from ..core.problem import (
     COEF_CONST,
     COEF_KL_REV,
     COEF_LOGM,
