@@ -452,6 +452,7 @@ def timing_checks(ctx, results):
 
     import fusedloss
     from benchmarks import cases, cost_model
+    from fusedloss.backends import gpu as gpu_glue
     from fusedloss.backends.cuda import backend as cuda
 
     n, d, v = ctx.timing_shape
@@ -469,7 +470,7 @@ def timing_checks(ctx, results):
             for ws in ctx.workspaces:
                 override = {} if ws is None else {"workspace_mb": ws}
                 with cuda.override_plan(**override):
-                    budget = cuda.workspace_bytes(cuda._free_bytes(ctx.device))
+                    budget = cuda.workspace_bytes(gpu_glue.free_bytes(ctx.device))
                 model = cost_model.estimate(model_op, "cuda", n, d, v, dtype="bfloat16", gpu=gpu,
                                             workspace_mb=budget / 2**20)
                 # the row's own expected time: a warm-up and TIMED_REPS calls at three times the modelled time
@@ -535,14 +536,15 @@ def environment(ctx):
 
     import fusedloss
     from benchmarks import cost_model
+    from fusedloss.backends import gpu
     from fusedloss.backends.cuda import backend as cuda
 
     env = {"status": fusedloss.backend_status(), "torch": torch.__version__, "runtime": cuda.runtime_info(),
            "smoke": ctx.smoke}
     if not ctx.smoke:
         env["device"] = torch.cuda.get_device_name()
-        env["capabilities"] = cuda._capabilities(ctx.device)._asdict()
-        env["free_bytes_at_first_call"] = cuda._free_bytes(ctx.device)
+        env["capabilities"] = gpu.capabilities(ctx.device)._asdict()
+        env["free_bytes_at_first_call"] = gpu.free_bytes(ctx.device)
     env["model_h200_cross_entropy"] = cost_model.estimate("cross_entropy", "cuda", 16384, 4096, 151936)
     return env
 

@@ -41,7 +41,7 @@ def test_the_issue_command_prints_one_json_object():
 
 def test_estimate_evaluates_the_backends_own_plan():
     """The model's figures are those of fusedloss.backends.cuda.backend.plan, not of a copy of it."""
-    from fusedloss.backends.cuda import backend as cuda
+    from fusedloss.backends.cuda import plan as cuda
 
     w = cost.Workload(op="token_logprobs", n=4096, d=4096, v=128256)
     free = cost.GPUS["h200"].memory_bytes // 2

@@ -16,7 +16,9 @@ import torch
 
 import fusedloss
 from fusedloss import config
+from fusedloss.backends import gpu
 from fusedloss.backends.cuda import backend as cuda
+from fusedloss.backends.cuda import plan as cuda_plan
 from fusedloss.core import cost, registry
 from fusedloss.core.problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
 
@@ -39,10 +41,10 @@ def no_workspace_env(monkeypatch):
 # Workspace
 # ------------------------------------------------------------------------------------------------
 def test_workspace_from_free_memory_is_bounded():
-    assert cuda.workspace_bytes(None) == cuda.WORKSPACE_MIN_BYTES
-    assert cuda.workspace_bytes(1 * GIB) == cuda.WORKSPACE_MIN_BYTES  # an eighth is below the floor
+    assert cuda.workspace_bytes(None) == cuda_plan.WORKSPACE_MIN_BYTES
+    assert cuda.workspace_bytes(1 * GIB) == cuda_plan.WORKSPACE_MIN_BYTES  # an eighth is below the floor
     assert cuda.workspace_bytes(16 * GIB) == 2 * GIB
-    assert cuda.workspace_bytes(140 * GIB) == cuda.WORKSPACE_MAX_BYTES == 4 * GIB
+    assert cuda.workspace_bytes(140 * GIB) == gpu.WORKSPACE_MAX_BYTES == 4 * GIB
 
 
 def test_workspace_override_by_environment_and_keyword(monkeypatch):
@@ -134,10 +136,10 @@ def test_one_chunk_defers_d_weight_to_the_backward():
 
 
 def test_eager_chunks_are_cut_at_multiples_of_128_rows():
-    assert cuda._chunked(16384, 3533) == (3456, 5)  # 4 x 3456 + 2560: 128 output tiles of 128 rows
-    assert cuda._chunked(16384, 20000) == (16384, 1)
-    assert cuda._chunked(50, 16) == (13, 4)  # below 128 rows: near-equal parts
-    shape = cuda._Shape(1408, 0, 7, 1, 64, False, 8192)
+    assert cuda_plan._chunked(16384, 3533) == (3456, 5)  # 4 x 3456 + 2560: 128 output tiles of 128 rows
+    assert cuda_plan._chunked(16384, 20000) == (16384, 1)
+    assert cuda_plan._chunked(50, 16) == (13, 4)  # below 128 rows: near-equal parts
+    shape = cuda_plan._Shape(1408, 0, 7, 1, 64, False, 8192)
     layout = cuda._eager_layout(16384, shape)
     assert [(g0, g1) for g0, g1, _ in layout] == [(0, 8192), (8192, 16384)]
     chunks = [c for _, _, cs in layout for c in cs]
@@ -151,7 +153,7 @@ def test_composable_tile_takes_every_row_when_the_workspace_allows():
     params = p.params
     assert params["tile_rows"] == 16384 and params["row_chunks"] == 1
     # every vocabulary tile starts on a 64-column boundary and the tiles cover V
-    assert params["tile_cols"] % cuda.ALIGN == 0 and params["vocab_tiles"] * params["tile_cols"] >= 151936
+    assert params["tile_cols"] % cuda_plan.ALIGN == 0 and params["vocab_tiles"] * params["tile_cols"] >= 151936
     assert (params["vocab_tiles"] - 1) * params["tile_cols"] < 151936
     assert params["dx_packed"]  # 4 bytes per logit: the bf16 dx is packed over the fp32 tile
     assert params["tile_cols"] * params["tile_rows"] * 4 <= params["workspace_bytes"]
@@ -231,7 +233,7 @@ def test_plan_refuses_what_it_cannot_run():
 
 def test_the_forward_and_backward_tile_is_the_same_whatever_the_gradients():
     for op in ("token_logprobs", "cross_entropy"):
-        shapes = {cuda._composable_shape(workload(op, hidden_grad=hg, weight_grad=wg), GIB, {})
+        shapes = {cuda_plan._composable_shape(workload(op, hidden_grad=hg, weight_grad=wg), GIB, {})
                   for hg in (True, False) for wg in (True, False)}
         assert len(shapes) == 1
 
@@ -239,7 +241,7 @@ def test_the_forward_and_backward_tile_is_the_same_whatever_the_gradients():
 def _rows_for(w, budget, bytes_per_logit):
     """The eager chunk rows a workspace of ``budget`` holds at ``bytes_per_logit``, cut at a multiple of 128
     rows, and the chunks of N they make."""
-    ld = -(-w.v // cuda.ALIGN) * cuda.ALIGN
+    ld = -(-w.v // cuda_plan.ALIGN) * cuda_plan.ALIGN
     most = budget // (ld * bytes_per_logit)
     if most >= w.n:
         return w.n, 1
@@ -264,12 +266,12 @@ def test_packed_dx_grows_the_eager_chunks_as_modelled(op, dtype, packed_bytes, c
         p = cuda.plan(w, H200, workspace=4 * GIB, path="eager")
     rows, chunks = _rows_for(w, 4 * GIB, packed_bytes or copy_bytes)
     assert (p.params["eager_rows"], p.params["chunks"], p.params["dx_packed"]) == (rows, chunks, bool(packed_bytes))
-    shape = cuda._eager_shape(w, 4 * GIB, UNGROUPED, H200, True)
-    assert shape.rows * shape.ld * cuda._bytes_per_element(w, shape.packed) <= 4 * GIB
+    shape = cuda_plan._eager_shape(w, 4 * GIB, UNGROUPED, H200, True)
+    assert shape.rows * shape.ld * cuda_plan._bytes_per_element(w, shape.packed) <= 4 * GIB
     dx_pass = next(ps for ps in p.passes if ps.name == "dx")
-    kernel = cuda.kernel_name("dx", w, "float" if dtype == "float16" else None, shape.packed)
+    kernel = cuda_plan.kernel_name("dx", w, "float" if dtype == "float16" else None, shape.packed)
     assert kernel.startswith("dx_packed_kernel" if packed_bytes else "dx_kernel")
-    assert dx_pass.instructions == pytest.approx(w.n * w.v * cuda.sass_counts.KERNELS[kernel]["per_column"] / 32)
+    assert dx_pass.instructions == pytest.approx(w.n * w.v * cuda_plan.sass_counts.KERNELS[kernel]["per_column"] / 32)
     if packed_bytes:
         with cuda.override_plan(packed_min_rows=10**9, **UNGROUPED):  # the copy: fewer rows, more chunks, slower
             unpacked = cuda.plan(w, H200, workspace=4 * GIB, path="eager")
@@ -285,25 +287,25 @@ def test_few_row_tiles_keep_the_dx_copy():
         small = cuda.plan(workload(n=1024, v=128256), H200, workspace=4 * GIB, path="eager")
     assert small.params["eager_rows"] == 1024 and not small.params["dx_packed"]
     assert small.params["dx"] == "bf16 copy"
-    assert not cuda._composable_shape(workload("token_logprobs", n=1024), 4 * GIB, {}).packed
+    assert not cuda_plan._composable_shape(workload("token_logprobs", n=1024), 4 * GIB, {}).packed
     huge_v = workload(n=16384, v=2**21)
-    shape = cuda._eager_shape(huge_v, 4 * GIB, UNGROUPED, H200, True)  # 512 packed rows would fit: below the rule
+    shape = cuda_plan._eager_shape(huge_v, 4 * GIB, UNGROUPED, H200, True)  # 512 packed rows would fit: below the rule
     assert not shape.packed and shape.rows == _rows_for(huge_v, 4 * GIB, 6)[0]
-    at_rule = workload(n=cuda.PACKED_MIN_ROWS, v=128256)
-    assert cuda._eager_shape(at_rule, 4 * GIB, UNGROUPED, H200, True).packed
-    assert not cuda._eager_shape(workload(n=cuda.PACKED_MIN_ROWS - 1, v=128256), 4 * GIB, UNGROUPED, H200,
+    at_rule = workload(n=cuda_plan.PACKED_MIN_ROWS, v=128256)
+    assert cuda_plan._eager_shape(at_rule, 4 * GIB, UNGROUPED, H200, True).packed
+    assert not cuda_plan._eager_shape(workload(n=cuda_plan.PACKED_MIN_ROWS - 1, v=128256), 4 * GIB, UNGROUPED, H200,
                                  True).packed
     # fp16: the composable tile packs (dx written straight from the kernel), the eager chunk does not
     w16 = workload(n=4096, v=128256, dtype="float16")
-    assert cuda._composable_shape(w16, 4 * GIB, {}).packed and not cuda._eager_shape(w16, 4 * GIB, {}, H200,
+    assert cuda_plan._composable_shape(w16, 4 * GIB, {}).packed and not cuda_plan._eager_shape(w16, 4 * GIB, {}, H200,
                                                                                      True).packed
 
 
 def test_odd_vocabulary_gets_a_padded_leading_dimension():
     p = cuda.plan(workload(v=32003, n=4096), H200, 70 * 10**9)
     assert p.params["ld"] == 32064  # rows of 16-byte multiples whatever V is
-    shape = cuda._composable_shape(workload("token_logprobs", v=131071, n=4096), 256 * 2**20, {})
-    assert shape.ld % cuda.ALIGN == 0 and shape.ld >= shape.cols
+    shape = cuda_plan._composable_shape(workload("token_logprobs", v=131071, n=4096), 256 * 2**20, {})
+    assert shape.ld % cuda_plan.ALIGN == 0 and shape.ld >= shape.cols
 
 
 # ------------------------------------------------------------------------------------------------
@@ -341,7 +343,7 @@ def test_eager_chunks_follow_the_plan():
 def test_eager_pays_follows_the_plan(monkeypatch):
     p = _problem(n=64, v=131)
     p = StatsProblem(**{**p.__dict__, "hidden": p.hidden.requires_grad_()})
-    want = cuda._problem_plan(p, row_local=True, path=None, needs=GradientNeeds(True, False, False)).path
+    want = cuda_plan._problem_plan(p, row_local=True, path=None, needs=GradientNeeds(True, False, False)).path
     assert cuda.eager_pays(p) == (want == "eager")
     frozen = StatsProblem(**{**p.__dict__, "hidden": p.hidden.detach()})
     assert cuda.eager_pays(frozen) is False  # no gradient: nothing to do in the forward

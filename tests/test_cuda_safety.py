@@ -22,6 +22,7 @@ import torch
 
 import fusedloss
 from fusedloss import reference
+from fusedloss.backends import gpu
 from fusedloss.backends.cuda import backend as cuda
 from fusedloss.core import registry
 
@@ -35,13 +36,13 @@ F64 = torch.float64
 def test_probe_falls_back_once_with_a_warning(monkeypatch):
     """On a device whose torch cannot multiply half operands into fp32 (here: the CPU, where torch.mm has no
     out_dtype kernel) the probe says so and warns once; the products then take fp32 operands."""
-    monkeypatch.setattr(cuda, "_WARNED", set())
+    monkeypatch.setattr(gpu, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="out_dtype=torch.float32"):
-        caps = cuda._probe(torch.device("cpu"))
-    assert caps == cuda.Capabilities(out_dtype=False, accumulate=False)
+        caps = gpu._probe(torch.device("cpu"))
+    assert caps == gpu.Capabilities(out_dtype=False, accumulate=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert cuda._probe(torch.device("cpu")) == caps  # no second warning
+        assert gpu._probe(torch.device("cpu")) == caps  # no second warning
 
 
 def test_probe_never_swallows_out_of_memory(monkeypatch):
@@ -50,14 +51,14 @@ def test_probe_never_swallows_out_of_memory(monkeypatch):
 
     monkeypatch.setattr(torch, "mm", oom)
     with pytest.raises(torch.OutOfMemoryError):
-        cuda._probe(torch.device("cpu"))
+        gpu._probe(torch.device("cpu"))
 
 
 def test_products_with_the_fallback_are_exact_fp32_products():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(5, 7, generator=g).bfloat16(), torch.randn(7, 3, generator=g).bfloat16()
-    products = cuda._Products(torch.device("cpu"))
-    products.host, products.caps = False, cuda.Capabilities(out_dtype=False, accumulate=False)
+    products = gpu.Products(torch.device("cpu"))
+    products.host, products.caps = False, gpu.Capabilities(out_dtype=False, accumulate=False)
     out = torch.empty(5, 3)
     products.into(out, a, b)
     assert torch.equal(out, a.float() @ b.float())
@@ -235,13 +236,14 @@ def test_fp16_pre_scale_is_exact_and_keeps_tiny_values():
 # ------------------------------------------------------------------------------------------------
 TF32_SCRIPT = r"""
 import os, torch
+from fusedloss.backends import gpu
 from fusedloss.backends.cuda import backend as cuda
 m = torch.backends.cuda.matmul
 dev = torch.device("cuda")
 inside = []
 def check(expected_inside):
     with cuda._fp32_products(dev, torch.float32):
-        inside.append(cuda._torch_fp32_precision())
+        inside.append(gpu.torch_fp32_precision())
     assert inside[-1] == expected_inside, (inside, expected_inside)
 # legacy API in use (HF Trainer's tf32=True): switched off inside, back on after, still readable
 m.allow_tf32 = True
@@ -258,9 +260,9 @@ check("ieee")
 # bf16 products and CPU tensors are left alone
 m.fp32_precision = "tf32"
 with cuda._fp32_products(dev, torch.bfloat16):
-    assert cuda._torch_fp32_precision() == "tf32"
+    assert gpu.torch_fp32_precision() == "tf32"
 with cuda._fp32_products(torch.device("cpu"), torch.float32):
-    assert cuda._torch_fp32_precision() == "tf32"
+    assert gpu.torch_fp32_precision() == "tf32"
 # the documented opt-in
 os.environ["FUSEDLOSS_ALLOW_TF32"] = "1"
 m.fp32_precision = "ieee"

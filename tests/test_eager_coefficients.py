@@ -19,7 +19,7 @@ import torch
 import fusedloss
 from fusedloss.backends import torch as torch_backend
 from fusedloss.backends.cuda import backend as cuda
-from fusedloss.backends.triton import backend as tb
+from fusedloss.backends.triton import plan as tb_plan
 from fusedloss.core import eager, registry
 from fusedloss.core.problem import Statistics
 from fusedloss.core.statistics import dz_coefficients
@@ -275,7 +275,7 @@ def test_eager_gradients_are_the_materialised_bits(backend_name, case, monkeypat
     elif backend_name == "torch":
         monkeypatch.setattr(torch_backend, "eager_rows", lambda p: 8)
     else:
-        kw["workspace_mb"] = 8 * tb.eager_row_bytes(V, "float32", case != "cross_entropy") / 2**20
+        kw["workspace_mb"] = 8 * tb_plan.eager_row_bytes(V, "float32", case != "cross_entropy") / 2**20
     results = {}
     for label, fn in (("new", eager._chunk_function), ("old", _old_chunk_function)):
         monkeypatch.setattr(eager, "_chunk_function", fn)

@@ -12,6 +12,7 @@ import torch
 import fusedloss
 from fusedloss.backends.cuda import backend as cuda_backend
 from fusedloss.backends.triton import backend as tb
+from fusedloss.backends.triton import plan as tb_plan
 from fusedloss.core import cost, registry
 from fusedloss.core.problem import LogitTransform, StatsProblem
 
@@ -47,7 +48,7 @@ def test_both_backends_price_a_device_as_the_same_gpu(monkeypatch, name, capabil
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(torch.version, "hip", "6.4" if arch else None)
     registry._device_gpu.cache_clear()
-    tb._cuda_target.cache_clear()
+    tb_plan._cuda_target.cache_clear()
     try:
         device = torch.device("cuda", 0)
         spec = cost.gpu_for_device(name, capability, sms, memory, arch)
@@ -57,7 +58,7 @@ def test_both_backends_price_a_device_as_the_same_gpu(monkeypatch, name, capabil
         assert tb.device_target(device) == (arch or f"sm_{capability[0]}{capability[1]}")
     finally:
         registry._device_gpu.cache_clear()
-        tb._cuda_target.cache_clear()
+        tb_plan._cuda_target.cache_clear()
 
 
 def test_host_tensors_price_an_h200():
@@ -116,7 +117,7 @@ def test_tile_family(target, family):
 def test_default_tiles_fit_the_targets_shared_memory(target):
     """A cheap bound beside the compile test: (stages - 1) buffers of both operand tiles (what Triton keeps in
     shared memory / LDS for a pipelined K loop), at most the target's block limit, for every default tile."""
-    limit = tb.SHARED_LIMITS[tb.tile_family(target)]
+    limit = tb_plan.SHARED_LIMITS[tb.tile_family(target)]
     for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
         for kind in ("lean", "heavy", "teacher"):
             paths = ("composable", "eager") if kind != "teacher" else ("composable",)

@@ -19,7 +19,8 @@ import warnings
 
 import pytest
 
-from fusedloss.backends.cuda import backend as cuda
+from fusedloss.backends import gpu as gpu_glue
+from fusedloss.backends.cuda import plan as cuda
 from fusedloss.backends.triton import backend as tb
 from fusedloss.core import cost
 
@@ -237,7 +238,7 @@ def test_the_plan_cache_hits_under_varying_sequence_lengths():
     chunks are cut for each N itself, as ``plan`` reports them."""
     cuda._path_choice.cache_clear()
     cuda._eager_kind.cache_clear()
-    gpu, budget, rng = cost.GPUS["h200"], cuda.WORKSPACE_MAX_BYTES, random.Random(2)
+    gpu, budget, rng = cost.GPUS["h200"], gpu_glue.WORKSPACE_MAX_BYTES, random.Random(2)
     try:
         for i in range(2000):
             w = cost.Workload(op="cross_entropy", n=rng.randint(1, 65536), d=4096, v=152064)

@@ -37,7 +37,7 @@ def test_checked_in_table_matches_the_kernels_as_built():
 
 def test_every_kernel_the_plans_launch_has_counts():
     """fold / dx over fp32 tiles for every (entropy, teacher, plain) and dx output dtype the CUDA plan names."""
-    from fusedloss.backends.cuda import backend as cuda
+    from fusedloss.backends.cuda import plan as cuda
     from fusedloss.core import cost
 
     for op in cost.OPS:

@@ -305,7 +305,7 @@ def _compile(dtypes=("bfloat16", "float16", "float32"), arch: str = "sm_90a", de
 
     import torch
 
-    from fusedloss.backends.triton import backend
+    from fusedloss.backends.triton import backend, plan
 
     _, launches = _install_stub_driver(arch)
     seen = set()
@@ -336,7 +336,7 @@ def _compile(dtypes=("bfloat16", "float16", "float32"), arch: str = "sm_90a", de
         results = pool.map(_compile_one, range(len(_JOBS)))
     import triton
 
-    return dict(triton=triton.__version__, arch=arch, shared_limit=backend.SHARED_LIMITS[
+    return dict(triton=triton.__version__, arch=arch, shared_limit=plan.SHARED_LIMITS[
         backend.tile_family(_backend_target(arch))], compiled=len(results), results=results)
 
 

@@ -17,6 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedloss
 from fusedloss.backends.triton import backend as tb
+from fusedloss.backends.triton import plan as tb_plan
 
 _PRODUCTS = {"mm", "addmm", "addmm_", "baddbmm", "bmm", "matmul"}
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
@@ -91,7 +92,7 @@ def _within(model: float, traced: float) -> bool:
 
 def _eager_row_mb(op: str, rows: int) -> float:
     """A workspace of ``rows`` eager rows (the plan's ``eager_rows``)."""
-    return rows * tb.eager_row_bytes(V, "float32", op.startswith("distill")) / 2**20
+    return rows * tb_plan.eager_row_bytes(V, "float32", op.startswith("distill")) / 2**20
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo", "distill_reverse_kl", "distill_forward_kl", "distill_jsd"])
@@ -105,7 +106,7 @@ def test_eager_small_launches_are_what_the_model_counts(trace, monkeypatch, op):
     s = tb.small_launches(op)
     # a chunk: its statistics kernel (1) and merge, with a teacher the fold (its kernel and merge) and the
     # JSD's second sweep (its kernel and a stack), and the rest of the chunk
-    teacher = 1 + tb.TEACHER_FOLD_MERGE_LAUNCHES if op.startswith("distill") else 0
+    teacher = 1 + tb_plan.TEACHER_FOLD_MERGE_LAUNCHES if op.startswith("distill") else 0
     jsd = 2 if op == "distill_jsd" else 0
     assert _within(1 + s.merge + teacher + jsd + s.chunk, per_chunk), (op, per_chunk, s)
     assert _within(s.call, per_call), (op, per_call, s)
@@ -119,6 +120,6 @@ def test_composable_small_launches_are_what_the_model_counts(trace, monkeypatch)
     per_block = (eight - one) / 7
     per_call = one - per_block
     s = tb.small_launches(op)
-    assert _within(tb.BACKWARD_BLOCK_LAUNCHES, per_block), per_block
+    assert _within(tb_plan.BACKWARD_BLOCK_LAUNCHES, per_block), per_block
     # the forward's statistics kernel (1) and its merge, and the backward's own small ops
     assert _within(1 + s.merge + s.call, per_call), (per_call, s)

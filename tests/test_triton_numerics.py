@@ -34,6 +34,7 @@ from fusedloss.core.problem import (
 from fusedloss.core.statistics import dz_coefficients
 
 triton_backend = pytest.importorskip("fusedloss.backends.triton.backend")
+triton_plan = pytest.importorskip("fusedloss.backends.triton.plan")
 if triton_backend.availability() != "available":  # pragma: no cover - depends on the machine
     pytest.skip(f"triton backend: {triton_backend.availability()}", allow_module_level=True)
 
@@ -305,7 +306,7 @@ def test_eager_path_rows_per_chunk_follow_the_workspace():
     needs = GradientNeeds(True, True, False)
     rows = triton_backend._plan_of(small, needs, "eager").params["eager_rows"]
     assert rows % cfg.block_m == 0 and rows < p.hidden.shape[0]
-    per_row = triton_backend.eager_row_bytes(131, "float32", True)
+    per_row = triton_plan.eager_row_bytes(131, "float32", True)
     assert rows == cfg.block_m or rows * per_row <= 0.05 * 2**20
     assert triton_backend._plan_of(p, needs, "eager").params["eager_rows"] >= p.hidden.shape[0]
 

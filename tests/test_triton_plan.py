@@ -20,10 +20,12 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from fusedloss.backends import gpu
 from fusedloss.core import cost
 from fusedloss.core.problem import LogitTransform, StatsProblem
 
 tb = pytest.importorskip("fusedloss.backends.triton.backend")
+tb_plan = pytest.importorskip("fusedloss.backends.triton.plan")
 
 H200 = cost.GPUS["h200"]
 ACCEPTANCE = dict(n=16384, d=4096, v=151936, dtype="bfloat16")
@@ -114,7 +116,7 @@ def test_forward_splits_fill_whole_waves(n):
     """The split count minimises (waves) x (tiles per program): at least 95% of the 132 SMs stay busy, where
     the old rule (splits = 2 x SMs / row blocks, 64-row blocks) left 19-31% idle at N = 1024-4096."""
     v, slots = 151936, 132
-    row_blocks, per, splits, group = tb.forward_grid(n, v, 128, 128, slots)
+    row_blocks, per, splits, group = tb_plan.forward_grid(n, v, 128, 128, slots)
     new = _wave_efficiency(n, v, 128, 128, slots, lambda rb, vt: splits)
     old = _wave_efficiency(n, v, 64, 128, slots, lambda rb, vt: max(1, min(vt, -(-2 * slots // rb))))
     assert new >= 0.95 and new >= old - 1e-9, (n, new, old)
@@ -127,18 +129,18 @@ def test_forward_grid_streams_the_weight_few_times_at_small_n(kind):
     64 times, longer than the products): the grid now lets a wave cover several row blocks, and the larger of
     the two times drops (the split count alone would keep the compute a little lower)."""
     cfg = tb.candidates(torch.bfloat16, kind)[0]
-    stream = tb.weight_stream_steps(128256, cfg, H200, "bfloat16")
-    assert stream > 0 and tb.weight_stream_steps(128256, cfg, H200, "float32") == 0.0
+    stream = tb_plan.weight_stream_steps(128256, cfg, H200, "bfloat16")
+    assert stream > 0 and tb_plan.weight_stream_steps(128256, cfg, H200, "float32") == 0.0
 
     def steps(row_blocks, per, splits, group):
         return max(-(-row_blocks * splits // H200.sm_count) * per, -(-row_blocks // group) * stream)
 
-    old = tb.forward_grid(4096, 128256, cfg.block_m, cfg.block_v, H200.sm_count)
+    old = tb_plan.forward_grid(4096, 128256, cfg.block_m, cfg.block_v, H200.sm_count)
     new = tb.grid_of(4096, 128256, cfg, H200, "bfloat16")
     assert -(-new[0] // new[3]) <= 16 < -(-old[0] // old[3])  # weight streams
     assert steps(*new) < 0.7 * steps(*old)
     # a long batch was compute-bound already: the same grid
-    assert tb.grid_of(16384, 128256, cfg, H200, "bfloat16") == tb.forward_grid(16384, 128256, cfg.block_m,
+    assert tb.grid_of(16384, 128256, cfg, H200, "bfloat16") == tb_plan.forward_grid(16384, 128256, cfg.block_m,
                                                                                 cfg.block_v, H200.sm_count)
 
 
@@ -159,25 +161,24 @@ def test_backward_chunks_fit_the_budget_and_keep_the_forward_row_blocks(seed):
 
 def test_workspace_budget(monkeypatch):
     monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB", raising=False)
-    monkeypatch.delenv("FUSEDLOSS_CUDA_WORKSPACE_MB", raising=False)
     monkeypatch.delenv("FUSEDLOSS_DETERMINISTIC", raising=False)
     assert tb.workspace_budget(64.0, 10**12, H200) == 64 << 20  # the problem's own budget wins
-    assert tb.workspace_budget(None, 80 * 2**30, H200) == tb.MAX_WORKSPACE  # a share of free memory, bounded
-    assert tb.workspace_budget(None, 2**30, H200) == 2**30 // tb.WORKSPACE_SHARE
-    assert tb.workspace_budget(None, 2**20, H200) == tb.MIN_WORKSPACE
+    assert tb.workspace_budget(None, 80 * 2**30, H200) == gpu.WORKSPACE_MAX_BYTES  # a share of free memory, bounded
+    assert tb.workspace_budget(None, 2**30, H200) == 2**30 // gpu.WORKSPACE_SHARE
+    assert tb.workspace_budget(None, 2**20, H200) == tb_plan.MIN_WORKSPACE
     monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", "3")
     assert tb.workspace_budget(None, 2**40, H200) == 3 << 20
     monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB")
     monkeypatch.setenv("FUSEDLOSS_DETERMINISTIC", "1")
     # the chunking sets the order of fp32 sums: it must not follow the free memory of the moment
-    assert tb.workspace_budget(None, 2**30, H200) == tb.workspace_budget(None, 80 * 2**30, H200) == tb.FIXED_WORKSPACE
+    assert (tb.workspace_budget(None, 2**30, H200) == tb.workspace_budget(None, 80 * 2**30, H200)
+            == gpu.WORKSPACE_FIXED_BYTES)
 
 
 @pytest.mark.parametrize("bad", ["inf", "1e400", "nan", "1e-300"])
 def test_an_infinite_or_vanishing_workspace_is_refused_by_name(bad, monkeypatch):
     """``int(inf * 2**20)`` overflowed inside the plan, and 1e-300 MiB became a 1-byte workspace (390 passes of
     128-row chunks at N = 16384, V = 152064, without a word): both are refused where they are read."""
-    monkeypatch.delenv("FUSEDLOSS_CUDA_WORKSPACE_MB", raising=False)
     monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", bad)
     w = cost.Workload(op="cross_entropy", **ACCEPTANCE)
     with pytest.raises(ValueError, match="environment variable FUSEDLOSS_WORKSPACE_MB must be a finite number"):
@@ -409,16 +410,14 @@ class _OpLog(TorchDispatchMode):
     ((False, False), ["_to_copy", "_to_copy", "addmm_"]),  # no fp32 output of half operands at all
 ])
 def test_d_weight_accumulation_follows_the_probed_capabilities(caps, expected, monkeypatch):
-    """The Triton backend accumulates as the device's probe says it can (``cuda.backend._capabilities``,
-    which warns once when it cannot), never by catching an error of the real product."""
-    from fusedloss.backends.cuda import backend as cuda_backend
-
-    monkeypatch.setattr(tb, "_capabilities", lambda device: cuda_backend.Capabilities(*caps))
+    """The Triton backend accumulates as the device's probe says it can (``gpu.capabilities``, which warns
+    once when it cannot), never by catching an error of the real product."""
+    monkeypatch.setattr(gpu, "capabilities", lambda device: gpu.Capabilities(*caps))
     out = torch.empty(64, 32, device="meta")
     a, b = torch.empty(64, 16, dtype=torch.bfloat16, device="meta"), torch.empty(16, 32, dtype=torch.bfloat16,
                                                                                    device="meta")
     with _OpLog() as log:
-        tb._product(out, a, b, accumulate=True)
+        gpu.product(out, a, b, accumulate=True)
     assert [n for n in log.names if n not in ("unsqueeze", "view", "detach")] == expected
 
 

@@ -179,26 +179,6 @@ def _interpreting() -> bool:
     return config.interpreting_triton()
 
 
-# The memory a GPU backend sizes its workspace from, fixed for the process once a backend first runs on a
-# device, so that a backward recomputes in the chunks its forward used whatever the allocator does in between.
-_DEVICE_FREE: dict = {}
-
-
-def free_bytes(device: torch.device) -> Optional[int]:
-    """Memory free for torch on a CUDA device (the driver's free memory plus what torch's caching allocator
-    holds unused) the first time a backend runs there; None for other devices, and during a CUDA graph capture
-    before any (the plan then takes its default workspace)."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _DEVICE_FREE:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        free, _ = torch.cuda.mem_get_info(index)
-        _DEVICE_FREE[index] = free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
-    return _DEVICE_FREE[index]
-
-
 def device_gpu(device: torch.device) -> cost.GPUSpec:
     """The cost model's GPU for tensors on ``device`` (``cost.gpu_for_device``: by the device's name, else its
     architecture, with its own SM count and memory); the H200 the model targets for CPU (host mode) and meta
