@@ -30,6 +30,7 @@ from typing import Optional
 
 from . import config as _config
 from .backends import torch as _torch_backend
+from .backends.cuda import plan as cuda_plan
 from .core import cost
 
 __all__ = ["SizingEstimate", "estimate"]
@@ -160,8 +161,6 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         print(fusedloss.estimate("Qwen2.5-7B/config.json", tokens=16384))
         print(fusedloss.estimate(hidden_size=3584, vocab_size=152064, tokens=16384, dtype="bf16", op="grpo"))
     """
-    from .backends.cuda import backend as cuda_backend
-
     given_d, given_v = _read_config(config) if config is not None else (None, None)
     d = _positive_int("hidden_size", hidden_size if hidden_size is not None else given_d)
     v = _positive_int("vocab_size", vocab_size if vocab_size is not None else given_v)
@@ -178,7 +177,7 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
     b, logits = w.operand_bytes, n * v
     spec = cost.GPUS[gpu]
     workspace = int(workspace_mb * 2**20) if workspace_mb is not None else None
-    plan = cuda_backend.plan(w, spec, spec.memory_bytes // 2, workspace=workspace)
+    plan = cuda_plan.plan(w, spec, spec.memory_bytes // 2, workspace=workspace)
     # The workspace never needs more than the fp32 logits of the whole call.
     fused = min(int(plan.params["workspace_bytes"]), 4 * logits)
     trl_tile = min(n, TRL_TOKEN_CHUNK) * min(v, TRL_VOCAB_CHUNK) * b

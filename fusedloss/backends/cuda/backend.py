@@ -40,6 +40,7 @@ Float64 problems are delegated to the torch backend (the tile kernels compute in
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 from typing import Optional
 
@@ -77,7 +78,7 @@ def _load_extension():
     """``(fusedloss._C, None)``, or ``(None, why)``: not built, or built from sources whose protocol
     (output names, coefficient order) differs from problem.py's, which it would then read and write wrongly."""
     try:
-        from ... import _C
+        _C = importlib.import_module("fusedloss._C")  # a module the build produces, not a file of the tree
     except ImportError as exc:  # not built (no nvcc, FUSEDLOSS_CUDA=0) or a plain source checkout
         return None, exc
     expected = {"OUTPUT_NAMES": list(Statistics._fields), "NUM_COEFFS": NUM_COEFFS, "COEF_INDEX": _COEF_ORDER,
@@ -143,7 +144,7 @@ _NOT_BUILT_FIX = ("fix: install a manylinux wheel of fusedloss (it carries the e
 
 def _build_status() -> str:
     try:
-        from ... import _build_info
+        _build_info = importlib.import_module("fusedloss._build_info")
     except ImportError:
         return ("not built: fusedloss._C is missing (install the package with pip so that setup.py builds "
                 "the CUDA extension)")
