@@ -295,13 +295,10 @@ def _median(xs):
 MODEL_OP = {"token_logprobs": "token_logprobs_entropy", "cross_entropy": "cross_entropy", "grpo_loss": "grpo",
             "dpo_loss": "dpo", "distillation_loss": "distill_reverse_kl"}
 # Every figure that comes from the cost model is named modelled_*; measured_* are quotients or sums of
-# measurements (measured_over_modelled divides a measurement by a modelled figure). Records written before
-# this naming are read through LEGACY_FIELDS.
+# measurements (measured_over_modelled divides a measurement by a modelled figure).
 MODEL_FIELDS = ("modelled_ms", "modelled_fwd_ms", "modelled_bwd_ms", "modelled_bound_ms", "modelled_over_bound",
                 "measured_over_modelled", "measured_over_bound", "measured_floor_ms", "measured_over_floor")
-LEGACY_FIELDS = {"bound_ms": "modelled_bound_ms", "ratio": "modelled_over_bound",
-                 "measured_over_model": "measured_over_modelled", "floor_ms": "measured_floor_ms",
-                 "model": "modelled_details"}
+
 
 
 def gpu_model_key(name: Optional[str]) -> Optional[str]:
@@ -1599,13 +1596,12 @@ def dedupe(records: list) -> list:
 
 
 def load_records(paths):
-    """Records of earlier result files, the model's fields under their current names (LEGACY_FIELDS)."""
+    """The records of earlier result files."""
     records = []
     for path in paths:
         data = json.loads(Path(path).read_text())
         for r in data if isinstance(data, list) else data.get("records", []):
-            records.append({LEGACY_FIELDS.get(k, k) if LEGACY_FIELDS.get(k, k) not in r else k: v
-                            for k, v in r.items()})
+            records.append(dict(r))
     return records
 
 

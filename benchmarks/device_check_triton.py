@@ -430,26 +430,7 @@ def timing(device, smoke: bool) -> list:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The cost model's before/after table (no device)
-
-
-def legacy_plan(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
-    """The Triton backend at commit db85361 in the same model, with the traffic derived from its compiled
-    kernels: a 64 x 128 forward whose 132 resident programs re-read their hidden blocks from HBM (159 GB at
-    the acceptance shape, scaling with N x V), and a backward that forms the logits again and adds d hidden and
-    d weight with fp32 atomics (956 GB of reductions, about 950 GB of HBM traffic), no eager path (4 products
-    for every loss)."""
-    scale = (w.n * w.v) / (16384 * 151936)
-    flops = w.product_flops + w.teacher_product_flops
-    grads = int(w.hidden_grad) + int(w.weight_grad)
-    passes = [cost.Pass("forward (64 x 128, hidden re-read from HBM)", flops, 159e9 * scale, w.dtype),
-              cost.Pass("forward: idle in the last wave", flops * 0.03, 0.0, w.dtype)]
-    if grads:
-        atomics = (319e9 * w.hidden_grad + 637e9 * w.weight_grad) * scale
-        passes.append(cost.Pass("backward: recompute + products with fp32 atomics", flops + grads * w.product_flops,
-                                atomics + 310e9 * scale, w.dtype))
-    return cost.Plan(backend="triton (db85361)", path="composable", products=1.0 + (1 + grads if grads else 0),
-                     passes=passes)
+# The cost model's figures for the backend's plans (no device)
 
 
 def cost_table() -> list:
@@ -460,12 +441,10 @@ def cost_table() -> list:
     for op in ("cross_entropy", "token_logprobs", "token_logprobs_entropy", "grpo", "distill_reverse_kl"):
         w = cost.Workload(op=op, n=16384, d=4096, v=151936, dtype="bfloat16",
                           teacher_d=4096 if op.startswith("distill") else None)
-        before = cost.evaluate(legacy_plan(w, gpu), w, gpu)
         plan = tb.plan(w, gpu)
         after = cost.evaluate(plan, w, gpu)
-        rows.append(dict(op=op, bound_ms=round(after.bound_ms, 1), before_ms=round(before.model_ms, 1),
-                         before_ratio=round(before.ratio, 2), after_ms=round(after.model_ms, 1),
-                         after_ratio=round(after.ratio, 3), after_path=plan.path))
+        rows.append(dict(op=op, bound_ms=round(after.bound_ms, 1), model_ms=round(after.model_ms, 1),
+                         ratio=round(after.ratio, 3), path=plan.path))
     return rows
 
 
@@ -480,7 +459,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-timing", action="store_true", help="skip the timings")
     ap.add_argument("--dtypes", default="", help="comma-separated dtypes of the cases (default: every one; "
                                                  "float32+tf32 is float32 with TF32 switched on globally)")
-    ap.add_argument("--cost-table", action="store_true", help="print the cost model's before/after table and exit")
+    ap.add_argument("--cost-table", action="store_true", help="print the cost model's table of the plans and exit")
     args = ap.parse_args(argv)
 
     if args.cost_table:

@@ -14,7 +14,6 @@ variable                           default      effect
                                                 unset: sized from the memory free on the device
                                                 (``workspace_mb=`` argument). A finite number, at least
                                                 1/1024 (1 KiB; ``workspace_megabytes``).
-                                                ``FUSEDLOSS_CUDA_WORKSPACE_MB`` is read as an older spelling.
 ``FUSEDLOSS_ALLOW_TF32``           ``0``        ``1``: fp32 inputs may use TF32 products (faster, ~1e-4
                                                 relative error) whatever PyTorch's global TF32 flags say
                                                 (``allow_tf32=`` argument); by default fp32 stays fp32
@@ -93,8 +92,6 @@ def from_environment() -> Environment:
         raise ValueError("environment variable FUSEDLOSS_TRITON_FP32_PRECISION must be ieee, tf32 or tf32x3, "
                          f"got {precision!r}")
     workspace = _megabytes("FUSEDLOSS_WORKSPACE_MB")
-    if workspace is None:
-        workspace = _megabytes("FUSEDLOSS_CUDA_WORKSPACE_MB")
     return Environment(eager=_flag("FUSEDLOSS_EAGER"), workspace_mb=workspace, allow_tf32=_flag("FUSEDLOSS_ALLOW_TF32"),
                        triton_fp32_precision=precision, deterministic=_flag("FUSEDLOSS_DETERMINISTIC"))
 

@@ -178,16 +178,6 @@ def test_a_rerun_measures_only_what_the_first_run_left(tmp_path):
         assert r["product_ms"] > 0 and r["measured_floor_ms"] == pytest.approx(3 * r["product_ms"], rel=1e-3)
 
 
-def test_files_written_before_the_modelled_names_read_under_them(tmp_path):
-    old = _rec("cross_entropy", "fusedloss:cuda", 64, "ok", fwd_bwd_ms=3.0, bound_ms=1.5, ratio=1.1,
-               measured_over_model=1.8, floor_ms=2.0, model={"gpu": "H200"})
-    (tmp_path / "old.json").write_text(json.dumps([old]))
-    (r,) = bench.load_records([tmp_path / "old.json"])
-    assert (r["modelled_bound_ms"], r["modelled_over_bound"], r["measured_over_modelled"], r["measured_floor_ms"],
-            r["modelled_details"]) == (1.5, 1.1, 1.8, 2.0, {"gpu": "H200"})
-    assert not {"bound_ms", "ratio", "measured_over_model", "floor_ms", "model"} & set(r)
-
-
 def test_profile_records_are_a_case_of_their_own():
     """A --profile record of the same op, implementation and shape neither replaces the timed one nor counts
     as measuring it, and the table leaves it out."""

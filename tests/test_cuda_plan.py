@@ -32,7 +32,6 @@ def workload(op="cross_entropy", n=16384, d=4096, v=151936, dtype="bfloat16", **
 
 @pytest.fixture(autouse=True)
 def no_workspace_env(monkeypatch):
-    monkeypatch.delenv("FUSEDLOSS_CUDA_WORKSPACE_MB", raising=False)
     monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB", raising=False)
     monkeypatch.delenv("FUSEDLOSS_ALLOW_TF32", raising=False)
 
@@ -48,7 +47,7 @@ def test_workspace_from_free_memory_is_bounded():
 
 
 def test_workspace_override_by_environment_and_keyword(monkeypatch):
-    monkeypatch.setenv("FUSEDLOSS_CUDA_WORKSPACE_MB", "1024")
+    monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", "1024")
     assert cuda.workspace_bytes(140 * GIB) == 1024 * 2**20
     with cuda.override_plan(workspace_mb=64):
         assert cuda.workspace_bytes(140 * GIB) == 64 * 2**20
@@ -56,13 +55,13 @@ def test_workspace_override_by_environment_and_keyword(monkeypatch):
     assert p.params["workspace_bytes"] == 1024 * 2**20
     assert cuda.plan(workload(), H200, 140 * GIB, workspace=3 * GIB).params["workspace_bytes"] == 3 * GIB
     for bad in ("lots", "0", "-5", "inf", "1e400", "nan", "1e-300"):
-        monkeypatch.setenv("FUSEDLOSS_CUDA_WORKSPACE_MB", bad)
-        with pytest.raises(ValueError, match="FUSEDLOSS_CUDA_WORKSPACE_MB"):
+        monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", bad)
+        with pytest.raises(ValueError, match="FUSEDLOSS_WORKSPACE_MB"):
             cuda.workspace_bytes()
 
 
 @pytest.mark.parametrize("bad", ["inf", "1e400", "-inf", "nan", "1e-300", "0.0009"])
-@pytest.mark.parametrize("variable", ["FUSEDLOSS_WORKSPACE_MB", "FUSEDLOSS_CUDA_WORKSPACE_MB"])
+@pytest.mark.parametrize("variable", ["FUSEDLOSS_WORKSPACE_MB"])
 def test_the_workspace_must_be_a_finite_size(variable, bad, monkeypatch):
     """The variable and the argument are read by one function (``config.workspace_megabytes``): a finite number
     of MiB, at least 1 KiB; infinity (which overflowed deep in the plan) and a size that rounds to no byte
