@@ -250,7 +250,7 @@ def sm_clock_mhz(device) -> Optional[int]:
 
 
 def _one_run(impl, p, device, mem=None) -> Run:
-    """One forward+backward: the forward is the implementation's call (whatever it does there: an eager path
+    """One forward+backward: the forward is the implementation's call (whatever it does there: a grad-in-forward path
     finishes its gradients in it), the backward is ``loss.backward()``. On a GPU the SM clock is sampled
     after the work is queued and before the wait, i.e. while it runs."""
     import torch

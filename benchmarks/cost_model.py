@@ -64,18 +64,19 @@ def backend_plan_function(backend: str):
 
 # A plan lists its passes in the order they run. The composable path's backward starts where the logits are
 # formed again (cuda: "recompute", triton: "backward: logits again and dx"); everything before is the forward
-# (the statistics op). The eager path finishes the gradients in the forward (core/eager.py) and its backward
+# (the statistics op). The grad-in-forward path finishes the gradients in the forward (core/grad_in_forward.py) and its
+# backward
 # only scales the stored fp32 gradients by the incoming gradient and rounds them ("scale and round
 # gradients", "... round to the input dtype").
 _BACKWARD_FROM = re.compile(r"^(recompute|teacher recompute|backward\b)")
-_EAGER_BACKWARD = re.compile(r"\bround\b|\bin the backward$")
+_GRAD_IN_FORWARD_BACKWARD = re.compile(r"\bround\b|\bin the backward$")
 
 
 def phases(plan: cost.Plan) -> list:
     """"forward" or "backward" for each pass of ``plan``, in order: which of the two timed calls (the loss
     function, then ``loss.backward()``) runs it."""
-    if plan.path == "eager":
-        return ["backward" if _EAGER_BACKWARD.search(p.name) else "forward" for p in plan.passes]
+    if plan.path == "grad_in_forward":
+        return ["backward" if _GRAD_IN_FORWARD_BACKWARD.search(p.name) else "forward" for p in plan.passes]
     start = next((i for i, p in enumerate(plan.passes) if _BACKWARD_FROM.match(p.name)), len(plan.passes))
     return ["forward" if i < start else "backward" for i in range(len(plan.passes))]
 
@@ -148,7 +149,7 @@ def fused_epilogue(plan: cost.Plan) -> cost.Plan:
     """What-if (no backend runs it): the CUDA plan with the fold and dx moved into the products that form the
     logits (a GEMM epilogue computing the row statistics of each output tile, and dx written in the input dtype
     by the recompute's epilogue), overlapped with the main loop as a warp-specialised kernel overlaps them. The
-    fp32 logits still make their round trip where the 3-product eager path keeps them between the statistics
+    fp32 logits still make their round trip where the 3-product grad-in-forward path keeps them between the statistics
     and dx (a loss's coefficients need the whole row); the separate elementwise passes are gone. See
     docs/design.md, "Beyond the bound of this design"."""
     passes = []
@@ -212,7 +213,7 @@ def main(argv=None) -> int:
     ap.add_argument("--free-gb", type=float, default=None,
                     help="memory free for torch when the backend first runs (default: half the GPU's)")
     ap.add_argument("--workspace-mb", type=float, default=None, help="the workspace, instead of the free memory")
-    ap.add_argument("--path", choices=("eager", "composable"), default=None, help="force a path")
+    ap.add_argument("--path", choices=("grad_in_forward", "composable"), default=None, help="force a path")
     ap.add_argument("--frozen-weight", action="store_true", help="no d weight (LoRA, frozen head)")
     ap.add_argument("--transformed", action="store_true",
                     help="logits with a bias, logit scale, soft-cap or temperature (default: the raw products)")

@@ -9,9 +9,9 @@ computing a loss over ``N`` tokens with hidden size ``D`` and vocabulary ``V`` (
 * TRL 1.16's chunked kernel (``trl.kernels.ChunkedLogProbFunction``, behind its trainers' fused LM head): a few
   ``[N]`` statistics held; one ``[min(N, 4096), min(V, 32768)]`` tile in the operand dtype per pass; the backward
   recomputes the logits: 4 products.
-* fusedloss: ``[N]`` statistics held (and, on the eager path, the gradients themselves); the logits workspace
+* fusedloss: ``[N]`` statistics held (and, on the grad-in-forward path, the gradients themselves); the logits workspace
   of the GPU backend's plan (``fusedloss.backends.cuda.backend.plan``, the function the
-  cost model evaluates and the backend runs by) and its products (3 on the eager path of a loss known in the
+  cost model evaluates and the backend runs by) and its products (3 on the grad-in-forward path of a loss known in the
   forward, 4 for log-probs whose loss comes later); on a CPU, the torch backend's ``[1024, 4096]`` fp32 tiles
   (a few live at a time) and its 4 products (without a teacher it takes the recomputing path there).
 
@@ -190,7 +190,7 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
                  "logits, fp32 log-softmax; their grads"),
         PathCost("TRL 1.16 chunked kernel", 0, trl_tile, composable,
                  f"one [{min(n, TRL_TOKEN_CHUNK)}, {min(v, TRL_VOCAB_CHUNK)}] tile"),
-        PathCost(f"fusedloss, GPU ({plan.path} path)", 0, fused, plan.products,
+        PathCost(f"fusedloss, GPU ({plan.path.replace('_', '-')})", 0, fused, plan.products,
                  "workspace (workspace_mb=)" if workspace_mb is not None else f"workspace, {spec.name} default"),
         PathCost("fusedloss, torch backend (CPU)", 0, torch_tile, composable,
                  f"per [{min(n, _torch_backend.ROW_CHUNK)}, {min(v, _torch_backend.VOCAB_TILE)}] fp32 tile"),

@@ -25,7 +25,7 @@ SHAPE = (16384, 4096, 151936)
 
 
 def _paths(op):
-    return (None, "composable", "eager") if cost.OPS[op]["row_local"] else (None, "composable")
+    return (None, "composable", "grad_in_forward") if cost.OPS[op]["row_local"] else (None, "composable")
 
 
 @pytest.mark.parametrize("plan_backend", ("cuda", "triton"))
@@ -33,7 +33,7 @@ def _paths(op):
 def test_forward_and_backward_partition_the_plan(plan_backend, dtype):
     """Every pass of every plan is in exactly one phase, in the order the plan runs them, and the two
     phases add up to the whole: the composable path's backward holds the recompute and both gradient
-    products; the eager path's forward holds all three products and its backward only rounds, unless d weight
+    products; the grad-in-forward path's forward holds all three products and its backward only rounds, unless d weight
     is deferred to the backward (then it holds that product too)."""
     for op in cost.OPS:
         for n in (1, 4096, 16384):
@@ -48,7 +48,7 @@ def test_forward_and_backward_partition_the_plan(plan_backend, dtype):
                 assert len(kinds) == len(plan.passes)
                 fwd = [p.name for p, k in zip(plan.passes, kinds) if k == "forward"]
                 bwd = [p.name for p, k in zip(plan.passes, kinds) if k == "backward"]
-                assert fwd[0].startswith(("logits", "forward", "eager logits"))
+                assert fwd[0].startswith(("logits", "forward", "grad-in-forward logits"))
                 if plan.path == "composable":
                     assert kinds == sorted(kinds, key=("forward", "backward").index)  # one boundary
                     assert bwd[0].startswith(("recompute", "backward"))

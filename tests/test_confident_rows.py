@@ -55,10 +55,10 @@ def engine(request, monkeypatch):
     return name, torch.device("cpu")
 
 
-@pytest.fixture(params=["eager", "statistics"])
+@pytest.fixture(params=["grad_in_forward", "statistics"])
 def path(request, monkeypatch):
-    """Both gradient paths: the 3-product eager one and the statistics op's recompute backward."""
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if request.param == "eager" else "0")
+    """Both gradient paths: the 3-product grad-in-forward one and the statistics op's recompute backward."""
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if request.param == "grad_in_forward" else "0")
     return request.param
 
 

@@ -31,12 +31,12 @@ def test_the_issue_command_prints_one_json_object():
     assert rc == 0, err
     e = json.loads(out)
     assert all(k in e for k in FIELDS)
-    assert e["products"] == 3 and e["path"] == "eager"
+    assert e["products"] == 3 and e["path"] == "grad_in_forward"
     # 3 GEMM-sized products of 2 N V D flops are the bulk of the flops; 6 N V D at 790 TFLOP/s is the bound
     assert 3 * 2 * 16384 * 4096 * 151936 <= e["flops"] < 1.01 * 3 * 2 * 16384 * 4096 * 151936
     assert e["bound_ms"] == pytest.approx(6 * 16384 * 4096 * 151936 / 790e12 * 1e3)
     assert e["ratio"] == pytest.approx(e["model_ms"] / e["bound_ms"]) and e["ratio"] <= 1.2
-    assert e["plan"]["eager_rows"] * e["plan"]["chunks"] >= 16384
+    assert e["plan"]["grad_in_forward_rows"] * e["plan"]["chunks"] >= 16384
 
 
 def test_estimate_evaluates_the_backends_own_plan():
@@ -64,7 +64,7 @@ def test_triton_plan_is_used_when_the_backend_has_one_and_missing_said_clearly()
 
 
 def test_table_of_the_plans():
-    """The CUDA backend's plan at the H200 acceptance shape: within 1.2x of the bound for the eager losses."""
+    """The CUDA backend's plan at the H200 acceptance shape: within 1.2x of the bound for the grad-in-forward losses."""
     after = cost_model.estimate("cross_entropy", "cuda", 16384, 4096, 151936)
     assert after["ratio"] <= 1.2
     text = cost_model.table()

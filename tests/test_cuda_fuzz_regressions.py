@@ -32,12 +32,12 @@ F64 = torch.float64
 INF = math.inf
 
 
-@pytest.fixture(params=["eager", "composable"])
+@pytest.fixture(params=["grad_in_forward", "composable"])
 def host_cuda(request, monkeypatch):
     """The public API on CPU tensors with backend='cuda' (the host twins), on one gradient path."""
     original = registry.resolve
     monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if request.param == "eager" else "0")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if request.param == "grad_in_forward" else "0")
     return request.param
 
 

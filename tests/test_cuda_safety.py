@@ -5,7 +5,7 @@ restores, and the numerics a GPU would otherwise be the first to show.
 * availability(): the extension built and no usable device, a driver older than the built runtime;
 * the device guard of every launch (the C++ template, through the extension);
 * TileArgs validated at the C++ boundary (ValueError with a sentence);
-* fp16 gradients that survive a GradScaler-sized loss scale on the eager path (host twins vs float64);
+* fp16 gradients that survive a GradScaler-sized loss scale on the grad-in-forward path (host twins vs float64);
 * fp32 products whatever torch's TF32 flags say (the flag handling, in a subprocess).
 """
 
@@ -172,7 +172,7 @@ def test_tile_arguments_are_checked_with_sentences():
 
 
 # ------------------------------------------------------------------------------------------------
-# fp16 on the eager path: dx is formed before the GradScaler's scale exists
+# fp16 on the grad-in-forward path: dx is formed before the GradScaler's scale exists
 # ------------------------------------------------------------------------------------------------
 def _fp16_case(n=1024, v=1031, d=32, seed=0):
     """A long mean over peaked rows: d loss / dz = q / n is mostly far below fp16's smallest subnormal."""
@@ -192,11 +192,11 @@ def _grads(h16, w16, y, run):
 
 
 @built
-@pytest.mark.parametrize("path", ["eager", "composable"])
+@pytest.mark.parametrize("path", ["grad_in_forward", "composable"])
 def test_fp16_gradients_survive_a_gradscaler_sized_scale(path, monkeypatch):
     original = registry.resolve
     monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if path == "eager" else "0")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if path == "grad_in_forward" else "0")
     h16, w16, y = _fp16_case()
     scale = 2.0**16
 

@@ -120,7 +120,7 @@ def test_default_tiles_fit_the_targets_shared_memory(target):
     limit = tb_plan.SHARED_LIMITS[tb.tile_family(target)]
     for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
         for kind in ("lean", "heavy", "teacher"):
-            paths = ("composable", "eager") if kind != "teacher" else ("composable",)
+            paths = ("composable", "grad_in_forward") if kind != "teacher" else ("composable",)
             for path in paths:
                 cfg = tb.candidates(dtype, kind, path, target)[0]
                 operands = 2 if kind == "teacher" else 1
@@ -134,11 +134,12 @@ def test_tiles_follow_the_device(monkeypatch):
     Blackwell, 128 x 128 on Hopper; gfx942's half tiles take 3 stages."""
     monkeypatch.setattr(tb, "deterministic", lambda: True)
     p = _problem(torch.bfloat16)
-    for target, eager, composable in (("sm_90", (128, 128, 4), (128, 128, 4)), ("sm_100", (64, 128, 4), (64, 128, 4)),
+    for target, grad_in_forward, composable in (("sm_90", (128, 128, 4), (128, 128, 4)), ("sm_100", (64, 128, 4),
+                                                                                          (64, 128, 4)),
                                       ("sm_120", (64, 128, 4), (64, 128, 4)), ("gfx942", (128, 128, 3), (128, 128, 3)),
                                       ("gfx950", (128, 128, 4), (128, 128, 4))):
         monkeypatch.setattr(tb, "device_target", lambda device, t=target: t)
-        for path, want in (("eager", eager), ("composable", composable)):
+        for path, want in (("grad_in_forward", grad_in_forward), ("composable", composable)):
             cfg = tb.tiles_for(p, path)
             assert (cfg.block_m, cfg.block_v, cfg.num_stages) == want, (target, path, cfg)
 

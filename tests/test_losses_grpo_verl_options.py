@@ -1,5 +1,5 @@
 """grpo_loss's verl options (``loss_agg_mode``, ``kl_loss_type``, ``global_batch_size``) on every backend,
-against ``fusedloss.reference.grpo_loss`` (float64, fp32), on the eager path and the composable one.
+against ``fusedloss.reference.grpo_loss`` (float64, fp32), on the grad-in-forward path and the composable one.
 
 verl's own ``ppo_loss`` is the oracle in tests/frameworks/test_verl_policy_loss.py (run where verl is
 installed); here the reference twin stands for it, and the data hold a fully masked completion, ratios on
@@ -122,19 +122,19 @@ def test_bad_verl_options(options, match):
 @pytest.mark.parametrize("which", [b for b in ALL_BACKENDS if b != "triton"])
 @pytest.mark.parametrize("name", ["token-mean-k3", "seq-sum-abs", "seq-mean-k2", "cispo-two-sided", "dppo_kl", "dro",
                                   "vanilla"])
-def test_eager_path(which, name, monkeypatch):
-    """Token-level verl options are row-local: the eager 3-product path takes them (forced), entropy bonus
+def test_grad_in_forward_path(which, name, monkeypatch):
+    """Token-level verl options are row-local: the grad-in-forward 3-product path takes them (forced), entropy bonus
     aggregated by the same weights, and equals the reference."""
-    from fusedloss.core import eager
+    from fusedloss.core import grad_in_forward
 
     backend, device = _backend(which, monkeypatch)
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
     taken = []
-    original = eager.eager_loss
-    monkeypatch.setattr(eager, "eager_loss", lambda *a: taken.append(1) or original(*a))
+    original = grad_in_forward.grad_in_forward_loss
+    monkeypatch.setattr(grad_in_forward, "grad_in_forward_loss", lambda *a: taken.append(1) or original(*a))
     inputs, options = case(name)
     compare("grpo_loss", inputs, options, backend, F64, device, fp64_tol(backend))
-    assert taken, "the eager path was not taken"
+    assert taken, "the grad-in-forward path was not taken"
 
 
 COVARIANCE_CASES = {

@@ -479,8 +479,8 @@ def test_availability_reasons(monkeypatch):
 
 @pytest.mark.parametrize("version", ["installed", *triton_versions.PINNED])
 def test_kernels_compile_for_sm90(version):
-    """Every launch the backend makes for bf16, fp16 and fp32 (composable and eager paths, every autotuning
-    candidate, a lean, a heavy and a teacher epilogue, a lean distillation's eager student, D = 4096 and
+    """Every launch the backend makes for bf16, fp16 and fp32 (composable and grad-in-forward paths, every autotuning
+    candidate, a lean, a heavy and a teacher epilogue, a lean distillation's grad-in-forward student, D = 4096 and
     D = 1000), recorded on meta tensors and
     compiled for an H100/H200 (sm_90a) without a GPU: no spills, at most 227 KB of shared memory, the products
     on wgmma, the operands loaded 16 bytes at a time (tests/test_triton_compile.py). Once with this

@@ -41,19 +41,20 @@ def test_modelled_time_within_1_3x_of_the_product_bound(op):
     w = cost.Workload(op=op, teacher_d=4096 if op.startswith("distill") else None, **ACCEPTANCE)
     plan = tb.plan(w, H200)
     estimate = cost.evaluate(plan, w, H200)
-    # the eager lean forward at 128 x 128's rate (1.19 here, with its cuBLAS products' exposed C traffic; with a
+    # the grad-in-forward lean forward at 128 x 128's rate (1.19 here, with its cuBLAS products' exposed C traffic; with
+    # a
     # teacher, its cuBLAS product and fold), the composable op's 64 x 128 at 1.22
     limit = 1.3
     assert estimate.ratio <= limit, (op, plan.path, estimate.model_ms, estimate.bound_ms, estimate.pass_ms)
     # the losses known in the forward take the 3-product path, the composable op its 4 products
-    assert plan.path == ("eager" if w.row_local else "composable")
+    assert plan.path == ("grad_in_forward" if w.row_local else "composable")
     assert plan.products == (3.0 if w.row_local else 4.0)
 
 
 @pytest.mark.parametrize("op", ["distill_reverse_kl", "distill_forward_kl", "distill_jsd"])
 @pytest.mark.parametrize("n, v", [(16384, 151936), (4096, 128256)])
-def test_eager_distillation_within_1_3x_of_the_product_bound(op, n, v):
-    """The eager distillation: the teacher's raw logits through cuBLAS (an fp32-output product per row chunk),
+def test_grad_in_forward_distillation_within_1_3x_of_the_product_bound(op, n, v):
+    """The grad-in-forward distillation: the teacher's raw logits through cuBLAS (an fp32-output product per row chunk),
     the student's lean 128 x 128 forward, the teacher fold (and the JSD's second sweep) over the kept tiles:
     1.25-1.29 of the product-count bound at both shapes, where the 64 x 64 tile forming both products gave
     1.47-1.49. The plan prices what runs: one cuBLAS teacher product and one fold per chunk, no teacher
@@ -61,20 +62,20 @@ def test_eager_distillation_within_1_3x_of_the_product_bound(op, n, v):
     w = cost.Workload(op=op, n=n, d=4096, v=v, dtype="bfloat16", teacher_d=4096)
     plan = tb.plan(w, H200)
     estimate = cost.evaluate(plan, w, H200)
-    assert plan.path == "eager" and plan.products == 3.0
+    assert plan.path == "grad_in_forward" and plan.products == 3.0
     assert estimate.ratio <= 1.3, (op, n, estimate.model_ms, estimate.bound_ms, estimate.pass_ms)
-    chunks = -(-n // plan.params["eager_rows"])
+    chunks = -(-n // plan.params["grad_in_forward_rows"])
 
     def executions(name):  # a pass priced once per chunk size, with the count of chunks of that size
         return sum(p.count for p in plan.passes if p.name == name)
 
-    assert executions("eager logits: teacher (cuBLAS)") == chunks
-    assert executions("eager teacher fold") == chunks
-    assert executions("eager JSD pass") == (chunks if op == "distill_jsd" else 0)
-    teacher = [p for p in plan.passes if p.name == "eager logits: teacher (cuBLAS)"]
+    assert executions("grad-in-forward logits: teacher (cuBLAS)") == chunks
+    assert executions("grad-in-forward teacher fold") == chunks
+    assert executions("grad-in-forward JSD pass") == (chunks if op == "distill_jsd" else 0)
+    teacher = [p for p in plan.passes if p.name == "grad-in-forward logits: teacher (cuBLAS)"]
     assert sum(p.flops * p.count for p in teacher) == pytest.approx(2.0 * n * v * 4096)
     assert all(p.epilogue_bytes > 0 and p.math == "bfloat16" for p in teacher)
-    forward = [p for p in plan.passes if p.name == "eager logits: logits and statistics"]
+    forward = [p for p in plan.passes if p.name == "grad-in-forward logits: logits and statistics"]
     assert sum(p.flops * p.count for p in forward) == pytest.approx(2.0 * n * v * 4096)  # the student's only
     assert all(p.efficiency == cost.triton_tile_efficiency(128, 128) for p in forward)
 
@@ -87,15 +88,15 @@ def test_a_frozen_head_drops_the_d_weight_product():
 
 
 def test_a_small_workspace_can_make_the_composable_path_the_cheaper():
-    """Tiny eager chunks re-read and re-write the fp32 d weight accumulator once per chunk: with a 16 MiB
+    """Tiny grad-in-forward chunks re-read and re-write the fp32 d weight accumulator once per chunk: with a 16 MiB
     workspace the model prefers recomputing the logits, and says so."""
     w = cost.Workload(op="cross_entropy", **ACCEPTANCE)
     small = tb.plan(w, H200, workspace_mb=16)
-    eager = tb.plan(w, H200, workspace_mb=16, path="eager")
+    grad_in_forward = tb.plan(w, H200, workspace_mb=16, path="grad_in_forward")
     composable = tb.plan(w, H200, workspace_mb=16, path="composable")
-    times = {p.path: cost.evaluate(p, w, H200).model_ms for p in (eager, composable)}
+    times = {p.path: cost.evaluate(p, w, H200).model_ms for p in (grad_in_forward, composable)}
     assert small.path == min(times, key=times.get)
-    assert times["eager"] > times["composable"]
+    assert times["grad_in_forward"] > times["composable"]
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -193,27 +194,28 @@ def test_an_infinite_or_vanishing_workspace_is_refused_by_name(bad, monkeypatch)
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo"])
 @pytest.mark.parametrize("n,d", [(7100, 3584), (18000, 3584), (18000, 5120), (36001, 5120), (65536, 5120)])
 def test_a_qwen_head_whose_last_chunk_is_shorter_is_priced(op, n, d):
-    """Qwen 2.5 / 3 heads (V = 152064) on an H200 with its memory free: the eager chunks end with a shorter one,
+    """Qwen 2.5 / 3 heads (V = 152064) on an H200 with its memory free: the grad-in-forward chunks end with a shorter
+    one,
     whose last wave leaves programs idle where the whole chunks' leaves none; the pass of that name then has
     flops in one shape and none in the other, which the model's detail merged with a KeyError ('tflops')."""
     w = cost.Workload(op=op, n=n, d=d, v=152064, dtype="bfloat16")
     plan = tb.plan(w, H200, free_bytes=139 << 30)
     est = cost.evaluate(plan, w, H200)
-    assert plan.path == "eager" and est.ratio < 1.3
-    rows = plan.params["eager_rows"]
+    assert plan.path == "grad_in_forward" and est.ratio < 1.3
+    rows = plan.params["grad_in_forward_rows"]
     assert n % rows  # a shorter last chunk
-    idle = est.pass_detail["eager logits: idle in the last wave"]
+    idle = est.pass_detail["grad-in-forward logits: idle in the last wave"]
     assert idle["count"] == -(-n // rows) and idle["rates"]["tflops"] > 0
 
 
-def test_the_eager_plan_prices_each_chunk_size_once():
+def test_the_grad_in_forward_plan_prices_each_chunk_size_once():
     """Whole chunks are one pass of each kind with their count, the shorter last chunk another: the plan of a
     billion rows has as many passes as that of a few thousand, and the same time per row."""
     w = cost.Workload(op="distill_reverse_kl", **ACCEPTANCE)
-    small, huge = (tb.plan(dataclasses_replace(w, n=n), H200, path="eager") for n in (16384, 16384 * 10**5))
+    small, huge = (tb.plan(dataclasses_replace(w, n=n), H200, path="grad_in_forward") for n in (16384, 16384 * 10**5))
     assert len(small.passes) == len(huge.passes)
-    chunks = -(-16384 * 10**5 // huge.params["eager_rows"])
-    assert sum(p.count for p in huge.passes if p.name == "eager teacher fold") == chunks
+    chunks = -(-16384 * 10**5 // huge.params["grad_in_forward_rows"])
+    assert sum(p.count for p in huge.passes if p.name == "grad-in-forward teacher fold") == chunks
     per_row = [cost.evaluate(p, w, H200).model_ms / p_n for p, p_n in ((small, 16384), (huge, 16384 * 10**5))]
     assert per_row[1] == pytest.approx(per_row[0], rel=0.05)
 
@@ -227,7 +229,7 @@ def test_plan_parameters_are_the_ones_the_backend_runs_with():
     assert plan.params["forward_grid"] == tb.grid_of(300, 32003, cfg, H200, "float16")
     assert (plan.params["row_chunk"], plan.params["vocab_chunk"]) == tb.backward_chunks(300, 32003, 1000, "float16",
                                                                                         budget, cfg)
-    assert plan.params["eager_rows"] == tb.eager_rows(300, 32003, "float16", False, budget, cfg)
+    assert plan.params["grad_in_forward_rows"] == tb.grad_in_forward_rows(300, 32003, "float16", False, budget, cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -369,7 +371,8 @@ def test_stream_capture_keeps_the_tiles_tuned_before_it(monkeypatch):
 
 
 def test_choosing_the_path_times_no_kernel(monkeypatch):
-    """eager_pays compares the paths with the untuned tiles: an eager call never autotunes composable kernels."""
+    """grad_in_forward_pays compares the paths with the untuned tiles: a grad-in-forward call never autotunes composable
+    kernels."""
     monkeypatch.setattr(tb, "_TUNED", {})
     monkeypatch.delenv("FUSEDLOSS_DETERMINISTIC", raising=False)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -383,7 +386,7 @@ def test_choosing_the_path_times_no_kernel(monkeypatch):
 
     monkeypatch.setattr(tb, "autotune", no_timing)
     p = _gpu_problem()
-    assert tb.eager_pays(p) == (tb.plan(cost.Workload.of(p, row_local=True), H200).path == "eager")
+    assert tb.grad_in_forward_pays(p) == (tb.plan(cost.Workload.of(p, row_local=True), H200).path == "grad_in_forward")
     with pytest.raises(AssertionError, match="timed kernels"):  # the path taken is tuned
         tb.tiles_for(p)
 
@@ -435,7 +438,7 @@ def test_one_row_chunk_writes_d_weight_in_its_dtype_without_a_cast():
 @pytest.mark.parametrize("flags, share", [(dict(), 0.6), (dict(want_entropy=True), 0.6),
                                           (dict(teacher=True, want_kl_rev=True), 0.9)])
 def test_split_merge_merges_only_the_fields_it_finalises(flags, share):
-    """The split merge of one forward call (run per eager chunk) merges only the partials the problem's
+    """The split merge of one forward call (run per grad-in-forward chunk) merges only the partials the problem's
     statistics need: the same values as merging all of them, in far fewer small ops (counted: 56 against 141
     for cross-entropy)."""
     from fusedloss.core import partials

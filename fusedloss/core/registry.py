@@ -40,15 +40,15 @@ class Backend(Protocol):
         ``needs`` says so), recomputing the logits exactly as ``forward_statistics`` formed them."""
 
 
-class EagerBackend(Protocol):
-    """Optional: the 3-product path for losses known in the forward (``core/eager.py``)."""
+class GradInForwardBackend(Protocol):
+    """Optional: the 3-product path for losses known in the forward (``core/grad_in_forward.py``)."""
 
-    def eager_gradients(self, problem: StatsProblem, chunk_fn: Callable, needs: GradientNeeds) -> tuple:
+    def grad_in_forward_gradients(self, problem: StatsProblem, chunk_fn: Callable, needs: GradientNeeds) -> tuple:
         """``(loss, (d hidden, d weight, d bias))``: each row chunk's logits are formed once, folded into its
         statistics, and ``chunk_fn(stats, rows) -> (chunk loss, coefficients)`` gives its dz right away."""
 
-    def eager_pays(self, problem: StatsProblem) -> bool:
-        """Whether the eager path is the faster one for this problem, by this backend's own plan."""
+    def grad_in_forward_pays(self, problem: StatsProblem) -> bool:
+        """Whether the grad-in-forward path is the faster one for this problem, by this backend's own plan."""
 
 
 class JsdBackend(Protocol):
@@ -65,12 +65,12 @@ def jsd_sums(name: str) -> Callable:
     return getattr(get(name), "jsd_sums", None) or get("torch").jsd_sums
 
 
-def has_eager_path(name: str) -> bool:
-    return callable(getattr(get(name), "eager_gradients", None))
+def has_grad_in_forward_path(name: str) -> bool:
+    return callable(getattr(get(name), "grad_in_forward_gradients", None))
 
 
-def eager_policy(name: str) -> Optional[Callable[[StatsProblem], bool]]:
-    return getattr(get(name), "eager_pays", None)
+def grad_in_forward_policy(name: str) -> Optional[Callable[[StatsProblem], bool]]:
+    return getattr(get(name), "grad_in_forward_pays", None)
 
 
 BACKEND_MODULES = {
@@ -122,7 +122,7 @@ def status() -> dict:
 def resolve(backend: str, device: torch.device) -> str:
     """Map the user's ``backend`` argument to a concrete backend for tensors on ``device``.
 
-    ``"auto"``: on a CUDA device, the CUDA backend when it is built (cuBLAS products, 3-product eager
+    ``"auto"``: on a CUDA device, the CUDA backend when it is built (cuBLAS products, 3-product grad-in-forward
     path), else Triton, else torch; on any other device, torch (the Triton interpreter is a correctness
     tool, orders of magnitude slower than the tiled torch path on a CPU)."""
     if backend not in BACKEND_NAMES:

@@ -53,7 +53,7 @@ def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
 
 
 def autocast_off(device: torch.device):
-    """Inside the op (statistics, gradients, the eager path) autocast is off: the inputs were already cast as
+    """Inside the op (statistics, gradients, the grad-in-forward path) autocast is off: the inputs were already cast as
     a linear layer would cast them (``losses/implicit_logits.py``), the logits are formed in fp32 from them,
     and the backward, which runs outside any autocast region, recomputes exactly the forward's logits."""
     if autocast_dtype(device) is None:
@@ -171,7 +171,8 @@ def _(*args):
     )
 
 
-# An unused statistic's gradient is None (``core/eager.py`` takes it so from autograd): exactly 0.0 in every row,
+# An unused statistic's gradient is None (``core/grad_in_forward.py`` takes it so from autograd): exactly 0.0 in every
+# row,
 # and the arithmetic it would feed is done on Python floats instead. The rules below keep every coefficient the
 # bits the materialised zero rows gave (signed zeros included): -0.0 is the exact identity of +, while +0.0 is not
 # (-0.0 + 0.0 = +0.0), and 0.0 - x differs from -x where x is +0.0.

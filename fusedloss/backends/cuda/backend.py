@@ -16,7 +16,7 @@ Design
     ``dx_tile``     turns the tile into d loss / d x from the per-row coefficients (problem.py's dz formula
                     and the chain rule), in place for fp32; for bf16/fp16 packed over the fp32 tile it reads
                     (one block per row, ``PACKED_MIN_ROWS``), or into a separate half copy for tiles of few
-                    rows and the fp16 eager path; that dx feeds the two gradient products. Rows outside the
+                    rows and the fp16 grad-in-forward path; that dx feeds the two gradient products. Rows outside the
                     loss get exact zeros. d bias sums dx as formed, never its half copy: a bf16/fp16 tile's dx
                     is formed once more into an fp32 scratch for it (``_unrounded_column_sums``). Named columns
                     (core/columns.py): the fold writes their logits, and their given dz is written over dx in
@@ -24,8 +24,8 @@ Design
 
 Numerics
     fp32 products run in full fp32 whatever torch's TF32 settings are (``FUSEDLOSS_ALLOW_TF32=1``
-    opts in to TF32 for this backend's products). fp16 eager chunks scale dx by a power of two before
-    rounding it (the loss scale of a GradScaler is not known yet when the eager path forms dx) and divide
+    opts in to TF32 for this backend's products). fp16 grad-in-forward chunks scale dx by a power of two before
+    rounding it (the loss scale of a GradScaler is not known yet when the grad-in-forward path forms dx) and divide
     the fp32 products by it again, exactly. No host synchronisation in steady state: the path and every
     shape are decided on the host from shapes alone, so a training step can be captured in a CUDA graph.
 
@@ -51,17 +51,17 @@ from ...core import problem as coef  # coef.COEF_*: the dz formula's coefficient
 from ...core.problem import NUM_COEFFS, DeferredProduct, GradientNeeds, Statistics, StatsProblem
 from .. import gpu
 from .. import torch as torch_backend
-from .plan import (  # noqa: F401 - the plan's public names are the backend's too (override_plan, eager_pays, ...)
+from .plan import (  # noqa: F401 - the plan's public names are the backend's too (override_plan, grad_in_forward_pays, ...)
     STATE_FIELDS,
     _call_options,
-    _eager_chunk,
-    _eager_layout,
     _fp32_precision,
+    _grad_in_forward_chunk,
+    _grad_in_forward_layout,
     _shapes,
     decision_rows,
-    eager_pays,
-    eager_rows,
     gpu_of,
+    grad_in_forward_pays,
+    grad_in_forward_rows,
     override_plan,
     plan,
     small_launches,
@@ -437,7 +437,7 @@ class _Workspace:
         self.packed = packed
         dx_copy = dx_copy and not packed and not dx_kept
         tile = rows * ld
-        # the copy holds dx_rows rows: a group of chunks (eager grouped shape), else one tile's
+        # the copy holds dx_rows rows: a group of chunks (grad-in-forward grouped shape), else one tile's
         dx_bytes = (dx_rows or rows) * ld * p.hidden.element_size() if dx_copy else 0
         nbytes = tile * 4 * (2 if p.has_teacher else 1) + dx_bytes
         buf = _workspace_buffer(dev, nbytes)
@@ -683,12 +683,12 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
 
 
 # ------------------------------------------------------------------------------------------------
-# Eager: 3 products, no recompute (core/eager.py)
+# Grad-in-forward: 3 products, no recompute (core/grad_in_forward.py)
 # ------------------------------------------------------------------------------------------------
 def _scaled_half_dx(x: torch.Tensor, dx16: torch.Tensor) -> torch.Tensor:
     """fp16 dx from the fp32 dx in ``x``, scaled by 2^k so that its largest magnitude lands in [2^14, 2^15]:
     rounding to fp16 then keeps the small gradients of a long mean that would flush to zero (the loss scale
-    of a GradScaler is applied only after the eager path). Returns 2^-k (a device scalar), by which the fp32
+    of a GradScaler is applied only after the grad-in-forward path). Returns 2^-k (a device scalar), by which the fp32
     products are divided again, exactly. On the device: no host synchronisation."""
     amax = torch.linalg.vector_norm(x, float("inf"))
     k = torch.floor(torch.log2(2.0**15 / amax))
@@ -698,8 +698,8 @@ def _scaled_half_dx(x: torch.Tensor, dx16: torch.Tensor) -> torch.Tensor:
 
 
 @_call_options
-def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
-    """Losses known in the forward (core/eager.py). ``chunk_fn(stats, slice(r0, r1)) -> (loss, coeffs
+def grad_in_forward_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
+    """Losses known in the forward (core/grad_in_forward.py). ``chunk_fn(stats, slice(r0, r1)) -> (loss, coeffs
     [7, r1 - r0])``. For each chunk of rows the full ``[rows, V]`` logits are formed in the workspace,
     folded into the chunk's statistics and turned into dx with the loss's coefficients; the gradient products
     follow each chunk, or each group of chunks whose dx the workspace keeps together (``_grouped_shapes``).
@@ -707,15 +707,15 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     bf16 weight whose rows all fit one chunk or group, returned in bf16 (each entry rounded once from its
     fp32 product)."""
     if p.acc_dtype == torch.float64:
-        return torch_backend.eager_gradients(p, chunk_fn, needs)
+        return torch_backend.grad_in_forward_gradients(p, chunk_fn, needs)
     p = _contiguous_problem(p)
     ex = _Exec(p.hidden.device)
     h_all, w = p.hidden, p.weight
     n, v = h_all.shape[0], w.shape[0]
     dev = h_all.device
-    chunk = _eager_chunk(p, needs)
+    chunk = _grad_in_forward_chunk(p, needs)
     step, grouped = chunk.rows, chunk.group_rows > 0
-    layout = _eager_layout(n, chunk)
+    layout = _grad_in_forward_layout(n, chunk)
     products = gpu.Products(dev)
     half16 = h_all.dtype == torch.float16
     dh = torch.empty(h_all.shape, device=dev, dtype=torch.float32) if needs.hidden else None

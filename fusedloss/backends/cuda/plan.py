@@ -2,10 +2,10 @@
 allocated, nothing launched; ``backend.py`` runs what they decide).
 
 The plan
-    ``plan(workload, gpu, free_bytes)`` decides everything about a call (workspace, tile shape, eager or
+    ``plan(workload, gpu, free_bytes)`` decides everything about a call (workspace, tile shape, grad-in-forward or
     composable path, how gradients are accumulated) and describes it as a ``fusedloss.core.cost.Plan``,
     whose modelled time ``cost.evaluate`` computes without a GPU (``benchmarks/cost_model.py``). The backend
-    takes the same choices at run time (``_choose_path``, ``_eager_shape``: priced at ``decision_rows(N)`` and
+    takes the same choices at run time (``_choose_path``, ``_grad_in_forward_shape``: priced at ``decision_rows(N)`` and
     cached per step of it, then cut for N), so what the model evaluates is what runs:
 
     * workspace: ``FUSEDLOSS_WORKSPACE_MB`` (fusedloss/config.py) if set, else an eighth of the memory free for
@@ -14,7 +14,8 @@ The plan
     * composable path (``forward_statistics`` then ``backward_gradients``, 4 products): one tile shape for
       both passes (all rows when that leaves >= 4096 columns, else square), the same row blocks and GEMM
       shapes, so recomputed logits equal the forward's bit for bit whichever rows carry gradient;
-    * eager path (``eager_gradients``, 3 products, losses known in the forward): chunks of whole rows, cut at
+    * grad-in-forward path (``grad_in_forward_gradients``, 3 products, losses known in the forward): chunks of whole
+    rows, cut at
       multiples of 128 rows; bf16 d weight once per group of chunks whose dx the workspace keeps together,
       or deferred to the backward where dx is no larger than d weight (docs/design.md, "Grouped d weight",
       "Deferred d weight"), whichever the model prices fastest; taken only where the model says it beats the
@@ -60,18 +61,18 @@ WORKSPACE_MIN_BYTES = 256 * 2**20
 STATE_FIELDS = 14
 ALIGN = 64  # elements: leading dimensions and vocabulary tile widths (256 B of fp32, 128 B of bf16)
 MIN_TILE_COLS = 4096  # below this many columns per row, square tiles instead of all rows
-# Eager chunks of more rows than one are cut at multiples of the 128-row output tiles of cuBLAS's products
+# Grad-in-forward chunks of more rows than one are cut at multiples of the 128-row output tiles of cuBLAS's products
 # (``_chunked``): 16384 rows in 4 x 3456 + 2560 fill 128 tiles, where 5 near-equal parts of 3277 would
 # start 130, the last of each part mostly empty.
 ROW_ALIGN = 128
 # Packed dx (docs/design.md, "The logits workspace"): a bf16/fp16 dx written over the fp32 tile it is computed
 # from, by one block of 256 threads per row, frees the 2 bytes per logit of a separate copy. Taken when a tile
-# (or eager chunk) still has this many rows with it: two waves of 256-thread blocks (8 per SM) on the GPUs the
+# (or grad-in-forward chunk) still has this many rows with it: two waves of 256-thread blocks (8 per SM) on the GPUs the
 # model lists (132-148 SMs). Fewer rows would leave the GPU underfilled by one block per row; such tiles keep
 # the separate copy and the (rows, column blocks) grid, and there the workspace does not limit the rows anyway
 # (few rows: N is small, or V so large that a packed tile holds fewer rows than two waves).
 PACKED_MIN_ROWS = 2048
-# Small kernels (aten ops that are neither views nor the GEMM-sized products) of the eager path: (per row
+# Small kernels (aten ops that are neither views nor the GEMM-sized products) of the grad-in-forward path: (per row
 # chunk, per call). Per chunk: the loss module's autograd on [rows] vectors, the dz coefficients, the masks;
 # per call: validation, the targets, the loss's reductions and the backward's scaling. As a trace of the aten
 # ops of one forward and backward counts them with the losses' defaults (tests/test_cost_model_launches.py);
@@ -87,15 +88,16 @@ def small_launches(op: str) -> tuple[int, int]:
 
 
 _OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("fusedloss_cuda_plan_overrides", default=())
-_OVERRIDE_KEYS = ("tile_rows", "tile_cols", "eager_rows", "workspace_mb", "packed_min_rows", "group_rows",
+_OVERRIDE_KEYS = ("tile_rows", "tile_cols", "grad_in_forward_rows", "workspace_mb", "packed_min_rows", "group_rows",
                   "defer_d_weight")
 
 
 @contextlib.contextmanager
 def override_plan(**fields):
     """Cap parts of the plan inside a ``with`` block (this context only): ``tile_rows`` / ``tile_cols``
-    (the composable tile), ``eager_rows`` (rows per eager chunk), ``workspace_mb``, ``packed_min_rows`` (the
-    fewest rows of a tile that packs dx, ``PACKED_MIN_ROWS``), ``group_rows`` (eager rows whose dx is kept
+    (the composable tile), ``grad_in_forward_rows`` (rows per grad-in-forward chunk), ``workspace_mb``,
+    ``packed_min_rows`` (the
+    fewest rows of a tile that packs dx, ``PACKED_MIN_ROWS``), ``group_rows`` (grad-in-forward rows whose dx is kept
     together for their products, ``_grouped_shapes``: forces the grouped shape), ``defer_d_weight`` (forces
     the deferred d weight, ``_deferred_shape``). Tests use tiny tiles so
     that tiny shapes cross tile borders; keep forward and backward inside one block, since a backward must
@@ -157,7 +159,8 @@ def _balanced(total: int, most: int) -> tuple[int, int]:
 
 
 def _chunked(total: int, most: int) -> tuple[int, int]:
-    """(size, count): ``total`` rows in eager chunks of at most ``most``: one chunk where it fits; else chunks of
+    """(size, count): ``total`` rows in grad-in-forward chunks of at most ``most``: one chunk where it fits; else chunks
+    of
     a multiple of ``ROW_ALIGN`` rows, the last one shorter; below ``ROW_ALIGN`` (tiny caps) near-equal parts."""
     most = max(1, min(total, most))
     if most == total or most < ROW_ALIGN:
@@ -167,7 +170,7 @@ def _chunked(total: int, most: int) -> tuple[int, int]:
 
 
 class _Shape(NamedTuple):
-    """The tile (composable) or chunk (eager) shape of a plan."""
+    """The tile (composable) or chunk (grad-in-forward) shape of a plan."""
 
     rows: int
     row_chunks: int
@@ -175,18 +178,20 @@ class _Shape(NamedTuple):
     vocab_tiles: int
     ld: int  # leading dimension of the fp32 tiles (and of the dx copy), padded to ALIGN
     packed: bool = False  # a bf16/fp16 dx packed over the fp32 student tile (no copy in the workspace)
-    # eager only: rows whose dx is kept together in one region of the workspace before their d hidden and
+    # grad-in-forward only: rows whose dx is kept together in one region of the workspace before their d hidden and
     # d weight products, several chunks at a time (0: each chunk's own dx, products per chunk)
     group_rows: int = 0
-    # eager only: d weight deferred to the backward (``core.eager.DeferredProduct``): dx of every row kept
+    # grad-in-forward only: d weight deferred to the backward (``core.grad_in_forward.DeferredProduct``): dx of every
+    # row kept
     # outside the workspace until then, one product in the weight's dtype with hidden scaled by the gradient
     deferred: bool = False
 
 
-def _eager_layout(n: int, s: _Shape) -> list:
-    """The eager plan's row groups and their chunks, ``[(g0, g1, [(r0, r1), ...]), ...]``: groups of
+def _grad_in_forward_layout(n: int, s: _Shape) -> list:
+    """The grad-in-forward plan's row groups and their chunks, ``[(g0, g1, [(r0, r1), ...]), ...]``: groups of
     ``s.group_rows`` rows (one chunk each when the shape has no groups), chunks of ``s.rows`` rows inside each
-    group, the last of each shorter. The model prices exactly these products, and eager_gradients runs them."""
+    group, the last of each shorter. The model prices exactly these products, and grad_in_forward_gradients runs
+    them."""
     group = s.group_rows or s.rows
     layout = []
     for g0 in range(0, n, group):
@@ -196,7 +201,7 @@ def _eager_layout(n: int, s: _Shape) -> list:
 
 
 class _Sizes(NamedTuple):
-    """``_eager_layout``'s counts without its list (a plan's cost must not grow with N): how many chunks and
+    """``_grad_in_forward_layout``'s counts without its list (a plan's cost must not grow with N): how many chunks and
     groups of each size, the groups of more than one chunk, and the first group's rows."""
 
     chunk_rows: dict  # rows -> chunks of that many rows, by increasing rows
@@ -208,7 +213,7 @@ class _Sizes(NamedTuple):
 
 
 def _chunk_count(n: int, group: int, rows: int) -> int:
-    """The chunks of ``_eager_layout``: groups of ``group`` rows, each cut in chunks of ``rows``."""
+    """The chunks of ``_grad_in_forward_layout``: groups of ``group`` rows, each cut in chunks of ``rows``."""
     whole, last = divmod(n, group)
     return whole * -(-group // rows) + -(-last // rows)
 
@@ -271,7 +276,7 @@ def _composable_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool
     return _Shape(rows, row_chunks, cols, vocab_tiles, _round_up(cols, ALIGN), packed)
 
 
-def _eager_shape(w: cost.Workload, budget: int, caps: dict, gpu: cost.GPUSpec, accumulate: bool) -> _Shape:
+def _grad_in_forward_shape(w: cost.Workload, budget: int, caps: dict, gpu: cost.GPUSpec, accumulate: bool) -> _Shape:
     """Chunks of whole rows (all V columns), as many rows as the workspace holds (``_chunked``). Packs a bf16
     dx where the chunk has the rows; never fp16's, which is formed in fp32 in place and pre-scaled into a copy
     by torch ops (``_scaled_half_dx``: torch ops over overlapping memory are undefined). A bf16 problem with a
@@ -279,12 +284,12 @@ def _eager_shape(w: cost.Workload, budget: int, caps: dict, gpu: cost.GPUSpec, a
     (``_deferred_shape``): the model takes whichever of these candidates it prices fastest at the plan's
     decision rows (``decision_rows``; docs/design.md, "Grouped d weight", "Plans and the cost model"), and the
     chosen kind is then cut for N itself."""
-    kind = _eager_kind(_decision_key(w), budget, tuple(sorted(caps.items())), _gpu_key(gpu), accumulate)
-    return _eager_shape_of(w, budget, caps, kind)
+    kind = _grad_in_forward_kind(_decision_key(w), budget, tuple(sorted(caps.items())), _gpu_key(gpu), accumulate)
+    return _grad_in_forward_shape_of(w, budget, caps, kind)
 
 
-class _EagerKind(NamedTuple):
-    """Which eager shape a plan takes, independent of the exact N: whole chunks (``"chunks"``), ``groups``
+class _GradInForwardKind(NamedTuple):
+    """Which grad-in-forward shape a plan takes, independent of the exact N: whole chunks (``"chunks"``), ``groups``
     groups of chunks (``"grouped"``; 0: the size ``override_plan(group_rows=)`` forces), or d weight deferred to
     the backward (``"deferred"``)."""
 
@@ -292,13 +297,13 @@ class _EagerKind(NamedTuple):
     groups: int = 0
 
 
-_CHUNKS = _EagerKind("chunks")
+_CHUNKS = _GradInForwardKind("chunks")
 
 
-def _eager_shape_of(w: cost.Workload, budget: int, caps: dict, kind: _EagerKind) -> _Shape:
+def _grad_in_forward_shape_of(w: cost.Workload, budget: int, caps: dict, kind: _GradInForwardKind) -> _Shape:
     """The shape of ``kind`` for ``w``'s own N (a few divisions: the kind was chosen at the decision rows).
     The ungrouped chunks where the kind does not apply at this N (fewer chunks than groups)."""
-    base = _with_packing(w, budget, caps, _eager_shape_as, w.dtype == "bfloat16")
+    base = _with_packing(w, budget, caps, _grad_in_forward_shape_as, w.dtype == "bfloat16")
     shape = None
     if kind.name == "deferred":
         shape = _deferred_shape(w, budget, caps, base)
@@ -310,40 +315,43 @@ def _eager_shape_of(w: cost.Workload, budget: int, caps: dict, kind: _EagerKind)
 
 
 @functools.lru_cache(maxsize=1024)
-def _eager_kind(key: tuple, budget: int, caps_items: tuple, gpu_key: tuple, accumulate: bool) -> _EagerKind:
-    """The eager shape kind the model prices fastest for the workload ``key`` (``_decision_key``: N at its
+def _grad_in_forward_kind(key: tuple, budget: int, caps_items: tuple, gpu_key: tuple,
+                          accumulate: bool) -> _GradInForwardKind:
+    """The grad-in-forward shape kind the model prices fastest for the workload ``key`` (``_decision_key``: N at its
     decision rows): the plan's cached part, so that calls whose N falls in the same step of ``decision_rows``
     share it."""
     w, caps = _decided(key), dict(caps_items)
-    base = _with_packing(w, budget, caps, _eager_shape_as, w.dtype == "bfloat16")
+    base = _with_packing(w, budget, caps, _grad_in_forward_shape_as, w.dtype == "bfloat16")
     deferred = _deferred_shape(w, budget, caps, base)
     if "defer_d_weight" in caps and deferred is not None:
-        return _EagerKind("deferred")
+        return _GradInForwardKind("deferred")
     grouped = []
     if "group_rows" in caps:
         if next(iter(_grouped_shapes(w, budget, caps, base)), None) is not None:
-            return _EagerKind("grouped")
+            return _GradInForwardKind("grouped")
     else:
-        grouped = [(_EagerKind("grouped", g), shape) for g, shape in _group_candidates(w, budget, caps, base)]
-    if "eager_rows" in caps:  # a cap on the chunk's rows (tests, device checks): the chunks it asks for
+        grouped = [(_GradInForwardKind("grouped", g), shape) for g, shape in _group_candidates(w, budget, caps, base)]
+    if "grad_in_forward_rows" in caps:  # a cap on the chunk's rows (tests, device checks): the chunks it asks for
         return _CHUNKS
     candidates = [(_CHUNKS, base)] + grouped
     if deferred is not None:
-        candidates.append((_EagerKind("deferred"), deferred))
+        candidates.append((_GradInForwardKind("deferred"), deferred))
     if len(candidates) == 1:
         return _CHUNKS
     gpu = _gpu_of_key(gpu_key)
     try:
-        timed = [(cost.evaluate(cost.Plan("cuda", "eager", 3.0, _eager_passes(w, gpu, s, accumulate)), w,
+        timed = [(cost.evaluate(cost.Plan("cuda", "grad_in_forward", 3.0, _grad_in_forward_passes(w, gpu, s,
+                                                                                                  accumulate)), w,
                                 gpu).model_ms, i) for i, (_, s) in enumerate(candidates)]
     except Exception as exc:  # the choice is a matter of speed: the ungrouped chunks run correctly
-        cost.unpriced(f"the CUDA eager shapes of {w}", exc)
+        cost.unpriced(f"the CUDA grad-in-forward shapes of {w}", exc)
         return _CHUNKS
     return candidates[min(timed)[1]][0]  # ties keep the earlier candidate: the ungrouped shape first
 
 
 def decision_rows(n: int) -> int:
-    """The rows at which the plan's choices (eager or composable path, grouped or deferred d weight) are priced
+    """The rows at which the plan's choices (grad-in-forward or composable path, grouped or deferred d weight) are
+    priced
     for a call of ``n`` rows: ``n`` rounded up to a step of 1/32 of its power of two, at least ``ROW_ALIGN``
     (exact at multiples of 128 below 8192, and at 16384, 32768, ...). The choices are cached per step, so that
     calls of varying sequence lengths share them; the chunks are then cut for ``n`` itself."""
@@ -374,16 +382,16 @@ def _gpu_of_key(key: tuple) -> cost.GPUSpec:
     return cost.GPUSpec(name, dict(tflops), *rest)
 
 
-def _eager_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool) -> _Shape:
+def _grad_in_forward_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool) -> _Shape:
     ld = _round_up(w.v, ALIGN)
     rows_max = max(1, budget // (ld * _bytes_per_element(w, packed)))
-    rows_max = min(rows_max, caps.get("eager_rows", rows_max))
+    rows_max = min(rows_max, caps.get("grad_in_forward_rows", rows_max))
     rows, chunks = _chunked(w.n, rows_max)
     return _Shape(rows, chunks, w.v, 1, ld, packed)
 
 
 def _deferred_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape) -> Optional[_Shape]:
-    """The eager shape that defers d weight to the backward (docs/design.md, "Deferred d weight"): a bf16
+    """The grad-in-forward shape that defers d weight to the backward (docs/design.md, "Deferred d weight"): a bf16
     weight gradient over at most D rows. The forward keeps dx ([N, V] bf16 with padded rows, outside the
     workspace) instead of d weight ([V, D]): no more memory from the forward to the backward (N ld <= V D).
     The backward scales hidden by the incoming gradient and writes d weight once, instead of reading, scaling
@@ -394,13 +402,13 @@ def _deferred_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape) -> 
                                                                      and w.n * base.ld <= w.v * w.d)):
         return None
     live = 4 + (4 if w.has_teacher else 0)
-    rows_max = min(max(1, budget // (base.ld * live)), caps.get("eager_rows", w.n))
+    rows_max = min(max(1, budget // (base.ld * live)), caps.get("grad_in_forward_rows", w.n))
     rows = _chunked(w.n, rows_max)[0]
     return _Shape(rows, _chunk_count(w.n, w.n, rows), w.v, 1, base.ld, False, w.n, True)
 
 
 def _grouped_shapes(w: cost.Workload, budget: int, caps: dict, base: _Shape):
-    """Eager shapes whose dx of ``group_rows`` rows (bf16, 2 bytes a logit) stays in a region of the workspace
+    """Grad-in-forward shapes whose dx of ``group_rows`` rows (bf16, 2 bytes a logit) stays in a region of the workspace
     beside the chunk's fp32 tiles, so that d weight takes one product per group (K = group rows) instead of
     one beta = 1 accumulation of the fp32 [V, D] accumulator per chunk (8 bytes per entry each), and d hidden
     one per group. Smaller chunks pay for it (more small launches, shorter products): one candidate per
@@ -450,7 +458,7 @@ def _grouped_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape, grou
     (None where no row fits)."""
     region = 4 if w.dtype == "float32" else 2
     live = 4 + (4 if w.has_teacher else 0)
-    rows_max = min((budget // base.ld - region * group) // live, caps.get("eager_rows", group), group)
+    rows_max = min((budget // base.ld - region * group) // live, caps.get("grad_in_forward_rows", group), group)
     if rows_max < 1:
         return None
     rows = _chunked(group, rows_max)[0]
@@ -562,7 +570,7 @@ def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulat
     return passes
 
 
-def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
+def _grad_in_forward_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
     n, v, d, b = w.n, w.v, w.d, w.operand_bytes
     dt = w.teacher_d or d
     sizes = _layout_sizes(n, s)
@@ -623,7 +631,7 @@ def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bo
         passes.append(_sweep("hidden mask", n * d, 2 * b, 1, groups))
         if fp16 and groups > 1:  # the accumulator follows each chunk's power-of-two scale
             passes.append(_sweep("d weight rescale", v * d * (groups - 1), 8, 1, groups - 1))
-    # core/eager.py's backward (scaled_gradient): one kernel per gradient reads it once and writes the scaled
+    # core/grad_in_forward.py's backward (scaled_gradient): one kernel per gradient reads it once and writes the scaled
     # result once in the parameter's dtype
     scale_bytes = 0
     if w.weight_grad and not s.deferred:
@@ -637,16 +645,16 @@ def _eager_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bo
 
 def _products(w: cost.Workload, path: str) -> tuple[float, float]:
     grads = int(w.hidden_grad) + int(w.weight_grad)
-    if path == "eager":
+    if path == "grad_in_forward":
         return float(1 + grads), 1.0 if w.has_teacher else 0.0
     forms = 1 + (1 if grads else 0)
     return float(forms + grads), float(forms) if w.has_teacher else 0.0
 
 
 def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
-    shape = (_eager_shape(w, budget, caps, gpu, accumulate) if path == "eager"
+    shape = (_grad_in_forward_shape(w, budget, caps, gpu, accumulate) if path == "grad_in_forward"
              else _composable_shape(w, budget, caps))
-    passes = (_eager_passes if path == "eager" else _composable_passes)(w, gpu, shape, accumulate)
+    passes = (_grad_in_forward_passes if path == "grad_in_forward" else _composable_passes)(w, gpu, shape, accumulate)
     products, teacher_products = _products(w, path)
     if path == "composable" and w.op == "distill_jsd" and shape.row_chunks * shape.vocab_tiles > 1:
         products += 1
@@ -661,14 +669,15 @@ def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
     elif shape.group_rows:
         dx = f"{half} region of {shape.group_rows} rows (a group of chunks) beside the fp32 logits tile"
     else:
-        dx = f"{half} copy" + (", power-of-two pre-scaled per chunk" if path == "eager" and half == "fp16" else "")
-    if path == "eager":
+        scaled = path == "grad_in_forward" and half == "fp16"
+        dx = f"{half} copy" + (", power-of-two pre-scaled per chunk" if scaled else "")
+    if path == "grad_in_forward":
         groups = _layout_sizes(w.n, shape).groups
         d_weight = ("deferred to the backward: one product in the weight's dtype, hidden scaled by the incoming "
                     "gradient" if shape.deferred else
                     "written once in the weight's dtype" if groups == 1 and w.dtype == "bfloat16"
                     else "fp32 accumulator [V, D]")
-        params = {"eager_rows": shape.rows, "chunks": shape.row_chunks, "group_rows": shape.group_rows,
+        params = {"grad_in_forward_rows": shape.rows, "chunks": shape.row_chunks, "group_rows": shape.group_rows,
                   "groups": groups, "ld": shape.ld}
     else:
         d_weight = ("written once per vocabulary tile in the weight's dtype" if shape.row_chunks == 1
@@ -688,14 +697,14 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     """How the CUDA backend runs ``workload`` on ``gpu`` (``fusedloss.core.cost``'s interface).
 
     ``free_bytes``: memory free for torch on the device (sizes the workspace, ``workspace_bytes``), or
-    ``workspace`` the workspace itself. ``path``: "eager" or "composable" to force one (the forward and the
-    backward of the composable op force "composable"); None takes the eager path for a loss known in the
+    ``workspace`` the workspace itself. ``path``: "grad_in_forward" or "composable" to force one (the forward and the
+    backward of the composable op force "composable"); None takes the grad-in-forward path for a loss known in the
     forward (``workload.row_local``) with a gradient to compute when the model says it is faster than the
     composable one, else the composable path. ``accumulate_in_gemm``: whether torch can accumulate half
     products into fp32 inside the GEMM on the device (``gpu.capabilities``; assumed for the model).
     The same inputs always give the same plan."""
-    if path not in (None, "eager", "composable"):
-        raise ValueError(f"path must be None, 'eager' or 'composable', got {path!r}")
+    if path not in (None, "grad_in_forward", "composable"):
+        raise ValueError(f"path must be None, 'grad_in_forward' or 'composable', got {path!r}")
     if workload.dtype not in ("float32", "bfloat16", "float16"):
         raise ValueError(f"the CUDA backend plans float32, bfloat16 and float16 workloads (float64 runs on the "
                          f"torch backend), got {workload.dtype!r}")
@@ -703,18 +712,19 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
         raise ValueError(f"workspace must be a positive int of bytes or None, got {workspace!r}")
     budget = workspace if workspace is not None else workspace_bytes(free_bytes)
     caps, accumulate = dict(_OVERRIDES.get()), bool(accumulate_in_gemm)
-    can_eager = workload.row_local and (workload.hidden_grad or workload.weight_grad)
-    if path == "eager" and not can_eager:
-        raise ValueError(f"the eager path needs a loss known in the forward and a gradient; {workload.op!r} with "
-                         f"hidden_grad={workload.hidden_grad}, weight_grad={workload.weight_grad} has none")
-    if path is not None or not can_eager:
+    can_grad_in_forward = workload.row_local and (workload.hidden_grad or workload.weight_grad)
+    if path == "grad_in_forward" and not can_grad_in_forward:
+        raise ValueError(f"the grad-in-forward path needs a loss known in the forward and a gradient; {workload.op!r} "
+                         f"with hidden_grad={workload.hidden_grad}, weight_grad={workload.weight_grad} has none")
+    if path is not None or not can_grad_in_forward:
         return _candidate(workload, gpu, budget, caps, path or "composable", accumulate)
     choice = _choose_path(workload, gpu, budget, accumulate)
     chosen = _candidate(workload, gpu, budget, caps, choice.path, accumulate)
     chosen.params["reason"] = choice.reason
     if choice.model_ms is None:  # unpriced (cost.unpriced said why): the rule of _path_of_unpriced
         return chosen
-    other = _candidate(workload, gpu, budget, caps, "composable" if choice.path == "eager" else "eager", accumulate)
+    other = _candidate(workload, gpu, budget, caps,
+                       "composable" if choice.path == "grad_in_forward" else "grad_in_forward", accumulate)
     try:
         chosen.params["alternative"] = {"path": other.path,
                                         "model_ms": round(cost.evaluate(other, workload, gpu).model_ms, 3)}
@@ -733,7 +743,8 @@ class _PathChoice(NamedTuple):
 
 
 def _choose_path(w: cost.Workload, gpu: cost.GPUSpec, budget: int, accumulate: bool) -> _PathChoice:
-    """The eager or the composable path for ``w``: the composable one where the eager path cannot run, else the
+    """The grad-in-forward or the composable path for ``w``: the composable one where the grad-in-forward path cannot
+    run, else the
     one the model prices faster at the decision rows (cached per step of ``decision_rows``: the host time of a
     call whose N was seen in that step is a dictionary lookup)."""
     if not (w.row_local and (w.hidden_grad or w.weight_grad)):
@@ -745,26 +756,28 @@ def _choose_path(w: cost.Workload, gpu: cost.GPUSpec, budget: int, accumulate: b
 def _path_choice(key: tuple, gpu_key: tuple, budget: int, accumulate: bool, overrides: tuple) -> _PathChoice:
     w, gpu, caps = _decided(key), _gpu_of_key(gpu_key), dict(overrides)
     try:
-        eager = _candidate(w, gpu, budget, caps, "eager", accumulate)
+        grad_in_forward = _candidate(w, gpu, budget, caps, "grad_in_forward", accumulate)
         composable = _candidate(w, gpu, budget, caps, "composable", accumulate)
-        t_eager = cost.evaluate(eager, w, gpu).model_ms
+        t_grad_in_forward = cost.evaluate(grad_in_forward, w, gpu).model_ms
         t_comp = cost.evaluate(composable, w, gpu).model_ms
     except Exception as exc:  # the choice is a matter of speed: either path runs correctly
         cost.unpriced(f"the CUDA plans of {w}", exc)
         return _path_of_unpriced(w, budget, caps)
-    chosen, other = ("eager", "composable") if t_eager <= t_comp else ("composable", "eager")
-    fast, slow = min(t_eager, t_comp), max(t_eager, t_comp)
-    return _PathChoice(chosen, (t_eager, t_comp),
+    chosen, other = ("grad_in_forward", "composable") if t_grad_in_forward <= t_comp else ("composable",
+                                                                                           "grad_in_forward")
+    fast, slow = min(t_grad_in_forward, t_comp), max(t_grad_in_forward, t_comp)
+    return _PathChoice(chosen, (t_grad_in_forward, t_comp),
                        f"{chosen} is modelled faster than {other} ({fast:.3g} ms vs {slow:.3g} ms) at {w.n} rows "
                        f"(the decision rows of N) of {w.v} at this workspace")
 
 
 def _path_of_unpriced(w: cost.Workload, budget: int, caps: dict) -> _PathChoice:
-    """The path without the model's prices: the eager path (3 products instead of 4) where its chunks fill
+    """The path without the model's prices: the grad-in-forward path (3 products instead of 4) where its chunks fill
     cuBLAS's 128-row output tiles (or hold every row), else the composable path."""
-    rows = _with_packing(w, budget, caps, _eager_shape_as, w.dtype == "bfloat16").rows
-    path = "eager" if rows >= min(w.n, ROW_ALIGN) else "composable"
-    return _PathChoice(path, None, f"{path}: the cost model could not price the plans, and the eager chunks have "
+    rows = _with_packing(w, budget, caps, _grad_in_forward_shape_as, w.dtype == "bfloat16").rows
+    path = "grad_in_forward" if rows >= min(w.n, ROW_ALIGN) else "composable"
+    return _PathChoice(path, None,
+                       f"{path}: the cost model could not price the plans, and the grad-in-forward chunks have "
                                    f"{rows} rows")
 
 
@@ -788,39 +801,40 @@ def _problem_plan(p: StatsProblem, *, row_local: bool, path: Optional[str],
 
 
 def _shapes(p: StatsProblem) -> tuple[_Shape, _Shape]:
-    """(composable tile, eager chunk) of a problem. They depend on its shapes, dtype, teacher and the
+    """(composable tile, grad-in-forward chunk) of a problem. They depend on its shapes, dtype, teacher and the
     device's workspace only, never on which gradients a call wants: a backward recomputes exactly the tiles
     of its forward."""
     w = workload_of(p, row_local=True)
     budget, caps = workspace_bytes(_free_bytes(p.hidden.device)), dict(_OVERRIDES.get())
-    return _composable_shape(w, budget, caps), _eager_chunk(p)
+    return _composable_shape(w, budget, caps), _grad_in_forward_chunk(p)
 
 
-def _eager_chunk(p: StatsProblem, needs: GradientNeeds = GradientNeeds(True, True, False)) -> _Shape:
-    """The eager shape of a problem for the gradients a call wants (the plan's, ``_candidate``)."""
+def _grad_in_forward_chunk(p: StatsProblem, needs: GradientNeeds = GradientNeeds(True, True, False)) -> _Shape:
+    """The grad-in-forward shape of a problem for the gradients a call wants (the plan's, ``_candidate``)."""
     dev = p.hidden.device
     w = workload_of(p, row_local=True, hidden_grad=needs.hidden, weight_grad=needs.weight)
     budget, caps = workspace_bytes(_free_bytes(dev)), dict(_OVERRIDES.get())
-    return _eager_shape(w, budget, caps, gpu_of(dev), gpu.capabilities(dev).accumulate)
+    return _grad_in_forward_shape(w, budget, caps, gpu_of(dev), gpu.capabilities(dev).accumulate)
 
 
 @_call_options
-def eager_pays(p: StatsProblem) -> bool:
-    """The plan's choice for a loss known in the forward (core/eager.py): the 3-product eager path where the
+def grad_in_forward_pays(p: StatsProblem) -> bool:
+    """The plan's choice for a loss known in the forward (core/grad_in_forward.py): the 3-product grad-in-forward path
+    where the
     cost model says its chunks are big enough to beat the composable path."""
     if p.acc_dtype == torch.float64:
-        return torch_backend.eager_pays(p)
+        return torch_backend.grad_in_forward_pays(p)
     needs = GradientNeeds(p.hidden.requires_grad, p.weight.requires_grad, False)
     if not (needs.hidden or needs.weight):
         return False
     dev = p.hidden.device
     w = workload_of(p, row_local=True, hidden_grad=needs.hidden, weight_grad=needs.weight)
     budget = workspace_bytes(_free_bytes(dev))
-    return _choose_path(w, gpu_of(dev), budget, gpu.capabilities(dev).accumulate).path == "eager"
+    return _choose_path(w, gpu_of(dev), budget, gpu.capabilities(dev).accumulate).path == "grad_in_forward"
 
 
-def eager_rows(p: StatsProblem) -> int:
-    """Rows of one eager chunk of this problem."""
+def grad_in_forward_rows(p: StatsProblem) -> int:
+    """Rows of one grad-in-forward chunk of this problem."""
     return _shapes(p)[1].rows
 
 

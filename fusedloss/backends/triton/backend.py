@@ -18,11 +18,11 @@ Backward (``logits_gradient`` + cuBLAS)
     Named columns (core/columns.py): the forward kernel stores the logits at them as it folds them, the
     gradient kernel writes their given dz into its fp32 tile before the cast.
 
-Eager path (``eager_gradients``, ``core/eager.py``), for losses known in the forward
+Grad-in-forward path (``grad_in_forward_gradients``, ``core/grad_in_forward.py``), for losses known in the forward
     For each chunk of rows, the forward kernel keeps the capped logits in the workspace while it forms the
     statistics; a teacher's raw logits come from one cuBLAS product into the workspace beside them, and the
     teacher fold (``teacher_fold``) forms its statistics from both kept tiles once the student's are final
-    (docs/design.md, "The Triton teacher on the eager path"); the loss gives the chunk's coefficients; the
+    (docs/design.md, "The Triton teacher on the grad-in-forward path"); the loss gives the chunk's coefficients; the
     gradient kernel reads the tiles back instead of forming them again; cuBLAS does d hidden and d weight.
     Three products instead of four. ``plan`` (the shared cost model, ``core/cost.py``) decides between the two
     paths, and sizes the chunks: the same function the model evaluates runs the backend.
@@ -68,17 +68,17 @@ from .plan import (  # noqa: F401 - the plan's public names are the backend's to
     TileConfig,
     _allow_tf32,
     _cdiv,
-    _eager_row_align,
+    _grad_in_forward_row_align,
     backward_chunks,
     candidates,
     d_bucket,
     deterministic,
     device_target,
-    eager_rows,
     elementwise_grid,
     epilogue,
     fp32_precision,
     gpu_of,
+    grad_in_forward_rows,
     grid_of,
     plan,
     small_launches,
@@ -209,7 +209,8 @@ def autotune(key, configs: tuple, measure: Callable[[TileConfig], float]) -> Til
 
 def tiles_for(p: StatsProblem, path: str = "composable", tune: bool = True) -> TileConfig:
     """The tile configuration of a problem's kernels on ``path`` ("composable": the forward and the gradient
-    kernel, which must share it; "eager": the eager forward): the interpreter's on CPU tensors; on a GPU the
+    kernel, which must share it; "grad_in_forward": the grad-in-forward forward): the interpreter's on CPU tensors; on a
+    GPU the
     tuned one of ``candidates`` (the first without tuning in deterministic mode, where a timing must not
     choose the summation order; during CUDA graph capture, where nothing may be timed, the choice tuned before
     the capture, so that a captured forward and a backward outside the graph form the same tiles).
@@ -245,15 +246,15 @@ def _plan_of(p: StatsProblem, needs: GradientNeeds, path: Optional[str], tiles: 
     capability = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     target = device_target(dev)
     # Only the tiles of the path(s) the plan weighs, and tuned only for the path taken: choosing between the
-    # paths (path None) compares them with the untuned tiles, so an eager call never times composable kernels.
+    # paths (path None) compares them with the untuned tiles, so a grad-in-forward call never times composable kernels.
     tune = path is not None
-    cfg = (tiles if tiles is not None and path == "composable" else None if path == "eager"
+    cfg = (tiles if tiles is not None and path == "composable" else None if path == "grad_in_forward"
            else tiles_for(p, tune=tune))
-    eager_cfg = (tiles if tiles is not None and path == "eager" else None if path == "composable"
-                 else tiles_for(p, "eager", tune=tune))
+    grad_in_forward_cfg = (tiles if tiles is not None and path == "grad_in_forward" else None if path == "composable"
+                 else tiles_for(p, "grad_in_forward", tune=tune))
     return plan(workload_of(p, needs, row_local=path != "composable"), gpu_of(dev), _free_bytes(dev), tiles=cfg,
-                eager_tiles=eager_cfg, workspace_mb=p.workspace_mb, precision=fp32_precision(p, capability, target),
-                allow_tf32=_allow_tf32(p), path=path)
+                grad_in_forward_tiles=grad_in_forward_cfg, workspace_mb=p.workspace_mb,
+                precision=fp32_precision(p, capability, target), allow_tf32=_allow_tf32(p), path=path)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -359,7 +360,7 @@ class _Launch:
                             num_warps=self.cfg.num_warps, num_stages=self.cfg.num_stages, **constexprs)
 
     def workspace(self, c: Optional[torch.Tensor], zt: Optional[torch.Tensor]) -> tuple:
-        """The eager path's kept tiles as a Head (c, z_t, row stride); the student head when unused."""
+        """The grad-in-forward path's kept tiles as a Head (c, z_t, row stride); the student head when unused."""
         if c is None:
             return self.student
         ld = c.stride(0)
@@ -421,7 +422,8 @@ def _named(lc: "_Launch", columns: Optional[torch.Tensor], values: Optional[torc
 
 
 def _forward_flags(p: StatsProblem, store: bool):
-    """With ``store`` (the eager path) the teacher is no product of the forward: for a reverse KL it only keeps
+    """With ``store`` (the grad-in-forward path) the teacher is no product of the forward: for a reverse KL it only
+    keeps
     where the teacher fold is to read ztm (``TEACHER_AT_MAX``)."""
     tm = _kernels().tm
     in_tile = p.has_teacher and not store
@@ -460,7 +462,7 @@ def _gradient_flags(p: StatsProblem, load: bool, column_sums: bool = False):
     t = p.has_teacher
     kl_rev, kl_fwd, jsd = t and p.want_kl_rev, t and p.want_kl_fwd, t and p.jsd_beta is not None
     teacher = t and (kl_rev or kl_fwd or jsd)
-    # the kept teacher tile is the raw product (eager path): its transform is applied as it is loaded
+    # the kept teacher tile is the raw product (grad-in-forward path): its transform is applied as it is loaded
     return tm.Flags(HAS_BIAS=p.bias is not None and not load, HAS_SOFTCAP=p.transform.softcap is not None,
                     HAS_TEACHER=teacher, HAS_TEACHER_BIAS=teacher and p.teacher_bias is not None,
                     HAS_TEACHER_SOFTCAP=teacher and p.teacher_transform.softcap is not None,
@@ -489,7 +491,7 @@ def _check_inputs(p: StatsProblem) -> None:
 def _forward_partials(p: StatsProblem, cfg: TileConfig, store: Optional[tuple], launch: Optional[_Launch] = None,
                       named_logits: Optional[torch.Tensor] = None):
     """Launch the statistics kernel on all rows of ``p``; returns the ``[F, splits, N]`` partials. ``store``:
-    the eager path's (c, z_t) workspace views to keep the tiles in; ``named_logits``: ``[N, K]`` zeros that
+    the grad-in-forward path's (c, z_t) workspace views to keep the tiles in; ``named_logits``: ``[N, K]`` zeros that
     take the logits at the problem's named columns."""
     k = _kernels()
     lc = launch or _launch(p, cfg)
@@ -524,12 +526,13 @@ def _statistics(p: StatsProblem, cfg: TileConfig, store: Optional[tuple] = None,
 _TEACHER_SWEEP = ("mt", "st", "a", "b", "ztm")  # the teacher fold's partials (teacher_fold.py), in its order
 
 
-def _eager_statistics(p: StatsProblem, cfg: TileConfig, elementwise: TileConfig, store: tuple) -> dict:
-    """``_statistics`` of an eager row chunk whose tiles the forward keeps in ``store`` (c, x_t): with a teacher,
+def _grad_in_forward_statistics(p: StatsProblem, cfg: TileConfig, elementwise: TileConfig, store: tuple) -> dict:
+    """``_statistics`` of a grad-in-forward row chunk whose tiles the forward keeps in ``store`` (c, x_t): with a
+    teacher,
     ``store[1]`` already holds its raw logits (cuBLAS); the student's forward gives the student's partials (and,
     in ztm's slot, the first column of the tile holding the first maximum), the teacher fold (``elementwise``
     tiles) ztm and the teacher's partials relative to the student's final (m, ztm), and both are finalised
-    together as ``_finalized`` does (docs/design.md, "The Triton teacher on the eager path")."""
+    together as ``_finalized`` does (docs/design.md, "The Triton teacher on the grad-in-forward path")."""
     if not p.has_teacher:
         return _statistics(p, cfg, store)
     lc = _launch(p, cfg)
@@ -664,7 +667,7 @@ def _gradient_block(lc: _Launch, p: StatsProblem, coeffs: torch.Tensor, norm: to
 
 def _packed_gradient(lc: _Launch, p: StatsProblem, coeffs: torch.Tensor, norm: torch.Tensor, norm_t: torch.Tensor,
                      dx: torch.Tensor, store: tuple, column_sums: Optional[torch.Tensor] = None) -> None:
-    """The eager chunk's half-precision dx over its kept fp32 tile (``dx``: the tile's 16-bit view, ``[rows,
+    """The grad-in-forward chunk's half-precision dx over its kept fp32 tile (``dx``: the tile's 16-bit view, ``[rows,
     V]`` with row stride 2 ld): one program per row block, walking the columns in order; ``column_sums`` as
     ``_gradient_block``'s."""
     n = p.hidden.shape[0]
@@ -777,19 +780,19 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
 
 
 # ----------------------------------------------------------------------------------------------
-# Eager path: 3 products for losses known in the forward (core/eager.py)
+# Grad-in-forward path: 3 products for losses known in the forward (core/grad_in_forward.py)
 
 
-def eager_pays(p: StatsProblem) -> bool:
-    """Whether the cost model puts the eager path below the composable one for this problem (on CPU tensors,
+def grad_in_forward_pays(p: StatsProblem) -> bool:
+    """Whether the cost model puts the grad-in-forward path below the composable one for this problem (on CPU tensors,
     i.e. the interpreter, the model of the H200 decides, so tests take the path a GPU would)."""
     needs = GradientNeeds(p.hidden.requires_grad, p.weight.requires_grad, p.bias is not None and p.bias.requires_grad)
     if not (needs.hidden or needs.weight):
         needs = GradientNeeds(True, True, needs.bias)
-    return _plan_of(p, needs, None).path == "eager"
+    return _plan_of(p, needs, None).path == "grad_in_forward"
 
 
-def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: Optional[TileConfig] = None):
+def grad_in_forward_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: Optional[TileConfig] = None):
     """3-product path: ``(loss, (d hidden, d weight, d bias))`` in the accumulation dtype (the caller scales,
     then rounds once). For each chunk of rows the forward keeps its logits tiles in the workspace, gives the
     statistics, ``chunk_fn(stats, slice(r0, r1)) -> (chunk loss, [7, rows] coefficients)`` gives the
@@ -807,13 +810,13 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
     loss = torch.zeros((), dtype=acc, device=dev)
     if n == 0:
         return loss, (dh, dw, db)
-    cfg = tiles or tiles_for(p, "eager")
+    cfg = tiles or tiles_for(p, "grad_in_forward")
     with _on_device(h), _cublas_tf32(dev, _allow_tf32(p)):
-        step = _plan_of(p, needs, "eager", cfg).params["eager_rows"]
+        step = _plan_of(p, needs, "grad_in_forward", cfg).params["grad_in_forward_rows"]
         elementwise = cfg if dev.type == "cpu" else ARCH_ELEMENTWISE_TILES.get(tile_family(device_target(dev)),
                                                                                ELEMENTWISE_TILES)
         # Rows of a whole number of both kernels' tiles: they move the kept tiles without a column mask.
-        ld = _cdiv(v, _eager_row_align(cfg, elementwise)) * _eager_row_align(cfg, elementwise)
+        ld = _cdiv(v, _grad_in_forward_row_align(cfg, elementwise)) * _grad_in_forward_row_align(cfg, elementwise)
         m_max = min(step, n)
         c_ws = _alloc((m_max, ld), acc, dev, zero=False)
         zt_ws = _alloc((m_max, ld), acc, dev, zero=False) if p.has_teacher else None
@@ -831,7 +834,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *, tiles: O
             if p.has_teacher:  # the teacher's raw logits, fp32 (float64) out of cuBLAS, beside the student's
                 th = part.teacher_hidden.to(teacher_weight.dtype)  # the weight converted once, above
                 gpu.product(zt_ws[:m, :v], th, teacher_weight.T, accumulate=False)
-            stats = _eager_statistics(part, cfg, elementwise, store)
+            stats = _grad_in_forward_statistics(part, cfg, elementwise, store)
             chunk_loss, coeffs = chunk_fn(Statistics(**stats), slice(r0, r1))
             if tuple(coeffs.shape) != (7, m):
                 raise ValueError(f"chunk_fn must return coefficients of shape [7, {m}], got {tuple(coeffs.shape)}")

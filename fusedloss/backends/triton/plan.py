@@ -7,9 +7,9 @@ Memory
     an fp32 ``[N, D]`` accumulator for d hidden (when hidden is not fp32/float64), and one workspace of at most
     the problem's ``workspace_mb`` (None: a share of the free device memory, bounded; ``workspace_budget``): the
     dx block of a vocabulary chunk and, when the rows take several chunks, its fp32 d weight block (with one
-    row chunk each block is one product straight into the weight's dtype), or, on the eager path, a row
+    row chunk each block is one product straight into the weight's dtype), or, on the grad-in-forward path, a row
     chunk's logits. Nothing
-    of size N x V. The eager path returns fp32 (float64) gradients, so d weight is a ``[V, D]`` fp32 buffer
+    of size N x V. The grad-in-forward path returns fp32 (float64) gradients, so d weight is a ``[V, D]`` fp32 buffer
     there, as on the other backends.
 
 Compilation
@@ -71,16 +71,16 @@ GPU_CANDIDATES = {
     ("fp64", "heavy"): (TileConfig(32, 32, 32, 4, 1),),
     ("fp64", "teacher"): (TileConfig(32, 32, 32, 4, 1),),
 }
-# The eager path's forward also stores each capped logits tile for the gradient pass: that store holds a tile
+# The grad-in-forward path's forward also stores each capped logits tile for the gradient pass: that store holds a tile
 # more in registers, so it runs on tiles with more headroom where the epilogue needs it (and, forming the logits
 # once, shares its tile with no other kernel). The lean half forward keeps the 128 x 128 tile with its store
 # (255 registers, no spill on Triton 3.6.0 and 3.9.0, with and without a bias). A teacher is no product of the
-# eager forward: cuBLAS forms its raw logits into the workspace, the student's forward (the lean or heavy
+# grad-in-forward forward: cuBLAS forms its raw logits into the workspace, the student's forward (the lean or heavy
 # epilogue of its own features) keeps only which of its tiles holds the row's first maximum, and the teacher
 # fold reads the teacher's logit there and forms the teacher's statistics from the kept tiles (docs/design.md,
-# "The Triton teacher on the eager path"); a tile forming both products grew no larger than 64 x 64 without
+# "The Triton teacher on the grad-in-forward path"); a tile forming both products grew no larger than 64 x 64 without
 # spilling, on every supported Triton. Not tuned: one configuration per class.
-EAGER_TILES = {
+GRAD_IN_FORWARD_TILES = {
     ("half", "lean"): TileConfig(128, 128, 64, 8, 4),
     ("half", "heavy"): TileConfig(64, 64, 64, 8, 4),
     ("fp32", "lean"): TileConfig(128, 64, 16, 8, 3),
@@ -88,7 +88,7 @@ EAGER_TILES = {
     ("fp64", "lean"): TileConfig(32, 32, 32, 4, 1),
     ("fp64", "heavy"): TileConfig(32, 32, 32, 4, 1),
 }
-# The eager path's gradient pass reads the kept logits back: no product, so no reason to share the forward's
+# The grad-in-forward path's gradient pass reads the kept logits back: no product, so no reason to share the forward's
 # tile. Loaded tiles are laid out one row per thread and warp-wide along the vocabulary, so every thread
 # holds every per-row value of its rows (coefficients, normalisers, the float64 target column): 4 rows of
 # 512 columns keep that at 4 values per row quantity and 16 per tile-sized one (a teacher's terms need ~8).
@@ -130,14 +130,16 @@ ARCH_CANDIDATES: dict = {
         ("half", "heavy"): (TileConfig(64, 128, 64, 8, 3),),
     },
 }
-ARCH_EAGER_TILES: dict = {
-    # B200/GB200/B300 (tcgen05): the eager forward's 128 x 128 tile and its logits store spill 80-132 bytes per
+ARCH_GRAD_IN_FORWARD_TILES: dict = {
+    # B200/GB200/B300 (tcgen05): the grad-in-forward forward's 128 x 128 tile and its logits store spill 80-132 bytes
+    # per
     # thread; 64 x 128 none (198-232 registers).
     "sm_100": {("half", "lean"): TileConfig(64, 128, 64, 8, 4)},
     "sm_120": {("half", "lean"): TileConfig(64, 128, 64, 8, 4)},
     "gfx942": {("half", "lean"): TileConfig(128, 128, 64, 8, 3)},
 }
-# The eager gradient pass's tile where ELEMENTWISE_TILES does not hold (none yet: on sm_120 8 warps spared Triton
+# The grad-in-forward gradient pass's tile where ELEMENTWISE_TILES does not hold (none yet: on sm_120 8 warps spared
+# Triton
 # 3.6.0 a 4-byte spill of a teacher's terms and gave 3.7.1 one of its own).
 ARCH_ELEMENTWISE_TILES: dict = {}
 # Shared memory (LDS on AMD) one block may hold, per tile family: what the default tiles must fit.
@@ -182,8 +184,8 @@ def _dtype_class(dtype: torch.dtype) -> str:
 
 def epilogue(p: StatsProblem, path: str = "composable") -> str:
     """"teacher", "heavy" or "lean": which candidates' registers hold the problem's per-element terms (on the
-    eager path the teacher is no product of the forward: its student's)."""
-    if p.has_teacher and path != "eager":
+    grad-in-forward path the teacher is no product of the forward: its student's)."""
+    if p.has_teacher and path != "grad_in_forward":
         return "teacher"
     heavy = p.want_entropy or p.want_extras or p.want_mean_logit or p.transform.softcap is not None
     return "heavy" if heavy else "lean"
@@ -193,8 +195,8 @@ def candidates(dtype: torch.dtype, kind: str, path: str = "composable", target: 
     """The tile configurations a problem class may run with on a GPU of ``target`` (``device_target``; the
     first: the default)."""
     key, family = (_dtype_class(dtype), kind), tile_family(target)
-    if path == "eager":
-        return (ARCH_EAGER_TILES.get(family, {}).get(key, EAGER_TILES[key]),)
+    if path == "grad_in_forward":
+        return (ARCH_GRAD_IN_FORWARD_TILES.get(family, {}).get(key, GRAD_IN_FORWARD_TILES[key]),)
     return ARCH_CANDIDATES.get(family, {}).get(key, GPU_CANDIDATES[key])
 
 
@@ -282,7 +284,7 @@ def grid_of(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec, dtype: str) -> t
 
 
 def elementwise_grid(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec) -> tuple:
-    """``forward_grid`` of an elementwise sweep over the eager workspace (the teacher fold, the JSD's second
+    """``forward_grid`` of an elementwise sweep over the grad-in-forward workspace (the teacher fold, the JSD's second
     sweep): the same whole waves of (row block, split) programs, no weight to stream."""
     return forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count, 0.0)
 
@@ -337,12 +339,12 @@ def backward_chunks(n: int, v: int, d: int, dtype: str, budget: int, cfg: TileCo
     return min(rows, n_pad), cols
 
 
-def _eager_row_align(cfg: TileConfig, elementwise: TileConfig) -> int:
+def _grad_in_forward_row_align(cfg: TileConfig, elementwise: TileConfig) -> int:
     return max(cfg.block_v, elementwise.block_v)
 
 
-def eager_row_bytes(v: int, dtype: str, teacher: bool) -> int:
-    """Workspace bytes per row of an eager chunk: the capped logits (and the teacher's) in the accumulation
+def grad_in_forward_row_bytes(v: int, dtype: str, teacher: bool) -> int:
+    """Workspace bytes per row of a grad-in-forward chunk: the capped logits (and the teacher's) in the accumulation
     dtype, rows padded to whole tiles. dx takes no bytes of its own: in place for fp32 / float64, and for
     bf16 / fp16 packed over the fp32 tile it is computed from (``packed_gradient_kernel``)."""
     e, acc, e_dx = _sizes(dtype)
@@ -350,15 +352,15 @@ def eager_row_bytes(v: int, dtype: str, teacher: bool) -> int:
     return ld * acc * (2 if teacher else 1)
 
 
-def eager_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: TileConfig) -> int:
-    """Rows of one eager chunk within the budget, a multiple of BLOCK_M (at least one row block)."""
-    rows = budget // eager_row_bytes(v, dtype, teacher) // cfg.block_m * cfg.block_m
+def grad_in_forward_rows(n: int, v: int, dtype: str, teacher: bool, budget: int, cfg: TileConfig) -> int:
+    """Rows of one grad-in-forward chunk within the budget, a multiple of BLOCK_M (at least one row block)."""
+    rows = budget // grad_in_forward_row_bytes(v, dtype, teacher) // cfg.block_m * cfg.block_m
     return max(cfg.block_m, min(rows, _cdiv(n, cfg.block_m) * cfg.block_m))
 
 
 class SmallLaunches(NamedTuple):
     """Small launches the model charges ``cost.LAUNCH_US`` each for. ``merge``: per statistics forward, the
-    splits merged and finalised (torch ops on the [fields, splits, rows] partials); ``chunk``: per eager
+    splits merged and finalised (torch ops on the [fields, splits, rows] partials); ``chunk``: per grad-in-forward
     chunk besides its statistics kernel and merge (the loss's per-token math, the dz coefficients, the
     normalisers, the masks, the gradient kernel); ``call``: per call (validation, the targets, the
     reductions, the gradients' scaling; on the composable path the backward's own small ops)."""
@@ -387,8 +389,8 @@ BACKWARD_BLOCK_LAUNCHES = 1
 def small_launches(op: str) -> SmallLaunches:
     """The small launches of an op's call (``SmallLaunches``)."""
     return _SMALL_LAUNCHES.get(op, _SMALL_LAUNCHES_DEFAULT)
-# The teacher fold (eager distillation): its partials, and the small ops of its frame and split merge
-# (partials.merge_teacher_sweep), per eager chunk; tests/test_triton_launches.py counts them with the rest.
+# The teacher fold (grad-in-forward distillation): its partials, and the small ops of its frame and split merge
+# (partials.merge_teacher_sweep), per grad-in-forward chunk; tests/test_triton_launches.py counts them with the rest.
 TEACHER_FOLD_MERGE_LAUNCHES = 26
 TEACHER_FOLD_FIELDS = 5  # the fold's partials: mt, st, a, b, ztm
 
@@ -415,7 +417,7 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
                     store_bytes: float = 0.0, teacher_product: bool = True) -> list:
     """The statistics kernel over ``n`` rows: products, operand traffic (the weight once per group of row
     blocks, which share it through L2), the programs the last wave leaves idle, and the split merge.
-    ``teacher_product``: the teacher's product is formed in the tile (the eager path's comes from cuBLAS)."""
+    ``teacher_product``: the teacher's product is formed in the tile (the grad-in-forward path's comes from cuBLAS)."""
     e, acc, _ = _sizes(w.dtype)
     math_key, factor = _product_math(w.dtype, precision, gpu)
     slots = cfg.slots or gpu.sm_count
@@ -433,7 +435,8 @@ def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig
                     efficiency=tile),
               _pass(f"{prefix}: split merge", 0.0, 4 * partials_bytes, "cuda_core",
                     launches=small_launches(w.op).merge)]
-    if w.op == "distill_jsd" and teacher_product:  # the mixture's second sweep (the eager path's: _eager_plan)
+    # the mixture's second sweep (the grad-in-forward path's: _grad_in_forward_plan)
+    if w.op == "distill_jsd" and teacher_product:
         passes.append(_pass(f"{prefix}: JSD pass", flops, traffic, math_key, efficiency=tile, launches=1))
     return passes
 
@@ -451,53 +454,55 @@ def _cublas_math(dtype: str, allow_tf32: bool, gpu: cost.GPUSpec) -> str:
 
 
 def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] = None, *,
-         tiles: Optional[TileConfig] = None, eager_tiles: Optional[TileConfig] = None,
+         tiles: Optional[TileConfig] = None, grad_in_forward_tiles: Optional[TileConfig] = None,
          workspace_mb: Optional[float] = None, workspace: Optional[int] = None, precision: Optional[str] = None,
          allow_tf32: bool = False, path: Optional[str] = None) -> cost.Plan:
-    """This backend's execution of ``workload`` on ``gpu`` as a ``cost.Plan``: the eager 3-product path for a
+    """This backend's execution of ``workload`` on ``gpu`` as a ``cost.Plan``: the grad-in-forward 3-product path for a
     row-local loss when the model finds it cheaper, else the composable statistics op (forward, then the
     gradient kernel and two cuBLAS products per vocabulary chunk). ``params`` carries what the backend runs
-    with: ``tiles``, ``forward_grid``, ``row_chunk`` and ``vocab_chunk`` (composable), ``eager_rows``,
+    with: ``tiles``, ``forward_grid``, ``row_chunk`` and ``vocab_chunk`` (composable), ``grad_in_forward_rows``,
     ``workspace_bytes`` (``workspace``, in bytes, or ``workspace_mb`` fix it; else the free memory sizes it).
-    ``tiles`` / ``eager_tiles`` (the composable and the eager path's) default to the first candidates (what the
-    autotuner starts from); ``path`` ("eager" or "composable") asks for one path instead of the cheaper."""
+    ``tiles`` / ``grad_in_forward_tiles`` (the composable and the grad-in-forward path's) default to the first
+    candidates (what the
+    autotuner starts from); ``path`` ("grad_in_forward" or "composable") asks for one path instead of the cheaper."""
     student = "heavy" if workload.op == "token_logprobs_entropy" else "lean"
     kind = "teacher" if workload.has_teacher else student
     dtype = getattr(torch, workload.dtype)
     cfg = tiles or candidates(dtype, kind)[0]
-    eager_cfg = eager_tiles or candidates(dtype, student, "eager")[0]
+    grad_in_forward_cfg = grad_in_forward_tiles or candidates(dtype, student, "grad_in_forward")[0]
     precision = precision or ("tf32" if allow_tf32 else "tf32x3")
-    if path not in (None, "eager", "composable"):
-        raise ValueError(f"path must be None, 'eager' or 'composable', got {path!r}")
+    if path not in (None, "grad_in_forward", "composable"):
+        raise ValueError(f"path must be None, 'grad_in_forward' or 'composable', got {path!r}")
     if workspace is not None and (isinstance(workspace, bool) or not isinstance(workspace, int) or workspace < 1):
         raise ValueError(f"workspace must be a positive int of bytes or None, got {workspace!r}")
     budget = workspace if workspace is not None else workspace_budget(workspace_mb, free_bytes, gpu)
-    if path == "eager":
-        return _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
+    if path == "grad_in_forward":
+        return _grad_in_forward_plan(workload, gpu, grad_in_forward_cfg, precision, allow_tf32, budget)
     composable = _composable_plan(workload, gpu, cfg, precision, allow_tf32, budget)
     grads = workload.hidden_grad or workload.weight_grad
     if path == "composable" or not (workload.row_local and grads):
         return composable
-    eager = _eager_plan(workload, gpu, eager_cfg, precision, allow_tf32, budget)
+    grad_in_forward = _grad_in_forward_plan(workload, gpu, grad_in_forward_cfg, precision, allow_tf32, budget)
     model = workload
     if workload.dtype not in gpu.tflops:  # a model without float64 rates: compare the two paths at fp32's
         model = dataclasses.replace(workload, dtype="float32")
     try:
-        faster = cost.evaluate(eager, model, gpu).model_ms <= cost.evaluate(composable, model, gpu).model_ms
+        faster = cost.evaluate(grad_in_forward, model, gpu).model_ms <= cost.evaluate(composable, model, gpu).model_ms
     except Exception as exc:  # the choice is a matter of speed: either path runs correctly
         cost.unpriced(f"the Triton plans of {workload}", exc)
-        # without prices: the eager path (3 products instead of 4) where the workspace holds 128 rows of its
+        # without prices: the grad-in-forward path (3 products instead of 4) where the workspace holds 128 rows of its
         # chunks (or every row), as the CUDA backend's rule
-        rows = budget // eager_row_bytes(workload.v, workload.dtype, workload.has_teacher)
+        rows = budget // grad_in_forward_row_bytes(workload.v, workload.dtype, workload.has_teacher)
         faster = rows >= min(workload.n, 128)
-    return eager if faster else composable
+    return grad_in_forward if faster else composable
 
 
 def _common_params(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, budget: int) -> dict:
     return dict(tiles=dataclasses.asdict(cfg), precision=precision if w.dtype == "float32" else "native",
                 teacher_products=float(w.has_teacher),
                 forward_grid=grid_of(w.n, w.v, cfg, gpu, w.dtype),
-                workspace_bytes=budget, eager_rows=eager_rows(w.n, w.v, w.dtype, w.has_teacher, budget, cfg))
+                workspace_bytes=budget, grad_in_forward_rows=grad_in_forward_rows(w.n, w.v, w.dtype, w.has_teacher,
+                                                                                  budget, cfg))
 
 
 def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int, math: str,
@@ -559,15 +564,15 @@ def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, preci
                      passes=passes, params=params)
 
 
-def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
+def _grad_in_forward_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
                 budget: int) -> cost.Plan:
     """Per row chunk: the teacher's raw logits through cuBLAS into the workspace (an fp32-output product whose
     C write is its epilogue), the student's forward keeping its tiles (with no teacher product), the teacher
     fold over the kept tiles (and the JSD's second sweep); then dx from the kept tiles and the two cuBLAS
-    gradient products (``eager_gradients``)."""
+    gradient products (``grad_in_forward_gradients``)."""
     e, acc, e_dx = _sizes(w.dtype)
     params = _common_params(w, gpu, cfg, precision, budget)
-    rows = params["eager_rows"]
+    rows = params["grad_in_forward_rows"]
     chunks = _cdiv(w.n, rows)
     logits = w.n * w.v * acc * (2 if w.has_teacher else 1)
     cublas = _cublas_math(w.dtype, allow_tf32, gpu)
@@ -580,11 +585,11 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
         first = len(passes)
         if w.has_teacher:
             out = m * w.v * acc
-            passes.append(cost.Pass("eager logits: teacher (cuBLAS)", flops=2.0 * m * w.v * dt,
+            passes.append(cost.Pass("grad-in-forward logits: teacher (cuBLAS)", flops=2.0 * m * w.v * dt,
                                     hbm_bytes=(m + w.v) * dt * e + out, math=cublas,
                                     efficiency=cost.gemm_efficiency(m, w.v, dt, gpu), fixed_us=cost.LAUNCH_US,
                                     epilogue_bytes=out))
-        passes += _forward_passes(w, m, gpu, cfg, precision, "eager logits", store_bytes=m * w.v * acc,
+        passes += _forward_passes(w, m, gpu, cfg, precision, "grad-in-forward logits", store_bytes=m * w.v * acc,
                                   teacher_product=False)
         if w.has_teacher:
             # the fold reads the teacher's kept tile once (and the student's, for a KL); for a reverse KL each of
@@ -594,18 +599,19 @@ def _eager_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision:
             fold_partials = TEACHER_FOLD_FIELDS * fold_splits * m * acc
             tiles_read = 1 if w.op == "distill_jsd" else 2
             ztm = fold_splits * m * (cfg.block_v * acc + 32) if w.op == "distill_reverse_kl" else 0
-            passes.append(_pass("eager teacher fold", 0.0, tiles_read * m * w.v * acc + ztm + 5 * fold_partials,
+            passes.append(_pass("grad-in-forward teacher fold", 0.0,
+                                tiles_read * m * w.v * acc + ztm + 5 * fold_partials,
                                 "cuda_core", launches=1 + TEACHER_FOLD_MERGE_LAUNCHES))
             if w.op == "distill_jsd":
-                passes.append(_pass("eager JSD pass", 0.0, 2 * m * w.v * acc, "cuda_core", launches=2))
+                passes.append(_pass("grad-in-forward JSD pass", 0.0, 2 * m * w.v * acc, "cuda_core", launches=2))
         passes[first:] = [dataclasses.replace(p, count=count) for p in passes[first:]]
     dx_bytes = w.n * w.v * e_dx
     # dx: the kept logits read back, dx written over them (in place for fp32 / float64, packed for bf16 / fp16)
-    passes.append(_pass("eager dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",
+    passes.append(_pass("grad-in-forward dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",
                         launches=chunks * small_launches(w.op).chunk))
     passes += _gradient_products(w, gpu, rows, w.v, cublas, dx_bytes)
     passes.append(_call_ops(w))
-    return cost.Plan(backend="triton", path="eager", products=1.0 + int(w.hidden_grad) + int(w.weight_grad),
+    return cost.Plan(backend="triton", path="grad_in_forward", products=1.0 + int(w.hidden_grad) + int(w.weight_grad),
                      passes=passes, params=params)
 
 
