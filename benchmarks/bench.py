@@ -250,7 +250,7 @@ def sm_clock_mhz(device) -> Optional[int]:
 
 
 def _one_run(impl, p, device, mem=None) -> Run:
-    """One forward+backward: the forward is the implementation's call (whatever it does there: an eager path
+    """One forward+backward: the forward is the implementation's call (whatever it does there: a grad-in-forward path
     finishes its gradients in it), the backward is ``loss.backward()``. On a GPU the SM clock is sampled
     after the work is queued and before the wait, i.e. while it runs."""
     import torch
@@ -295,13 +295,10 @@ def _median(xs):
 MODEL_OP = {"token_logprobs": "token_logprobs_entropy", "cross_entropy": "cross_entropy", "grpo_loss": "grpo",
             "dpo_loss": "dpo", "distillation_loss": "distill_reverse_kl"}
 # Every figure that comes from the cost model is named modelled_*; measured_* are quotients or sums of
-# measurements (measured_over_modelled divides a measurement by a modelled figure). Records written before
-# this naming are read through LEGACY_FIELDS.
+# measurements (measured_over_modelled divides a measurement by a modelled figure).
 MODEL_FIELDS = ("modelled_ms", "modelled_fwd_ms", "modelled_bwd_ms", "modelled_bound_ms", "modelled_over_bound",
                 "measured_over_modelled", "measured_over_bound", "measured_floor_ms", "measured_over_floor")
-LEGACY_FIELDS = {"bound_ms": "modelled_bound_ms", "ratio": "modelled_over_bound",
-                 "measured_over_model": "measured_over_modelled", "floor_ms": "measured_floor_ms",
-                 "model": "modelled_details"}
+
 
 
 def gpu_model_key(name: Optional[str]) -> Optional[str]:
@@ -317,7 +314,7 @@ def gpu_model_key(name: Optional[str]) -> Optional[str]:
 
 def free_bytes_now(device) -> Optional[int]:
     """Memory free for torch on the device: the driver's free memory plus what torch's allocator caches
-    unused (what the CUDA backend sizes its workspace from, fusedloss/cuda/backend.py ``_free_bytes``)."""
+    unused (what the CUDA backend sizes its workspace from, fusedloss/backends/cuda/backend.py ``_free_bytes``)."""
     import torch
 
     if device.type != "cuda":
@@ -345,9 +342,9 @@ def modelled(op: str, impl: str, n: int, d: int, v: int, dtype: str, gpu: str, d
     if backend == "auto":
         import torch
 
-        from fusedloss.core import backends
+        from fusedloss.core import registry
 
-        backend = backends.resolve("auto", torch.device(device_type))
+        backend = registry.resolve("auto", torch.device(device_type))
         info["auto_resolves_to"] = backend
     why = None
     if backend in ("cuda", "triton"):
@@ -1356,9 +1353,9 @@ def availability(name: str, op: str, device: str, compile_mode: str = "default")
 def resolve_auto(device: str) -> str:
     import torch
 
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
-    return "fusedloss:" + backends.resolve("auto", torch.device(device))
+    return "fusedloss:" + registry.resolve("auto", torch.device(device))
 
 
 def main(argv=None) -> int:
@@ -1599,13 +1596,12 @@ def dedupe(records: list) -> list:
 
 
 def load_records(paths):
-    """Records of earlier result files, the model's fields under their current names (LEGACY_FIELDS)."""
+    """The records of earlier result files."""
     records = []
     for path in paths:
         data = json.loads(Path(path).read_text())
         for r in data if isinstance(data, list) else data.get("records", []):
-            records.append({LEGACY_FIELDS.get(k, k) if LEGACY_FIELDS.get(k, k) not in r else k: v
-                            for k, v in r.items()})
+            records.append(dict(r))
     return records
 
 

@@ -2,17 +2,14 @@
 
     python benchmarks/cost_model.py --op cross_entropy --backend cuda --N 16384 --D 4096 --V 151936 \\
         --dtype bfloat16 --gpu h200 --json
-    python benchmarks/cost_model.py --table            # the before/after table (markdown)
+    python benchmarks/cost_model.py --table            # the plans' table (markdown)
 
-It asks the backend's ``plan(workload, gpu, free_bytes)`` (``fusedloss.cuda.backend.plan``,
-``fusedloss.triton.backend.plan``: the functions the backends use for their run-time choices) and evaluates
+It asks the backend's ``plan(workload, gpu, free_bytes)`` (``fusedloss.backends.cuda.backend.plan``,
+``fusedloss.backends.triton.backend.plan``: the functions the backends use for their run-time choices) and evaluates
 it with ``fusedloss.core.cost.evaluate``: GEMM flops, the bytes each pass moves through HBM, the modelled
 time (a roofline per pass, with the GEMM-shape efficiency and launch costs of ``fusedloss.core.cost``) and
 its ratio to the product-count bound (the fewest GEMM-sized products any exact method needs, at the
 GPU's dense peak). docs/design.md, "Plans and the cost model".
-
-``--before`` evaluates the CUDA backend as it was at commit db85361 (``plan_db85361`` below: a record of
-that code's passes, for the before/after table; nothing runs it any more).
 
 Importable: ``estimate(op, backend, n, d, v, ...) -> dict`` is what the JSON prints, for the benchmark to
 store beside its measurements, with the modelled time split into the forward and the backward
@@ -50,7 +47,8 @@ class NoPlan(RuntimeError):
 
 def backend_plan_function(backend: str):
     """The backend module's ``plan(workload, gpu, free_bytes=None)``, or NoPlan saying why there is none."""
-    module_name = {"cuda": "fusedloss.cuda.backend", "triton": "fusedloss.triton.backend"}.get(backend)
+    module_name = {"cuda": "fusedloss.backends.cuda.backend",
+                   "triton": "fusedloss.backends.triton.backend"}.get(backend)
     if module_name is None:
         raise NoPlan(f"--backend must be 'cuda' or 'triton' (the GPU backends), got {backend!r}")
     try:
@@ -66,18 +64,19 @@ def backend_plan_function(backend: str):
 
 # A plan lists its passes in the order they run. The composable path's backward starts where the logits are
 # formed again (cuda: "recompute", triton: "backward: logits again and dx"); everything before is the forward
-# (the statistics op). The eager path finishes the gradients in the forward (core/eager.py) and its backward
+# (the statistics op). The grad-in-forward path finishes the gradients in the forward (core/grad_in_forward.py) and its
+# backward
 # only scales the stored fp32 gradients by the incoming gradient and rounds them ("scale and round
 # gradients", "... round to the input dtype").
 _BACKWARD_FROM = re.compile(r"^(recompute|teacher recompute|backward\b)")
-_EAGER_BACKWARD = re.compile(r"\bround\b|\bin the backward$")
+_GRAD_IN_FORWARD_BACKWARD = re.compile(r"\bround\b|\bin the backward$")
 
 
 def phases(plan: cost.Plan) -> list:
     """"forward" or "backward" for each pass of ``plan``, in order: which of the two timed calls (the loss
     function, then ``loss.backward()``) runs it."""
-    if plan.path == "eager":
-        return ["backward" if _EAGER_BACKWARD.search(p.name) else "forward" for p in plan.passes]
+    if plan.path == "grad_in_forward":
+        return ["backward" if _GRAD_IN_FORWARD_BACKWARD.search(p.name) else "forward" for p in plan.passes]
     start = next((i for i, p in enumerate(plan.passes) if _BACKWARD_FROM.match(p.name)), len(plan.passes))
     return ["forward" if i < start else "backward" for i in range(len(plan.passes))]
 
@@ -108,7 +107,7 @@ def bound(op: str, n: int, d: int, v: int, *, dtype: str = "bfloat16", gpu: str 
 def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfloat16", gpu: str = "h200",
              teacher_d: Optional[int] = None, hidden_grad: bool = True, weight_grad: bool = True,
              free_bytes: Optional[int] = None, workspace_mb: Optional[float] = None, path: Optional[str] = None,
-             before: bool = False, what_if_fused: bool = False, plain: bool = True) -> dict:
+             what_if_fused: bool = False, plain: bool = True) -> dict:
     """The modelled cost of ``backend``'s plan for one call (the fields of the CLI's JSON).
     ``free_bytes`` defaults to half the GPU's memory (a training step's state holds the rest); ``plain=False``:
     logits with a bias, scale, soft-cap or temperature (the CUDA kernels' general instantiation)."""
@@ -117,18 +116,13 @@ def estimate(op: str, backend: str, n: int, d: int, v: int, *, dtype: str = "bfl
                       weight_grad=weight_grad, plain=plain)
     if free_bytes is None:
         free_bytes = spec.memory_bytes // 2
-    if before:
-        if backend != "cuda":
-            raise NoPlan("--before records the CUDA backend at db85361 only")
-        plan = plan_db85361(w, spec)
-    else:
-        fn = backend_plan_function(backend)
-        kwargs = {}
-        if path is not None:
-            kwargs["path"] = path
-        if workspace_mb is not None:
-            kwargs["workspace"] = int(workspace_mb * 2**20)
-        plan = fn(w, spec, free_bytes, **kwargs)
+    fn = backend_plan_function(backend)
+    kwargs = {}
+    if path is not None:
+        kwargs["path"] = path
+    if workspace_mb is not None:
+        kwargs["workspace"] = int(workspace_mb * 2**20)
+    plan = fn(w, spec, free_bytes, **kwargs)
     if what_if_fused:
         if backend != "cuda":
             raise NoPlan("--what-if-fused-epilogue rewrites the CUDA plan only")
@@ -155,7 +149,7 @@ def fused_epilogue(plan: cost.Plan) -> cost.Plan:
     """What-if (no backend runs it): the CUDA plan with the fold and dx moved into the products that form the
     logits (a GEMM epilogue computing the row statistics of each output tile, and dx written in the input dtype
     by the recompute's epilogue), overlapped with the main loop as a warp-specialised kernel overlaps them. The
-    fp32 logits still make their round trip where the 3-product eager path keeps them between the statistics
+    fp32 logits still make their round trip where the 3-product grad-in-forward path keeps them between the statistics
     and dx (a loss's coefficients need the whole row); the separate elementwise passes are gone. See
     docs/design.md, "Beyond the bound of this design"."""
     passes = []
@@ -185,134 +179,19 @@ def _jsonable(x):
 
 
 # ------------------------------------------------------------------------------------------------
-# The CUDA backend at db85361, for the record (the table's "before")
-# ------------------------------------------------------------------------------------------------
-def plan_db85361(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
-    """The passes the CUDA backend ran at db85361, read from its code: a fixed 256 MiB workspace; the eager
-    path for every loss known in the forward (no policy on a GPU), chunks of ``256 MiB / (V x bytes)``
-    rows; fp32 product blocks then ``+=`` for d hidden and d weight (the eager path's d weight in vocabulary
-    slices of 16384 rows over an fp32 [V, D] accumulator zeroed first); composable tiles of at most 2048
-    rows; core/eager.py's backward allocating the scaled fp32 gradients before rounding them."""
-    n, d, v, b = w.n, w.d, w.v, w.operand_bytes
-    dt = w.teacher_d or d
-    teacher = w.has_teacher
-    jsd = w.op == "distill_jsd"
-    dxb = 0 if w.dtype == "float32" else b
-    budget = 256 * 2**20
-    math_ = "float32" if w.dtype == "float32" else w.dtype
-    nv = float(n) * v
-    grads = w.hidden_grad or w.weight_grad
-
-    def gemm(name, m, nn, k, count, hbm, launches):
-        return cost.Pass(name, flops=2.0 * m * nn * k * count, hbm_bytes=hbm, math=math_,
-                         efficiency=cost.gemm_efficiency(m, nn, k, gpu), fixed_us=launches * cost.LAUNCH_US)
-
-    def sweep(name, elements, per_element, launches, flops=16):
-        return cost.Pass(name, flops=float(elements) * flops, hbm_bytes=float(elements) * per_element,
-                         math="cuda_core", fixed_us=launches * cost.LAUNCH_US)
-
-    def tile_shape(bpe):
-        elements = budget // bpe
-        rows = max(1, min(n, 2048))
-        if elements // rows < 4096:
-            rows = max(1, min(rows, elements // 4096))
-        cols = min(v, max(128, elements // rows // 128 * 128))
-        return rows, cols
-
-    passes = []
-    if w.row_local and grads:  # eager, always
-        path, products = "eager", 1 + int(w.hidden_grad) + int(w.weight_grad)
-        per_row = v * (4 + (4 if teacher else 0) + dxb)
-        rows = max(1, min(n, budget // per_row))
-        chunks = math.ceil(n / rows)
-        w_slice = max(128, min(v, budget // 4 // d // 128 * 128))
-        slices = math.ceil(v / w_slice)
-        passes.append(gemm("logits", rows, v, d, chunks, n * d * b + v * d * b * chunks + nv * 4, chunks))
-        if teacher:
-            moved = n * dt * b + v * dt * b * chunks + nv * 4
-            passes.append(gemm("teacher logits", rows, v, dt, chunks, moved, chunks))
-        passes.append(sweep("fold", nv, 8 if teacher else 4, chunks))
-        if jsd:
-            passes.append(sweep("jsd", nv, 8, chunks, 24))
-        passes.append(cost.Pass("token math", flops=200.0 * n, hbm_bytes=1024.0 * n, math="cuda_core",
-                                fixed_us=60 * chunks * cost.LAUNCH_US))
-        passes.append(sweep("dx", nv, (8 if teacher else 4) + (dxb or 4), chunks))
-        if w.hidden_grad:  # dh[rows] = fp32 block, then copied in (a separate kernel)
-            passes.append(gemm("d hidden", rows, d, v, chunks, nv * (dxb or 4) + v * d * b * chunks + n * d * 4,
-                               chunks))
-            passes.append(sweep("d hidden copy", n * d, 8, chunks, 1))
-        if w.weight_grad:  # per vocabulary slice: an fp32 block, then `dw[s] = block.to()` or `dw[s] += block`
-            single = chunks == 1
-            passes.append(gemm("d weight", min(w_slice, v), d, rows, chunks * slices,
-                               nv * (dxb or 4) + n * d * b * slices + v * d * 4 * chunks, chunks * slices))
-            if single:
-                passes.append(sweep("d weight round", v * d, 4 + b, slices, 1))
-            else:
-                passes.append(sweep("d weight zero", v * d, 4, 1, 0))
-                passes.append(sweep("d weight +=", v * d * chunks, 12, chunks * slices, 1))
-            passes.append(sweep("hidden mask", n * d, 2 * b, chunks, 1))
-        scale = 0
-        if w.weight_grad:
-            scale += v * d * (4 + 4 + 4 + b) if (chunks > 1 or w.dtype == "float32") else v * d * 2 * b
-        if w.hidden_grad:
-            scale += n * d * (4 + 4 + 4 + b)
-        passes.append(sweep("scale and round gradients", scale, 1, 4, 0.1))
-    else:
-        path = "composable"
-        rows, cols = tile_shape(8 if teacher else 4)
-        rc, vt = math.ceil(n / rows), math.ceil(v / cols)
-        tiles = rc * vt
-        forms = 2 if grads else 1
-        products = forms + int(w.hidden_grad) + int(w.weight_grad) + (1 if jsd else 0)
-        passes.append(gemm("logits", rows, cols, d, tiles, n * d * b * vt + v * d * b * rc + nv * 4, tiles))
-        if teacher:
-            moved = n * dt * b * vt + v * dt * b * rc + nv * 4
-            passes.append(gemm("teacher logits", rows, cols, dt, tiles, moved, tiles))
-        passes.append(sweep("fold", nv, 8 if teacher else 4, tiles))
-        if jsd:
-            passes.append(gemm("jsd recompute", rows, cols, d, tiles, n * d * b * vt + v * d * b * rc + nv * 4, tiles))
-            passes.append(sweep("jsd", nv, 8, tiles, 24))
-        passes.append(cost.Pass("token math", flops=200.0 * n, hbm_bytes=1024.0 * n, math="cuda_core",
-                                fixed_us=60 * cost.LAUNCH_US))
-        if grads:
-            rows, cols = tile_shape(4 + (4 if teacher else 0) + dxb)
-            rc, vt = math.ceil(n / rows), math.ceil(v / cols)
-            tiles = rc * vt
-            passes.append(gemm("recompute", rows, cols, d, tiles, n * d * b * vt + v * d * b * rc + nv * 4, tiles))
-            if teacher:
-                passes.append(gemm("teacher recompute", rows, cols, dt, tiles,
-                                   n * dt * b * vt + v * dt * b * rc + nv * 4, tiles))
-            passes.append(sweep("dx", nv, (8 if teacher else 4) + (dxb or 4), tiles))
-            if w.hidden_grad:  # dh_act zeroed; dh_act[rows] += fp32 block (a separate kernel); rounded at the end
-                passes.append(gemm("d hidden", rows, d, cols, tiles, nv * (dxb or 4) + v * d * b * rc + n * d * 4 * vt,
-                                   tiles))
-                passes.append(sweep("d hidden +=", n * d * vt, 12, tiles, 1))
-                passes.append(sweep("d hidden zero and round", n * d, 4 + 4 + b + b, 3, 0))
-            if w.weight_grad:  # dw_tile zeroed, += fp32 block per row chunk, rounded per vocabulary tile
-                passes.append(gemm("d weight", cols, d, rows, tiles, nv * (dxb or 4) + n * d * b * vt + v * d * 4 * rc,
-                                   tiles))
-                passes.append(sweep("d weight +=", v * d * rc, 12, tiles, 1))
-                passes.append(sweep("d weight zero and round", v * d, 4 + 4 + b, 2 * vt, 0))
-    return cost.Plan(backend="cuda@db85361", path=path, products=float(products), passes=passes,
-                     params={"workspace_bytes": budget, "teacher_products": 1.0 if teacher else 0.0,
-                             "accumulate": "product block, then +="})
-
-
-# ------------------------------------------------------------------------------------------------
-# The before/after table
+# The table of the plans
 # ------------------------------------------------------------------------------------------------
 def table(gpu: str = "h200", dtype: str = "bfloat16", free_bytes: Optional[int] = None) -> str:
-    """Markdown: op x plan (before / after) at the table's shapes, plus the after-plan's rejected path."""
+    """Markdown: op x the CUDA backend's plan at the table's shapes, plus the plan's rejected path."""
     lines = [f"GPU {cost.GPUS[gpu].name}, {dtype}; free memory for the workspace: "
              f"{(free_bytes or cost.GPUS[gpu].memory_bytes // 2) / 1e9:.0f} GB",
              "", "| N, D, V | op | plan | path | products | HBM GB | model ms | bound ms | ratio |",
              "|---|---|---|---|---:|---:|---:|---:|---:|"]
     for n, d, v in TABLE_SHAPES:
         for op in TABLE_OPS:
-            rows = [("before (db85361)", estimate(op, "cuda", n, d, v, dtype=dtype, gpu=gpu, before=True)),
-                    ("after", estimate(op, "cuda", n, d, v, dtype=dtype, gpu=gpu, free_bytes=free_bytes))]
+            rows = [("plan", estimate(op, "cuda", n, d, v, dtype=dtype, gpu=gpu, free_bytes=free_bytes))]
             if cost.OPS[op]["row_local"]:
-                rows.append(("after, composable", estimate(op, "cuda", n, d, v, dtype=dtype, gpu=gpu,
+                rows.append(("composable", estimate(op, "cuda", n, d, v, dtype=dtype, gpu=gpu,
                                                            free_bytes=free_bytes, path="composable")))
             for label, e in rows:
                 lines.append(f"| {n}, {d}, {v} | {op} | {label} | {e['path']} | {e['products']:g} | "
@@ -334,15 +213,14 @@ def main(argv=None) -> int:
     ap.add_argument("--free-gb", type=float, default=None,
                     help="memory free for torch when the backend first runs (default: half the GPU's)")
     ap.add_argument("--workspace-mb", type=float, default=None, help="the workspace, instead of the free memory")
-    ap.add_argument("--path", choices=("eager", "composable"), default=None, help="force a path")
+    ap.add_argument("--path", choices=("grad_in_forward", "composable"), default=None, help="force a path")
     ap.add_argument("--frozen-weight", action="store_true", help="no d weight (LoRA, frozen head)")
-    ap.add_argument("--before", action="store_true", help="the CUDA backend at db85361 instead")
     ap.add_argument("--transformed", action="store_true",
                     help="logits with a bias, logit scale, soft-cap or temperature (default: the raw products)")
     ap.add_argument("--what-if-fused-epilogue", action="store_true",
                     help="the CUDA plan with fold and dx inside the products' epilogues (no backend runs it)")
     ap.add_argument("--json", action="store_true", help="one JSON object")
-    ap.add_argument("--table", action="store_true", help="the before/after table (markdown)")
+    ap.add_argument("--table", action="store_true", help="the plans' table (markdown)")
     args = ap.parse_args(argv)
     free = None if args.free_gb is None else int(args.free_gb * 1e9)
     if args.table:
@@ -351,7 +229,7 @@ def main(argv=None) -> int:
     try:
         e = estimate(args.op, args.backend, args.N, args.D, args.V, dtype=args.dtype, gpu=args.gpu,
                      teacher_d=args.teacher_D, weight_grad=not args.frozen_weight, free_bytes=free,
-                     workspace_mb=args.workspace_mb, path=args.path, before=args.before,
+                     workspace_mb=args.workspace_mb, path=args.path,
                      what_if_fused=args.what_if_fused_epilogue, plain=not args.transformed)
     except NoPlan as exc:
         if args.json:

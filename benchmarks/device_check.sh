@@ -277,7 +277,7 @@ build_extension() {  # build_extension TREE: the extension in TREE (the checkout
   if prebuilt_ok "$PREBUILT"; then
     cp "$PREBUILT/_C$(ext_suffix)" "$PREBUILT"/_build_info.py "$tree/fusedloss/"
     # it must import, and on a GPU its own CUDA runtime must find the device (the driver is new enough)
-    if (cd "$tree" && "$PY" -c "from fusedloss.cuda import backend as b; import sys; \
+    if (cd "$tree" && "$PY" -c "from fusedloss.backends.cuda import backend as b; import sys; \
 ok = b.extension_built() if sys.argv[1] == '1' else b.availability() == 'available'; assert ok, b.availability()" "$DRY"); then
       echo "using the prebuilt extension"; return 0
     fi

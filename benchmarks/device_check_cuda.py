@@ -8,15 +8,15 @@ silently passing):
 
 * ``environment``: versions, the extension's runtime and driver, the device, the out_dtype / GEMM
   accumulation probe, the plan at the H200 shape (N=16384, D=4096, V=151936);
-* ``cases``: statistics and gradients (recompute backward and eager path) for V in {128256, 151936} and
+* ``cases``: statistics and gradients (recompute backward and grad-in-forward path) for V in {128256, 151936} and
   a prime V (131071), peaked rows, one token and odd token counts, fp32 / bf16 / fp16, with and without a
   teacher (KL, JSD), ``lse_lo`` and ``is_top1``'s first-argmax rule: fp32 within 1e-5 of float64 (TF32 off),
   bf16/fp16 no worse than the naive materialised same-dtype computation plus 1e-3;
-* ``paths``: the multi-chunk eager path (N=2500, V=151936 bf16, a 256 MiB workspace: 9 chunks) beside the
+* ``paths``: the multi-chunk grad-in-forward path (N=2500, V=151936 bf16, a 256 MiB workspace: 9 chunks) beside the
   default workspace (one chunk); the composable path with row offsets > 0 (several row chunks); fp32 with
   torch's TF32 switched on (the backend must ignore it); fp16 with a GradScaler-sized loss scale (2^16) on
   both paths; the caller's current device unchanged after every call;
-* ``confident``: fp32 rows with lse ~ 30 and 1 - q_y down to ~1e-4 within 1e-5 (backward and eager);
+* ``confident``: fp32 rows with lse ~ 30 and 1 - q_y down to ~1e-4 within 1e-5 (backward and grad-in-forward);
 * ``timings``: cross_entropy, token_logprobs (+entropy) and reverse-KL distillation at N=16384, D=4096,
   V=151936 bf16, forward and backward timed separately (CUDA events, median of 3 after a warm-up), for
   workspaces of 1 GiB, 2 GiB and the default, each with the cost model's figure beside it (a row whose own
@@ -91,14 +91,14 @@ def _host_public_api(ctx: Context):
     if not ctx.smoke:
         yield
         return
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
-    original = backends.resolve
-    backends.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
+    original = registry.resolve
+    registry.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
     try:
         yield
     finally:
-        backends.resolve = original
+        registry.resolve = original
 
 
 @contextlib.contextmanager
@@ -211,9 +211,9 @@ def _judge_gradients(checks, label, grads, truth, naive):
 def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
     import torch
 
-    from fusedloss.core.eager import formed
+    from fusedloss.backends.cuda import backend as cuda
+    from fusedloss.core.grad_in_forward import formed
     from fusedloss.core.problem import GradientNeeds
-    from fusedloss.cuda import backend as cuda
 
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     p, raw = _make(ctx, name, n, v, d, dtype, peaked, teacher)
@@ -230,8 +230,8 @@ def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
         c = _coeffs(st, g_logp, g_ent, g_klrev, y[rows])
         return (g_logp * st.logp + g_ent * st.entropy + g_klrev * st.kl_rev).sum(), c
 
-    _, eager = cuda.eager_gradients(p, chunk_fn, needs)
-    eager = formed(eager)  # a deferred d weight formed at grad 1
+    _, grad_in_forward = cuda.grad_in_forward_gradients(p, chunk_fn, needs)
+    grad_in_forward = formed(grad_in_forward)  # a deferred d weight formed at grad 1
     ctx.sync()
     checks = []
     for key, ref in truth.items():
@@ -247,7 +247,7 @@ def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
     _check(checks, "stat.lse+lse_lo", _rel(hilo, truth["lse"]), 2.0 * max(err_hi, 1e-7),
            bool(stats.lse_lo.isfinite().all()))
     _judge_gradients(checks, "backward", grads, grads64, grads_naive)
-    _judge_gradients(checks, "eager", eager, grads64, grads_naive)
+    _judge_gradients(checks, "grad_in_forward", grad_in_forward, grads64, grads_naive)
     results.append({"name": name, "checks": checks, "ok": all(c["ok"] for c in checks)})
 
 
@@ -257,9 +257,9 @@ def run_case(ctx, results, name, n, v, d, dtype_name, peaked, teacher):
 def path_checks(ctx, results):
     import torch
 
-    from fusedloss.core.eager import formed
+    from fusedloss.backends.cuda import backend as cuda
+    from fusedloss.core.grad_in_forward import formed
     from fusedloss.core.problem import GradientNeeds
-    from fusedloss.cuda import backend as cuda
 
     checks, info = [], {}
     n, v, d = ctx.N_path, ctx.V[1], ctx.D
@@ -272,17 +272,17 @@ def path_checks(ctx, results):
     def chunk_fn(st, rows):
         return (st.logp + 0.5 * st.entropy).sum(), _coeffs(st, 1.0, 0.5, 0.0, y[rows])
 
-    # the eager path at two workspaces: many chunks (the fp32 [V, D] accumulated inside the GEMM) and one
-    small = {"workspace_mb": 256} if not ctx.smoke else {"eager_rows": n // 9 + 1}
-    for label, override in (("eager.small_workspace", small), ("eager.default_workspace", {})):
+    # the grad-in-forward path at two workspaces: many chunks (the fp32 [V, D] accumulated inside the GEMM) and one
+    small = {"workspace_mb": 256} if not ctx.smoke else {"grad_in_forward_rows": n // 9 + 1}
+    for label, override in (("grad-in-forward.small_workspace", small), ("grad-in-forward.default_workspace", {})):
         with cuda.override_plan(**override):
-            chunks = math.ceil(n / cuda.eager_rows(p))
+            chunks = math.ceil(n / cuda.grad_in_forward_rows(p))
             t0 = time.perf_counter()
-            _, eager = cuda.eager_gradients(p, chunk_fn, needs)
-            eager = formed(eager)  # a deferred d weight formed at grad 1
+            _, grad_in_forward = cuda.grad_in_forward_gradients(p, chunk_fn, needs)
+            grad_in_forward = formed(grad_in_forward)  # a deferred d weight formed at grad 1
             ctx.sync()
             info[label] = {"chunks": chunks, "seconds": time.perf_counter() - t0}
-        _judge_gradients(checks, f"{label}[{chunks} chunks]", eager, grads64, grads_naive)
+        _judge_gradients(checks, f"{label}[{chunks} chunks]", grad_in_forward, grads64, grads_naive)
     # the composable path over several row chunks: tiles start at row offsets > 0
     rows = 1000 if not ctx.smoke else 100
     with cuda.override_plan(tile_rows=rows):
@@ -315,7 +315,7 @@ def path_checks(ctx, results):
 
 
 def fp16_checks(ctx, checks):
-    """cross_entropy (mean) in fp16 with a GradScaler-sized scale (2^16), eager and composable: the
+    """cross_entropy (mean) in fp16 with a GradScaler-sized scale (2^16), grad-in-forward and composable: the
     gradients no worse than the naive fp16 AMP computation (materialised fp16 logits, fp32 loss)."""
     import torch
 
@@ -340,8 +340,8 @@ def fp16_checks(ctx, checks):
     truth = grads(lambda a, b: reference.cross_entropy(a, b, y) * scale, torch.float64)
     naive = grads(lambda a, b: torch.nn.functional.cross_entropy((a @ b.T).float(), y) * scale, torch.float16)
     with _host_public_api(ctx):
-        for path in ("eager", "composable"):
-            with _env("FUSEDLOSS_EAGER", "1" if path == "eager" else "0"):
+        for path in ("grad_in_forward", "composable"):
+            with _env("FUSEDLOSS_GRAD_IN_FORWARD", "1" if path == "grad_in_forward" else "0"):
                 got = grads(lambda a, b: fusedloss.cross_entropy(a, b, y, backend="cuda") * scale, torch.float16)
             for name, gv, gt, gn in zip(("d_hidden", "d_weight"), got, truth, naive):
                 _check(checks, f"fp16_loss_scale_2^16.{path}.{name}", _rel(gv, gt), _rel(gn, gt) + 1e-4,
@@ -374,9 +374,9 @@ def confident_checks(ctx, results):
     """fp32 rows with lse ~ 30 and 1 - q_y from ~0.1 to ~1e-4: logp and d sum(logp) within 1e-5 of float64."""
     import torch
 
-    from fusedloss.core.eager import formed
+    from fusedloss.backends.cuda import backend as cuda
+    from fusedloss.core.grad_in_forward import formed
     from fusedloss.core.problem import GradientNeeds, LogitTransform, StatsProblem
-    from fusedloss.cuda import backend as cuda
 
     dev = ctx.device
     checks = []
@@ -398,11 +398,12 @@ def confident_checks(ctx, results):
             coeffs[0] = 1.0  # d sum(logp) / dz = onehot(y) - q (problem.py)
             needs = GradientNeeds(True, True, True)
             back = cuda.backward_gradients(p, stats, coeffs, needs)
-            _, eager = cuda.eager_gradients(p, lambda st, rows: (st.logp.sum(), coeffs[:, rows]), needs)
-            eager = formed(eager)  # a deferred d weight formed at grad 1
+            _, grad_in_forward = cuda.grad_in_forward_gradients(p, lambda st, rows: (st.logp.sum(), coeffs[:, rows]),
+                                                                needs)
+            grad_in_forward = formed(grad_in_forward)  # a deferred d weight formed at grad 1
             tag = f"N{n}-gap{gap:g}"
             items = [("logp", stats.logp, logp64.detach())]
-            for label, gs in (("backward", back), ("eager", eager)):
+            for label, gs in (("backward", back), ("grad_in_forward", grad_in_forward)):
                 names = ("d_hidden", "d_weight", "d_bias")
                 items += [(f"{label}.{k}", gv, gw) for k, gv, gw in zip(names, gs, grads64)]
             for what, got, want in items:
@@ -452,7 +453,8 @@ def timing_checks(ctx, results):
 
     import fusedloss
     from benchmarks import cases, cost_model
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.backends import gpu as gpu_glue
+    from fusedloss.backends.cuda import backend as cuda
 
     n, d, v = ctx.timing_shape
     rows = []
@@ -469,7 +471,7 @@ def timing_checks(ctx, results):
             for ws in ctx.workspaces:
                 override = {} if ws is None else {"workspace_mb": ws}
                 with cuda.override_plan(**override):
-                    budget = cuda.workspace_bytes(cuda._free_bytes(ctx.device))
+                    budget = cuda.workspace_bytes(gpu_glue.free_bytes(ctx.device))
                 model = cost_model.estimate(model_op, "cuda", n, d, v, dtype="bfloat16", gpu=gpu,
                                             workspace_mb=budget / 2**20)
                 # the row's own expected time: a warm-up and TIMED_REPS calls at three times the modelled time
@@ -535,14 +537,15 @@ def environment(ctx):
 
     import fusedloss
     from benchmarks import cost_model
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.backends import gpu
+    from fusedloss.backends.cuda import backend as cuda
 
     env = {"status": fusedloss.backend_status(), "torch": torch.__version__, "runtime": cuda.runtime_info(),
            "smoke": ctx.smoke}
     if not ctx.smoke:
         env["device"] = torch.cuda.get_device_name()
-        env["capabilities"] = cuda._capabilities(ctx.device)._asdict()
-        env["free_bytes_at_first_call"] = cuda._free_bytes(ctx.device)
+        env["capabilities"] = gpu.capabilities(ctx.device)._asdict()
+        env["free_bytes_at_first_call"] = gpu.free_bytes(ctx.device)
     env["model_h200_cross_entropy"] = cost_model.estimate("cross_entropy", "cuda", 16384, 4096, 151936)
     return env
 
@@ -568,7 +571,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.backends.cuda import backend as cuda
 
     ctx = Context(args.cpu_smoke, args.quick, args.budget_s)
     report = {"sections": list(args.only), "cases": []}

@@ -1,4 +1,5 @@
-"""GPU check of the Triton backend: correctness of both gradient paths, and forward / backward / eager timings.
+"""GPU check of the Triton backend: correctness of both gradient paths, and forward / backward / grad-in-forward
+timings.
 
     python benchmarks/device_check_triton.py --out results.json            # on a CUDA machine (H200)
     python benchmarks/device_check_triton.py --cpu-smoke --out smoke.json  # tiny shapes, Triton interpreter
@@ -7,8 +8,8 @@
 Correctness records (``checks``), for every case (real vocabulary sizes 128256 and 151936, a prime vocabulary
 with D = 1000, peaked rows, ignored rows, soft-cap + temperature, a teacher with its own hidden size, a frozen
 head) and dtype (bf16, fp16, fp32, and fp32 with PyTorch's TF32 switched on globally, which must change
-nothing), on the composable path (the statistics op, then the gradient kernel and cuBLAS) and on the eager
-path (``eager_gradients``), each in one workspace chunk and in several (a small ``workspace_mb``):
+nothing), on the composable path (the statistics op, then the gradient kernel and cuBLAS) and on the grad-in-forward
+path (``grad_in_forward_gradients``), each in one workspace chunk and in several (a small ``workspace_mb``):
 
 - every statistic and the gradients of hidden, weight and bias of one random objective against the float64
   computation on materialised logits (same rounded inputs) and against the naive same-dtype one;
@@ -19,7 +20,7 @@ path (``eager_gradients``), each in one workspace chunk and in several (a small 
 Further records: ``row_independence`` (the d hidden rows of confident rows are the same bits whether or not
 the other rows carry gradient: the backward forms the forward's logits bit for bit), ``determinism`` (two runs,
 same bits), ``top1_ties`` (TRL's is_top1 on exact ties across tiles and splits), and ``timing``: at N = 16384,
-D = 4096, V = 151936 (bf16; fp32 at N = 4096) the forward, the composable backward and the eager path timed
+D = 4096, V = 151936 (bf16; fp32 at N = 4096) the forward, the composable backward and the grad-in-forward path timed
 separately with CUDA events (median), next to one cuBLAS product of the same size and the cost model's
 figures for the same plan. On ``--cpu-smoke`` the same code runs on tiny shapes in the interpreter (timings
 there say nothing about a GPU and are labelled so). Exit status 0 when every check holds.
@@ -64,7 +65,7 @@ CPU_CASES = [
     dict(name="teacher_257", n=5, d=24, v=257, dt=19, ignore=0.0, entropy=True, kl_rev=True, kl_fwd=True, jsd=0.3),
     dict(name="frozen_head", n=7, d=19, v=131, ignore=0.25, entropy=True, frozen=True),
 ]
-# A workspace small enough to split the cases above into several vocabulary chunks and several eager row
+# A workspace small enough to split the cases above into several vocabulary chunks and several grad-in-forward row
 # chunks, in MiB (GPU cases, CPU cases).
 SMALL_WORKSPACE_MB = {True: 0.02, False: 24.0}
 
@@ -150,7 +151,7 @@ def _problem_kwargs(c, tf, teacher, y, workspace_mb):
 
 def run_case(c: dict, dtype: torch.dtype, device, path: str, workspace_mb, global_tf32: bool = False) -> dict:
     """One case on one path: statistics (composable path) and gradients against float64 and naive."""
-    from fusedloss.triton import backend as tb
+    from fusedloss.backends.triton import backend as tb
 
     h64, w64, b64, y, teacher64 = make_case(c, device)
     # The run in dtype sees rounded values; the references use exactly those values.
@@ -193,7 +194,7 @@ def run_case(c: dict, dtype: torch.dtype, device, path: str, workspace_mb, globa
         st = {k: getattr(s, k) for k in names}
         return st, grads_of(f_l, objective(st, weights))
 
-    def eager():
+    def grad_in_forward():
         p = build_problem(f_l[0].detach(), f_l[1].detach(), bias=None if f_l[2] is None else f_l[2].detach(),
                           **kwargs)
         stacked_w = torch.stack([weights[k] if k in weights else torch.zeros_like(weights["lse"])
@@ -205,11 +206,11 @@ def run_case(c: dict, dtype: torch.dtype, device, path: str, workspace_mb, globa
             return (wts * st).sum(), dz_coefficients(wts, st, p.jsd_beta, y[rows], p.weight.shape[0])
 
         needs = GradientNeeds(True, train_w, f_l[2] is not None)
-        loss, grads = tb.eager_gradients(p, chunk_fn, needs)
+        loss, grads = tb.grad_in_forward_gradients(p, chunk_fn, needs)
         return {"objective": loss}, {n: (g if t is not None and t.requires_grad else None)
                                      for n, g, t in zip(("hidden", "weight", "bias"), grads, f_l)}
 
-    run = composable if path == "composable" else eager
+    run = composable if path == "composable" else grad_in_forward
     cuda = device.type == "cuda"
     previous_tf32 = torch.backends.cuda.matmul.allow_tf32
     torch.backends.cuda.matmul.allow_tf32 = global_tf32
@@ -234,15 +235,16 @@ def run_case(c: dict, dtype: torch.dtype, device, path: str, workspace_mb, globa
         gpu = tb.gpu_of(device)
         budget = tb.workspace_budget(workspace_mb, torch.cuda.mem_get_info(device)[0], gpu)
         # the workspace; d hidden's fp32 accumulator and the copy of hidden with gradient-free rows zeroed; the
-        # eager path's fp32 d weight; the split partials (at most one split per 64 columns); [V] vectors; slack
+        # grad-in-forward path's fp32 d weight; the split partials (at most one split per 64 columns); [V] vectors;
+        # slack
         n, d, v = c["n"], c["d"], c["v"]
-        bound = (budget + n * d * (4 + 4) + (v * d * 4 if path == "eager" else 0) + 12 * 4 * n * -(-v // 64)
+        bound = (budget + n * d * (4 + 4) + (v * d * 4 if path == "grad_in_forward" else 0) + 12 * 4 * n * -(-v // 64)
                  + 8 * v * 4 + (64 << 20))
         record.update(extra_peak_mib=round((peak - grads_bytes) / 2**20, 1), bound_mib=round(bound / 2**20, 1),
                       nv_fp32_mib=round(c["n"] * c["v"] * 4 / 2**20, 1), memory_ok=peak - grads_bytes <= bound)
 
     ok = record.get("memory_ok", True)
-    if path == "eager":
+    if path == "grad_in_forward":
         ref_stats = {"objective": objective(ref_stats, weights)}
         naive_stats = {"objective": objective(naive_stats, weights)}
     for kind, fused_d, naive_d, ref_d in (("stat", f_stats, naive_stats, ref_stats),
@@ -304,7 +306,7 @@ def determinism(c: dict, dtype, device) -> dict:
 def top1_ties(device, dtypes) -> list:
     """is_top1 = first argmax on exact ties, through the backend protocol (forward_statistics), with the tied
     tokens in one tile, in different tiles and in different vocabulary splits."""
-    from fusedloss.triton import backend as tb
+    from fusedloss.backends.triton import backend as tb
 
     g = torch.Generator().manual_seed(0)
     n, d, v = 64, 64, 5003
@@ -368,9 +370,9 @@ def _median_ms(fn, device, repeat: int) -> float:
 
 
 def timing(device, smoke: bool) -> list:
-    """Forward, composable backward and eager path of cross-entropy-like problems timed separately, beside
+    """Forward, composable backward and grad-in-forward path of cross-entropy-like problems timed separately, beside
     one cuBLAS product of the same size and the cost model's passes for the plan the backend ran."""
-    from fusedloss.triton import backend as tb
+    from fusedloss.backends.triton import backend as tb
 
     shapes = ([("bfloat16", 64, 64, 1031), ("float32", 32, 64, 1031)] if smoke else
               [("bfloat16", 16384, 4096, 151936), ("float32", 4096, 4096, 151936)])
@@ -405,16 +407,18 @@ def timing(device, smoke: bool) -> list:
                 def chunk_fn(st, rows):
                     return st.logp.sum(), coeffs[:, rows]
 
-                rec["eager_ms"] = _median_ms(lambda: tb.eager_gradients(p, chunk_fn, needs), device, repeat)
+                rec["grad_in_forward_ms"] = _median_ms(lambda: tb.grad_in_forward_gradients(p, chunk_fn, needs),
+                                                       device, repeat)
                 rec["cublas_product_ms"] = _median_ms(
                     lambda: torch.mm(h, w.T, out_dtype=torch.float32)
                     if device.type == "cuda" and dtype != torch.float32
                     else torch.mm(h.float(), w.float().T), device, repeat)
                 w_model = tb.workload_of(p, needs, row_local=label == "cross_entropy")
                 gpu = tb.gpu_of(device)
-                rec["eager_tiles"] = repr(tb.tiles_for(p, "eager"))
-                for path in ("composable", "eager"):
-                    pl = tb.plan(w_model, gpu, tiles=cfg, eager_tiles=tb.tiles_for(p, "eager"), path=path)
+                rec["grad_in_forward_tiles"] = repr(tb.tiles_for(p, "grad_in_forward"))
+                for path in ("composable", "grad_in_forward"):
+                    pl = tb.plan(w_model, gpu, tiles=cfg, grad_in_forward_tiles=tb.tiles_for(p, "grad_in_forward"),
+                                 path=path)
                     est = cost.evaluate(pl, w_model, gpu)
                     rec[f"model_{path}_ms"] = round(est.model_ms, 2)
                     rec[f"model_{path}_passes_ms"] = {k: round(x, 2) for k, x in est.pass_ms.items()}
@@ -430,42 +434,21 @@ def timing(device, smoke: bool) -> list:
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The cost model's before/after table (no device)
-
-
-def legacy_plan(w: cost.Workload, gpu: cost.GPUSpec) -> cost.Plan:
-    """The Triton backend at commit db85361 in the same model, with the traffic derived from its compiled
-    kernels: a 64 x 128 forward whose 132 resident programs re-read their hidden blocks from HBM (159 GB at
-    the acceptance shape, scaling with N x V), and a backward that forms the logits again and adds d hidden and
-    d weight with fp32 atomics (956 GB of reductions, about 950 GB of HBM traffic), no eager path (4 products
-    for every loss)."""
-    scale = (w.n * w.v) / (16384 * 151936)
-    flops = w.product_flops + w.teacher_product_flops
-    grads = int(w.hidden_grad) + int(w.weight_grad)
-    passes = [cost.Pass("forward (64 x 128, hidden re-read from HBM)", flops, 159e9 * scale, w.dtype),
-              cost.Pass("forward: idle in the last wave", flops * 0.03, 0.0, w.dtype)]
-    if grads:
-        atomics = (319e9 * w.hidden_grad + 637e9 * w.weight_grad) * scale
-        passes.append(cost.Pass("backward: recompute + products with fp32 atomics", flops + grads * w.product_flops,
-                                atomics + 310e9 * scale, w.dtype))
-    return cost.Plan(backend="triton (db85361)", path="composable", products=1.0 + (1 + grads if grads else 0),
-                     passes=passes)
+# The cost model's figures for the backend's plans (no device)
 
 
 def cost_table() -> list:
-    from fusedloss.triton import backend as tb
+    from fusedloss.backends.triton import backend as tb
 
     gpu = cost.GPUS["h200"]
     rows = []
     for op in ("cross_entropy", "token_logprobs", "token_logprobs_entropy", "grpo", "distill_reverse_kl"):
         w = cost.Workload(op=op, n=16384, d=4096, v=151936, dtype="bfloat16",
                           teacher_d=4096 if op.startswith("distill") else None)
-        before = cost.evaluate(legacy_plan(w, gpu), w, gpu)
         plan = tb.plan(w, gpu)
         after = cost.evaluate(plan, w, gpu)
-        rows.append(dict(op=op, bound_ms=round(after.bound_ms, 1), before_ms=round(before.model_ms, 1),
-                         before_ratio=round(before.ratio, 2), after_ms=round(after.model_ms, 1),
-                         after_ratio=round(after.ratio, 3), after_path=plan.path))
+        rows.append(dict(op=op, bound_ms=round(after.bound_ms, 1), model_ms=round(after.model_ms, 1),
+                         ratio=round(after.ratio, 3), path=plan.path))
     return rows
 
 
@@ -480,7 +463,7 @@ def main(argv=None) -> int:
     ap.add_argument("--skip-timing", action="store_true", help="skip the timings")
     ap.add_argument("--dtypes", default="", help="comma-separated dtypes of the cases (default: every one; "
                                                  "float32+tf32 is float32 with TF32 switched on globally)")
-    ap.add_argument("--cost-table", action="store_true", help="print the cost model's before/after table and exit")
+    ap.add_argument("--cost-table", action="store_true", help="print the cost model's table of the plans and exit")
     args = ap.parse_args(argv)
 
     if args.cost_table:
@@ -531,7 +514,8 @@ def main(argv=None) -> int:
         worst = max(checks, key=lambda x: x["fused"] / max(x["bound"], 1e-30), default=None)
         label = f"{rec['case']:>22} {rec.get('dtype', ''):>18} {rec.get('path', ''):>10} ws={rec.get('workspace_mb')}"
         brief = ("error", "max_abs_diff", "bit_identical", "mismatches", "tiles", "forward_ms", "backward_ms",
-                 "frozen_head_backward_ms", "eager_ms", "cublas_product_ms", "model_composable_ms", "model_eager_ms",
+                 "frozen_head_backward_ms", "grad_in_forward_ms", "cublas_product_ms", "model_composable_ms",
+                 "model_grad_in_forward_ms",
                  "bound_ms", "meaningful", "extra_peak_mib", "bound_mib")
         detail = (f"worst {worst['what']} fused {worst['fused']:.2e} naive {worst['naive']:.2e} "
                   f"bound {worst['bound']:.2e}"
@@ -541,7 +525,7 @@ def main(argv=None) -> int:
 
     for c in cases:
         for dt, global_tf32 in variants:
-            for path in ("composable", "eager"):
+            for path in ("composable", "grad_in_forward"):
                 for ws in (None, SMALL_WORKSPACE_MB[args.cpu_smoke]):
                     try:
                         rec = run_case(c, dt, device, path, ws, global_tf32)

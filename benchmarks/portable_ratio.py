@@ -50,7 +50,7 @@ def _fwd_bwd(call):
 
 def ratios(n: int, v: int, d: int, ops=tuple(MODEL_OPS), repeat: int = 3, dtype=torch.float32, **options) -> list:
     """``[{op, impl, ms, product_ms, bound_products, ratio}]`` on the CPU; ``options`` go to the fused ops
-    (``eager=True`` / ``False`` forces a path)."""
+    (``grad_in_forward=True`` / ``False`` forces a path)."""
     import fusedloss
 
     records = []
@@ -89,11 +89,11 @@ def main() -> None:
     ap.add_argument("--D", type=int, default=512)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--ops", nargs="*", default=list(MODEL_OPS))
-    ap.add_argument("--eager", choices=("plan", "on", "off"), default="plan",
+    ap.add_argument("--grad-in-forward", choices=("plan", "on", "off"), default="plan",
                     help="the fused ops' path: their plan's (default), or forced")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    options = {} if args.eager == "plan" else {"eager": args.eager == "on"}
+    options = {} if args.grad_in_forward == "plan" else {"grad_in_forward": args.grad_in_forward == "on"}
     recs = ratios(args.N, args.V, args.D, tuple(args.ops), args.repeat, **options)
     if args.json:
         print(json.dumps(recs, indent=1))

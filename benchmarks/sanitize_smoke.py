@@ -38,10 +38,10 @@ def tiles(device: str) -> int:
     torch backend. Returns the number of failures."""
     import math
 
-    from fusedloss.core import torch_backend
-    from fusedloss.core.eager import formed
+    from fusedloss.backends import torch as torch_backend
+    from fusedloss.backends.cuda import backend as cuda
+    from fusedloss.core.grad_in_forward import formed
     from fusedloss.core.problem import GradientNeeds, LogitTransform, StatsProblem
-    from fusedloss.cuda import backend as cuda
 
     failures = 0
     g = torch.Generator().manual_seed(0)
@@ -67,23 +67,24 @@ def tiles(device: str) -> int:
             needs = GradientNeeds(True, True, True)
             tag = f"tiles {str(dtype)[6:]:<9} entropy={entropy:d} teacher={teacher:d} jsd={jsd:d}"
             try:
-                with cuda.override_plan(tile_rows=8, tile_cols=512, eager_rows=8):
+                with cuda.override_plan(tile_rows=8, tile_cols=512, grad_in_forward_rows=8):
                     stats = cuda.forward_statistics(p)
                     grads = cuda.backward_gradients(p, stats, coeffs, needs)
-                    _, eager = cuda.eager_gradients(p, lambda st, rows: (st.lse.sum(), coeffs[:, rows]), needs)
-                    eager = formed(eager)  # a deferred d weight formed at grad 1
+                    _, grad_in_forward = cuda.grad_in_forward_gradients(p, lambda st, rows: (st.lse.sum(),
+                                                                                             coeffs[:, rows]), needs)
+                    grad_in_forward = formed(grad_in_forward)  # a deferred d weight formed at grad 1
                 if device == "cuda":
                     torch.cuda.synchronize()
                 want = torch_backend.forward_statistics(p)
                 errs = [cases.rel_err(stats.lse, want.lse.double())]
-                errs += [cases.rel_err(a.float(), b.float().double()) for a, b in zip(grads, eager)]
+                errs += [cases.rel_err(a.float(), b.float().double()) for a, b in zip(grads, grad_in_forward)]
                 ok = all(e <= (1e-4 if dtype == torch.float32 else 3e-2) for e in errs)
             except Exception as exc:
                 ok, errs = False, []
                 print(f"FAIL {tag} {type(exc).__name__}: {exc}", flush=True)
             failures += not ok
             errors = " ".join(f"{e:.1e}" for e in errs)
-            print(f"{'ok  ' if ok else 'FAIL'} {tag} lse / backward-vs-eager errors {errors}", flush=True)
+            print(f"{'ok  ' if ok else 'FAIL'} {tag} lse / backward-vs-grad-in-forward errors {errors}", flush=True)
     # half-precision tiles (the backend forms fp32 tiles; the kernels accept bf16 ones too)
     from fusedloss import _C
 

@@ -1,6 +1,6 @@
 // Python bindings of fusedloss._C. Pointers, shapes, strides, dtype codes and the CUDA stream travel as
 // plain integers, so the extension links only against the CUDA runtime (statically) and pybind11, never
-// against torch: one wheel works with any torch version. fusedloss/cuda/backend.py fills the argument
+// against torch: one wheel works with any torch version. fusedloss/backends/cuda/backend.py fills the argument
 // structs from tensors and calls these entry points.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -85,7 +85,7 @@ PYBIND11_MODULE(_C, m) {
   FL_TILE_ARGS(FL_BIND_FIELD)
 #undef FL_BIND_FIELD
 
-  // The protocol's constants, checked by fusedloss/cuda/backend.py against fusedloss/core/problem.py.
+  // The protocol's constants, checked by fusedloss/backends/cuda/backend.py against fusedloss/core/problem.py.
   m.attr("STATE_FIELDS") = int(kStateFields);
   m.attr("NUM_OUTPUTS") = int(kNumOutputs);
   m.attr("OUTPUT_NAMES") = kOutputNames;

@@ -23,7 +23,7 @@ fusedloss would save for a model and a batch (``python -m fusedloss estimate``).
 the same functions on materialised logits: the executable specification every backend is tested against.
 """
 
-from .core import backends as _backends
+from .core import registry as _backends
 from .losses import (
     cpo_loss,
     cross_entropy,

@@ -7,14 +7,13 @@ nowhere else in the package:
 =================================  ===========  ========================================================
 variable                           default      effect
 =================================  ===========  ========================================================
-``FUSEDLOSS_EAGER``                unset        ``1``: always take the 3-product path for losses known in
+``FUSEDLOSS_GRAD_IN_FORWARD``                unset        ``1``: always take the 3-product path for losses known in
                                                 the forward; ``0``: never; unset: each backend's plan
-                                                decides (``eager=`` argument)
+                                                decides (``grad_in_forward=`` argument)
 ``FUSEDLOSS_WORKSPACE_MB``         unset        logits workspace of the CUDA and Triton backends in MiB;
                                                 unset: sized from the memory free on the device
                                                 (``workspace_mb=`` argument). A finite number, at least
                                                 1/1024 (1 KiB; ``workspace_megabytes``).
-                                                ``FUSEDLOSS_CUDA_WORKSPACE_MB`` is read as an older spelling.
 ``FUSEDLOSS_ALLOW_TF32``           ``0``        ``1``: fp32 inputs may use TF32 products (faster, ~1e-4
                                                 relative error) whatever PyTorch's global TF32 flags say
                                                 (``allow_tf32=`` argument); by default fp32 stays fp32
@@ -78,7 +77,7 @@ def _megabytes(name: str) -> Optional[float]:
 class Environment:
     """The overrides set in the environment (None: not set)."""
 
-    eager: Optional[bool]
+    grad_in_forward: Optional[bool]
     workspace_mb: Optional[float]
     allow_tf32: Optional[bool]
     triton_fp32_precision: Optional[str]
@@ -93,30 +92,29 @@ def from_environment() -> Environment:
         raise ValueError("environment variable FUSEDLOSS_TRITON_FP32_PRECISION must be ieee, tf32 or tf32x3, "
                          f"got {precision!r}")
     workspace = _megabytes("FUSEDLOSS_WORKSPACE_MB")
-    if workspace is None:
-        workspace = _megabytes("FUSEDLOSS_CUDA_WORKSPACE_MB")
-    return Environment(eager=_flag("FUSEDLOSS_EAGER"), workspace_mb=workspace, allow_tf32=_flag("FUSEDLOSS_ALLOW_TF32"),
+    return Environment(grad_in_forward=_flag("FUSEDLOSS_GRAD_IN_FORWARD"), workspace_mb=workspace,
+                       allow_tf32=_flag("FUSEDLOSS_ALLOW_TF32"),
                        triton_fp32_precision=precision, deterministic=_flag("FUSEDLOSS_DETERMINISTIC"))
 
 
 class RunOptions(NamedTuple):
     """How one call runs, from the public functions' keyword arguments (None: the environment's override,
-    else the default). ``eager``: take (True) or refuse (False) the 3-product path of a loss known in the
+    else the default). ``grad_in_forward``: take (True) or refuse (False) the 3-product path of a loss known in the
     forward; ``workspace_mb``: the GPU backends' logits workspace; ``allow_tf32``: TF32 products for fp32
     inputs."""
 
-    eager: Optional[bool] = None
+    grad_in_forward: Optional[bool] = None
     workspace_mb: Optional[float] = None
     allow_tf32: Optional[bool] = None
 
     @classmethod
-    def checked(cls, *, eager=None, workspace_mb=None, allow_tf32=None) -> "RunOptions":
-        for name, value in (("eager", eager), ("allow_tf32", allow_tf32)):
+    def checked(cls, *, grad_in_forward=None, workspace_mb=None, allow_tf32=None) -> "RunOptions":
+        for name, value in (("grad_in_forward", grad_in_forward), ("allow_tf32", allow_tf32)):
             if value is not None and not isinstance(value, bool):
                 raise TypeError(f"{name} must be True, False or None, got {value!r}")
         if workspace_mb is not None:
             workspace_mb = workspace_megabytes(workspace_mb, "workspace_mb")
-        return cls(eager, workspace_mb, allow_tf32)
+        return cls(grad_in_forward, workspace_mb, allow_tf32)
 
     def problem_fields(self) -> dict:
         """The options the backends read, as ``StatsProblem`` fields (only those set)."""

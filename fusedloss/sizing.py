@@ -9,9 +9,9 @@ computing a loss over ``N`` tokens with hidden size ``D`` and vocabulary ``V`` (
 * TRL 1.16's chunked kernel (``trl.kernels.ChunkedLogProbFunction``, behind its trainers' fused LM head): a few
   ``[N]`` statistics held; one ``[min(N, 4096), min(V, 32768)]`` tile in the operand dtype per pass; the backward
   recomputes the logits: 4 products.
-* fusedloss: ``[N]`` statistics held (and, on the eager path, the gradients themselves); the logits workspace
-  of the GPU backend's plan (``fusedloss.cuda.backend.plan``, the function the
-  cost model evaluates and the backend runs by) and its products (3 on the eager path of a loss known in the
+* fusedloss: ``[N]`` statistics held (and, on the grad-in-forward path, the gradients themselves); the logits workspace
+  of the GPU backend's plan (``fusedloss.backends.cuda.backend.plan``, the function the
+  cost model evaluates and the backend runs by) and its products (3 on the grad-in-forward path of a loss known in the
   forward, 4 for log-probs whose loss comes later); on a CPU, the torch backend's ``[1024, 4096]`` fp32 tiles
   (a few live at a time) and its 4 products (without a teacher it takes the recomputing path there).
 
@@ -29,8 +29,9 @@ from pathlib import Path
 from typing import Optional
 
 from . import config as _config
+from .backends import torch as _torch_backend
+from .backends.cuda import plan as cuda_plan
 from .core import cost
-from .core import torch_backend as _torch_backend
 
 __all__ = ["SizingEstimate", "estimate"]
 
@@ -160,8 +161,6 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         print(fusedloss.estimate("Qwen2.5-7B/config.json", tokens=16384))
         print(fusedloss.estimate(hidden_size=3584, vocab_size=152064, tokens=16384, dtype="bf16", op="grpo"))
     """
-    from .cuda import backend as cuda_backend
-
     given_d, given_v = _read_config(config) if config is not None else (None, None)
     d = _positive_int("hidden_size", hidden_size if hidden_size is not None else given_d)
     v = _positive_int("vocab_size", vocab_size if vocab_size is not None else given_v)
@@ -178,7 +177,7 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
     b, logits = w.operand_bytes, n * v
     spec = cost.GPUS[gpu]
     workspace = int(workspace_mb * 2**20) if workspace_mb is not None else None
-    plan = cuda_backend.plan(w, spec, spec.memory_bytes // 2, workspace=workspace)
+    plan = cuda_plan.plan(w, spec, spec.memory_bytes // 2, workspace=workspace)
     # The workspace never needs more than the fp32 logits of the whole call.
     fused = min(int(plan.params["workspace_bytes"]), 4 * logits)
     trl_tile = min(n, TRL_TOKEN_CHUNK) * min(v, TRL_VOCAB_CHUNK) * b
@@ -191,7 +190,7 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
                  "logits, fp32 log-softmax; their grads"),
         PathCost("TRL 1.16 chunked kernel", 0, trl_tile, composable,
                  f"one [{min(n, TRL_TOKEN_CHUNK)}, {min(v, TRL_VOCAB_CHUNK)}] tile"),
-        PathCost(f"fusedloss, GPU ({plan.path} path)", 0, fused, plan.products,
+        PathCost(f"fusedloss, GPU ({plan.path.replace('_', '-')})", 0, fused, plan.products,
                  "workspace (workspace_mb=)" if workspace_mb is not None else f"workspace, {spec.name} default"),
         PathCost("fusedloss, torch backend (CPU)", 0, torch_tile, composable,
                  f"per [{min(n, _torch_backend.ROW_CHUNK)}, {min(v, _torch_backend.VOCAB_TILE)}] fp32 tile"),

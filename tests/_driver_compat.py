@@ -80,11 +80,11 @@ def stand_in_libcuda(directory: Path) -> Path:
 
 _PROBE = r"""
 import json, warnings, torch, fusedloss
-from fusedloss.core import backends
+from fusedloss.core import registry
 from fusedloss._build_info import CUDA_MIN_DRIVER_API
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    chosen = [backends.resolve("auto", torch.device("cuda")) for _ in range(3)]
+    chosen = [registry.resolve("auto", torch.device("cuda")) for _ in range(3)]
 print(json.dumps({"status": fusedloss.backend_status()["cuda"], "chosen": chosen,
                   "warnings": [str(w.message) for w in caught if "fusedloss" in str(w.message)],
                   "file": fusedloss.__file__, "min_driver_api": CUDA_MIN_DRIVER_API}))

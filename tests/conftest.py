@@ -299,12 +299,12 @@ def any_engine(request, monkeypatch):
     """(backend name, device) for each backend whose kernel math can run here. Without a GPU the CUDA backend
     runs its host twins on CPU tensors: the public API refuses backend='cuda' for CPU tensors, so its
     resolution is patched for the test."""
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
     name = request.param
     if name != "torch" and torch.cuda.is_available():
         return name, torch.device("cuda")
     if name == "cuda":
-        original = backends.resolve
-        monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+        original = registry.resolve
+        monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
     return name, torch.device("cpu")

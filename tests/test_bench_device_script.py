@@ -91,7 +91,7 @@ def test_dry_run_of_the_check_stages(tmp_path):
     path, the CUDA check's correctness sections (host twins), the workspace sweep, the sanitizer's scripts, the
     CUTLASS prototype's driver (its torch stand-in); each reports rc=0 and lands in checks.json, as does the
     profile stage's products.json."""
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.backends.cuda import backend as cuda
 
     if not cuda.extension_built():
         pytest.skip(f"CUDA extension not built: {cuda.availability()}")

@@ -59,7 +59,7 @@ def test_wheel_without_cuda_is_pure_python_and_says_why(tmp_path):
                    check=True, env={**os.environ, "FUSEDLOSS_CUDA": "0"}, timeout=1200)
     (wheel,) = out.glob("fusedloss-*.whl")
     names = _names(wheel)
-    assert "fusedloss/__init__.py" in names and "fusedloss/triton/backend.py" in names
+    assert "fusedloss/__init__.py" in names and "fusedloss/backends/triton/backend.py" in names
     assert not any(n.startswith("fusedloss/_C") for n in names)
     info = _build_info(wheel)
     assert info["CUDA_EXTENSION"] == "not built: FUSEDLOSS_CUDA=0" and info["CUDA_RUNTIME_VERSION"] is None

@@ -21,7 +21,7 @@ from conftest import rel_err
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
+from fusedloss.core import registry
 
 F64 = torch.float64
 V = 131  # prime: padded tiles everywhere
@@ -50,15 +50,15 @@ def engine(request, monkeypatch):
     if torch.cuda.is_available() and fusedloss.backend_status()[name] == "available":
         return name, torch.device("cuda")
     if name == "cuda":
-        original = backends.resolve
-        monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+        original = registry.resolve
+        monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
     return name, torch.device("cpu")
 
 
-@pytest.fixture(params=["eager", "statistics"])
+@pytest.fixture(params=["grad_in_forward", "statistics"])
 def path(request, monkeypatch):
-    """Both gradient paths: the 3-product eager one and the statistics op's recompute backward."""
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if request.param == "eager" else "0")
+    """Both gradient paths: the 3-product grad-in-forward one and the statistics op's recompute backward."""
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if request.param == "grad_in_forward" else "0")
     return request.param
 
 
@@ -168,14 +168,14 @@ def tiles(request, monkeypatch):
     """Small vocabulary tiles (and, for Triton, more splits) put the tied maxima in different tiles and
     splits, so the merges of t meet ties on both sides."""
     if request.param == "small tiles":
-        from fusedloss.core import torch_backend
+        from fusedloss.backends import torch as torch_backend
 
         monkeypatch.setattr(torch_backend, "VOCAB_TILE", 16)
-        from fusedloss.cuda import backend as cuda_backend
+        from fusedloss.backends.cuda import backend as cuda_backend
 
         with cuda_backend.override_plan(tile_cols=16):
             if fusedloss.backend_status()["triton"] == "available":
-                from fusedloss.triton import backend as triton_backend
+                from fusedloss.backends.triton import backend as triton_backend
 
                 monkeypatch.setattr(triton_backend, "INTERPRETER_TILES",
                                     triton_backend.TileConfig(16, 16, 16, 4, 1, slots=8))

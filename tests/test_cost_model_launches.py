@@ -1,10 +1,10 @@
-"""The cost model counts the small kernels the CUDA backend's eager path really issues.
+"""The cost model counts the small kernels the CUDA backend's grad-in-forward path really issues.
 
-A ``TorchDispatchMode`` logs every aten op of one forward and backward of each eager loss (host mode: the
+A ``TorchDispatchMode`` logs every aten op of one forward and backward of each grad-in-forward loss (host mode: the
 CUDA backend's code on CPU tensors, the kernels' host twins in place of the launches), at two chunk counts;
 the difference is what one more row chunk costs, the rest what the call costs once. Views and allocations
 (no kernel on a GPU) and the GEMM-sized products (priced apart) are left out. The model's constants
-(fusedloss/cuda/backend.py, ``small_launches``) must cover what the trace
+(backends/cuda/backend.py, ``small_launches``) must cover what the trace
 counts without overstating it, so the model follows the code.
 """
 
@@ -15,8 +15,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedloss
-from fusedloss.core import backends
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.core import registry
 
 pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
 
@@ -43,7 +43,7 @@ def _call(op: str, n: int, chunk_rows: int) -> int:
     h = torch.randn(n, d, generator=g, requires_grad=True)
     w = torch.randn(v, d, generator=g, requires_grad=True)
     y = torch.randint(0, v, (n,), generator=g)
-    with cuda.override_plan(eager_rows=chunk_rows), _Count() as trace:
+    with cuda.override_plan(grad_in_forward_rows=chunk_rows), _Count() as trace:
         if op == "cross_entropy":
             loss = fusedloss.cross_entropy(h, w, y, backend="cuda")
         elif op == "grpo":
@@ -60,10 +60,10 @@ def _call(op: str, n: int, chunk_rows: int) -> int:
 
 @pytest.fixture
 def host_mode(monkeypatch):
-    """The CUDA backend on CPU tensors (its host twins), the eager path forced."""
-    real = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    """The CUDA backend on CPU tensors (its host twins), the grad-in-forward path forced."""
+    real = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo", "distill_reverse_kl", "distill_forward_kl", "distill_jsd"])

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends.cuda import backend as cuda
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
@@ -28,7 +28,8 @@ def test_device_check_dry_run_reaches_every_path(tmp_path):
     report = json.loads(out.read_text())
     paths = next(c for c in report["cases"] if c["name"] == "paths")
     names = [c["what"] for c in paths["checks"]]
-    assert any(n.startswith("eager.small_workspace[9 chunks]") for n in names)  # several eager chunks
+    # several grad-in-forward chunks
+    assert any(n.startswith("grad-in-forward.small_workspace[9 chunks]") for n in names)
     assert any(n.startswith("composable.row_chunks[3]") for n in names)  # row offsets > 0
     assert any(n.startswith("fp32_with_tf32_on") for n in names)
     assert sum(n.startswith("fp16_loss_scale_2^16") for n in names) == 4  # both paths, both gradients

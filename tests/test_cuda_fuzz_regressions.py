@@ -23,8 +23,8 @@ import torch
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.core import registry
 
 pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
 
@@ -32,12 +32,12 @@ F64 = torch.float64
 INF = math.inf
 
 
-@pytest.fixture(params=["eager", "composable"])
+@pytest.fixture(params=["grad_in_forward", "composable"])
 def host_cuda(request, monkeypatch):
     """The public API on CPU tensors with backend='cuda' (the host twins), on one gradient path."""
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if request.param == "eager" else "0")
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if request.param == "grad_in_forward" else "0")
     return request.param
 
 
@@ -153,8 +153,8 @@ def _confident_pair(seed, d=64, v=97):
 def test_a_rows_gradient_does_not_depend_on_other_rows(seed, monkeypatch):
     """Rule F on the composable path (the one that recomputes): row 1's gradient is the same whether row 0
     is ignored, carries no gradient, or carries a little, and within the fp32 bound of float64."""
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
     h0, w0, y = _confident_pair(seed)
 
     def d_hidden(targets, cotangent, dtype=torch.float32, backend="cuda"):

@@ -1,7 +1,7 @@
 """The CUDA backend's kernel math, checked on the CPU through the extension's host twins.
 
 ``fusedloss._C`` exports, beside the device kernels, host loops that run the same ``__host__ __device__``
-functions (csrc/fusedloss/math.h, tile.h) over CPU pointers, and ``fusedloss.cuda.backend`` runs them
+functions (csrc/fusedloss/math.h, tile.h) over CPU pointers, and ``fusedloss.backends.cuda.backend`` runs them
 when handed CPU tensors. These tests compare them with float64 brute force on materialised logits and
 with the torch backend: every statistic, ignored rows, bias, scale, soft-cap, temperature, peaked rows,
 prime vocabularies, one token, a teacher (with its own logit_scale and soft-cap), the JSD, multi-tile
@@ -17,9 +17,9 @@ import math
 import pytest
 import torch
 
-from fusedloss.core import torch_backend
+from fusedloss.backends import torch as torch_backend
+from fusedloss.backends.cuda import backend as cuda
 from fusedloss.core.problem import NUM_COEFFS, GradientNeeds, LogitTransform, Statistics, StatsProblem
-from fusedloss.cuda import backend as cuda
 
 pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
 
@@ -324,7 +324,7 @@ def confident_problem(n, gap, *, seed=0, top=30.0, v=131, d=19, peaked_weight=Fa
 @pytest.mark.parametrize("tiles", ["whole", "small"])
 def test_fp32_confident_rows_within_1e5(n, gap, tiles, request):
     """docs/design.md, "Numerical doctrine" on peaked fp32 rows (lse ~ 30): logp and the gradients of sum(logp)
-    within 1e-5 (norm-wise relative) of float64, through the recompute backward and the eager path. Needs both
+    within 1e-5 (norm-wise relative) of float64, through the recompute backward and the grad-in-forward path. Needs both
     log s = log1p(t) (s - 1 kept apart from the maximum's 1) and log q = (z - lse) - lse_lo."""
     if tiles == "small":
         request.getfixturevalue("small_tiles")
@@ -339,8 +339,9 @@ def test_fp32_confident_rows_within_1e5(n, gap, tiles, request):
     needs = GradientNeeds(True, True, True)
     want = torch_backend.backward_gradients(p64, s64, coeffs, needs)
     check_grads(cuda.backward_gradients(p, s, coeffs.float(), needs), want, tol=1e-5)
-    _, eager = cuda.eager_gradients(p, lambda st, rows: (st.logp.sum(), coeffs[:, rows].float()), needs)
-    check_grads(eager, want, tol=1e-5)
+    _, grad_in_forward = cuda.grad_in_forward_gradients(p, lambda st, rows: (st.logp.sum(), coeffs[:, rows].float()),
+                                                        needs)
+    check_grads(grad_in_forward, want, tol=1e-5)
 
 
 @pytest.mark.parametrize("gap", [6.0, 10.0])
@@ -359,7 +360,7 @@ def test_fp32_single_token_peaked_weight(gap):
 
 
 # ------------------------------------------------------------------------------------------------
-# Gradients: recompute backward and eager path
+# Gradients: recompute backward and grad-in-forward path
 # ------------------------------------------------------------------------------------------------
 def random_coeffs(p: StatsProblem, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -427,32 +428,32 @@ def _chunk_fn_for(p: StatsProblem, coeffs64: torch.Tensor):
 
 @pytest.mark.parametrize("rows_per_chunk", [None, 3])
 @pytest.mark.parametrize("teacher", [False, True])
-def test_eager(rows_per_chunk, teacher):
+def test_grad_in_forward(rows_per_chunk, teacher):
     p = make_problem(7, 257, seed=9, teacher=teacher, bias=True, tf=LogitTransform(1.2, 1.0, 10.0), ignored=(6,),
                      jsd_beta=0.6 if teacher else None, want_kl_rev=teacher, want_entropy=True, want_mean_logit=True)
     coeffs = random_coeffs(p, seed=1)
     needs = GradientNeeds(True, True, True)
     fn, calls = _chunk_fn_for(p, coeffs)
-    with cuda.override_plan(**({"eager_rows": rows_per_chunk} if rows_per_chunk else {})):
-        loss, got = cuda.eager_gradients(p, fn, needs)
+    with cuda.override_plan(**({"grad_in_forward_rows": rows_per_chunk} if rows_per_chunk else {})):
+        loss, got = cuda.grad_in_forward_gradients(p, fn, needs)
     fn64, _ = _chunk_fn_for(p, coeffs)
-    loss64, want = torch_backend.eager_gradients(as64(p), fn64, needs)
+    loss64, want = torch_backend.grad_in_forward_gradients(as64(p), fn64, needs)
     assert len(calls) == (3 if rows_per_chunk else 1)
     assert abs(float(loss) - float(loss64)) <= 2e-5 * max(1.0, abs(float(loss64)))
     check_grads(got, want)
 
 
-def _eager_with(p, coeffs, needs, **plan):
+def _grad_in_forward_with(p, coeffs, needs, **plan):
     fn, calls = _chunk_fn_for(p, coeffs)
     with cuda.override_plan(**plan):
-        shape = cuda._eager_chunk(p, needs)
-        loss, grads = cuda.eager_gradients(p, fn, needs)
+        shape = cuda._grad_in_forward_chunk(p, needs)
+        loss, grads = cuda.grad_in_forward_gradients(p, fn, needs)
     return shape, calls, loss, grads
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("teacher", [False, True])
-def test_eager_grouped_rows_keep_their_dx_for_one_product_per_group(dtype, teacher):
+def test_grad_in_forward_grouped_rows_keep_their_dx_for_one_product_per_group(dtype, teacher):
     """Groups of 5 rows in chunks of 2 (groups 5, 5, 3; chunks 2, 2, 1 each): every chunk's dx goes to its
     place in the group's region, and d hidden, d weight and d bias take one product per group. Against float64,
     and (bf16) against the ungrouped chunks of the same rows: the same dx, summed in another order."""
@@ -460,46 +461,47 @@ def test_eager_grouped_rows_keep_their_dx_for_one_product_per_group(dtype, teach
                      want_kl_rev=teacher, want_entropy=True, want_mean_logit=True, dtype=dtype)
     coeffs = random_coeffs(p, seed=2)
     needs = GradientNeeds(True, True, True)
-    shape, calls, loss, got = _eager_with(p, coeffs, needs, group_rows=5, eager_rows=2)
+    shape, calls, loss, got = _grad_in_forward_with(p, coeffs, needs, group_rows=5, grad_in_forward_rows=2)
     assert shape.group_rows == 5 and shape.rows == 2 and not shape.packed
     assert [(r.start, r.stop) for r in calls] == [(0, 2), (2, 4), (4, 5), (5, 7), (7, 9), (9, 10), (10, 12),
                                                   (12, 13)]
     fn64, _ = _chunk_fn_for(p, coeffs)
-    loss64, want = torch_backend.eager_gradients(as64(p), fn64, needs)
+    loss64, want = torch_backend.grad_in_forward_gradients(as64(p), fn64, needs)
     assert abs(float(loss) - float(loss64)) <= 2e-5 * max(1.0, abs(float(loss64)))
     assert got[1].dtype == torch.float32  # three groups: d weight accumulated in fp32
     if dtype == torch.float32:
         check_grads(got, want)
     else:
-        _, _, _, plain = _eager_with(p, coeffs, needs, eager_rows=2)
+        _, _, _, plain = _grad_in_forward_with(p, coeffs, needs, grad_in_forward_rows=2)
         for a, b, ref in zip(got, plain, want):
             assert rel(a, ref) <= 1.5 * rel(b, ref) + 1e-6
             assert rel(a, b) <= 1e-5  # the same bf16 dx; fp32 sums in another order
     assert bool((got[0][[3, 12]] == 0).all())  # ignored rows
 
 
-def test_eager_group_of_every_row_writes_d_weight_once():
+def test_grad_in_forward_group_of_every_row_writes_d_weight_once():
     """One group over all rows (chunks of 3): d weight is one product, in bf16 for a bf16 weight."""
     p = make_problem(9, 131, seed=12, bias=True, ignored=(4,), want_entropy=True, dtype=torch.bfloat16)
     coeffs = random_coeffs(p, seed=3)
     needs = GradientNeeds(True, True, True)
-    shape, calls, _, got = _eager_with(p, coeffs, needs, group_rows=9, eager_rows=3)
+    shape, calls, _, got = _grad_in_forward_with(p, coeffs, needs, group_rows=9, grad_in_forward_rows=3)
     assert len(calls) == 3 and shape.group_rows == 9
     assert got[1].dtype == torch.bfloat16
     fn64, _ = _chunk_fn_for(p, coeffs)
-    _, want = torch_backend.eager_gradients(as64(p), fn64, needs)
-    _, _, _, plain = _eager_with(p, coeffs, needs, eager_rows=9)  # one chunk: also written once in bf16
+    _, want = torch_backend.grad_in_forward_gradients(as64(p), fn64, needs)
+    _, _, _, plain = _grad_in_forward_with(p, coeffs, needs,
+                                           grad_in_forward_rows=9)  # one chunk: also written once in bf16
     assert plain[1].dtype == torch.bfloat16
     assert rel(got[1], want[1]) <= 1.5 * rel(plain[1], want[1]) + 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("chunk_rows", [None, 3])
-def test_eager_deferred_d_weight_is_the_product_the_backward_forms(dtype, chunk_rows):
+def test_grad_in_forward_deferred_d_weight_is_the_product_the_backward_forms(dtype, chunk_rows):
     """The deferred d weight: the forward keeps dx (every row's, outside the workspace) and hidden; the
     backward scales hidden by the incoming gradient, zeroes the rows outside the loss (NaN padding there) and
     forms one product. At grad 0.7 against float64 times 0.7."""
-    from fusedloss.core.eager import deferred_gradient, formed
+    from fusedloss.core.grad_in_forward import deferred_gradient, formed
     from fusedloss.core.problem import DeferredProduct
 
     p = make_problem(8, 131, d=19, seed=13, teacher=True, bias=True, ignored=(2,), want_kl_rev=True,
@@ -510,15 +512,15 @@ def test_eager_deferred_d_weight_is_the_product_the_backward_forms(dtype, chunk_
     coeffs = random_coeffs(p, seed=5)
     coeffs[:, 2] = 0
     needs = GradientNeeds(True, True, True)
-    plan = {"defer_d_weight": 1, **({"eager_rows": chunk_rows} if chunk_rows else {})}
-    shape, calls, _, got = _eager_with(p, coeffs, needs, **plan)
+    plan = {"defer_d_weight": 1, **({"grad_in_forward_rows": chunk_rows} if chunk_rows else {})}
+    shape, calls, _, got = _grad_in_forward_with(p, coeffs, needs, **plan)
     assert shape.deferred and len(calls) == (3 if chunk_rows else 1)
     dw = got[1]
     assert isinstance(dw, DeferredProduct) and dw.lhs.shape == (8, 131) and dw.rhs is p.hidden
     assert dw.rows.tolist() == [True, True, False] + [True] * 5
     p64 = as64(dataclasses.replace(p, hidden=torch.where(dw.rows[:, None], p.hidden, 0)))
     fn64, _ = _chunk_fn_for(p, coeffs)
-    _, want = torch_backend.eager_gradients(p64, fn64, needs)
+    _, want = torch_backend.grad_in_forward_gradients(p64, fn64, needs)
     scaled = deferred_gradient(*dw, torch.tensor(0.7))
     assert scaled.dtype == dtype and torch.isfinite(scaled).all()
     tol = 2e-5 if dtype == torch.float32 else 1e-2
@@ -532,11 +534,11 @@ def test_deferred_d_weight_through_autograd(monkeypatch):
     gradient scales d hidden and d weight as the torch backend's autograd does; a second backward raises, as
     for any graph that was not retained."""
     import fusedloss
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
     g = torch.Generator().manual_seed(6)
     h, w = torch.randn(6, 16, generator=g), torch.randn(53, 16, generator=g) / 4
     y = torch.tensor([3, -100, 7, 5, 52, 0])
@@ -618,18 +620,18 @@ def test_dx_half_output_rounding(dtype):
             assert got.view(torch.int16).item() == want.view(torch.int16).item(), (v, got, want)
 
 
-@pytest.mark.parametrize("eager", ["0", "1"])
-def test_public_api_edges_on_the_host_path(eager, monkeypatch):
+@pytest.mark.parametrize("grad_in_forward", ["0", "1"])
+def test_public_api_edges_on_the_host_path(grad_in_forward, monkeypatch):
     """NaN padding rows stay out of d weight, and a -inf bias (masked vocabulary) gives finite statistics and
     gradients, through the public API routed to the CUDA backend's host path, on both gradient paths."""
     import math
 
     import fusedloss
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
-    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
     g = torch.Generator().manual_seed(5)
     h, w = torch.randn(4, 6, generator=g), torch.randn(19, 6, generator=g)
     h[1] = float("nan")
@@ -748,7 +750,7 @@ def test_packed_dx_is_refused_where_it_cannot_be_laid_out():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("teacher", [False, True])
 def test_packed_and_copied_dx_give_the_same_gradients(dtype, teacher):
-    """The backend's composable backward and (bf16) eager path with dx packed over the tile, against the same
+    """The backend's composable backward and (bf16) grad-in-forward path with dx packed over the tile, against the same
     tiles with a separate dx copy: every gradient bit for bit."""
     p = make_problem(9, 261, d=16, seed=3, teacher=teacher, bias=True, ignored=(2,), want_kl_rev=teacher,
                      want_entropy=True, want_mean_logit=True, dtype=dtype)
@@ -756,15 +758,15 @@ def test_packed_and_copied_dx_give_the_same_gradients(dtype, teacher):
     needs = GradientNeeds(True, True, True)
     results = {}
     for packed_min_rows in (1, 10**9):
-        with cuda.override_plan(tile_rows=4, tile_cols=100, eager_rows=4, packed_min_rows=packed_min_rows):
+        with cuda.override_plan(tile_rows=4, tile_cols=100, grad_in_forward_rows=4, packed_min_rows=packed_min_rows):
             shape, chunk = cuda._shapes(p)
             assert shape.packed == (packed_min_rows == 1)
             assert chunk.packed == (packed_min_rows == 1 and dtype == torch.bfloat16)
             saved = cuda.forward_statistics(p)
             grads = cuda.backward_gradients(p, saved, coeffs, needs)
             fn, _ = _chunk_fn_for(p, coeffs.double())
-            eager = cuda.eager_gradients(p, fn, needs)
-        results[packed_min_rows] = (saved, grads, eager)
+            grad_in_forward = cuda.grad_in_forward_gradients(p, fn, needs)
+        results[packed_min_rows] = (saved, grads, grad_in_forward)
     (s1, g1, e1), (s2, g2, e2) = results[1], results[10**9]
     assert all(torch.equal(a, b) for a, b in zip(s1, s2))
     for a, b in zip((*g1, *e1[1]), (*g2, *e2[1])):

@@ -1,7 +1,7 @@
 """The CUDA backend's plan: the decisions it takes for a call, checked without a GPU.
 
-``fusedloss.cuda.backend.plan`` is what the backend uses at run time and what the cost model evaluates:
-workspace from free memory (bounded, overridable), tile and chunk shapes, the eager path only where its
+``fusedloss.backends.cuda.backend.plan`` is what the backend uses at run time and what the cost model evaluates:
+workspace from free memory (bounded, overridable), tile and chunk shapes, the grad-in-forward path only where its
 chunks pay, accumulation inside the GEMM, padded leading dimensions. These tests pin those decisions at
 the acceptance shapes (H200, D=4096, bf16) and check that the run-time code follows the plan (tile shapes,
 chunk counts).
@@ -16,9 +16,11 @@ import torch
 
 import fusedloss
 from fusedloss import config
-from fusedloss.core import backends, cost
+from fusedloss.backends import gpu
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.backends.cuda import plan as cuda_plan
+from fusedloss.core import cost, registry
 from fusedloss.core.problem import GradientNeeds, LogitTransform, Statistics, StatsProblem
-from fusedloss.cuda import backend as cuda
 
 H200 = cost.GPUS["h200"]
 GIB = 2**30
@@ -30,7 +32,6 @@ def workload(op="cross_entropy", n=16384, d=4096, v=151936, dtype="bfloat16", **
 
 @pytest.fixture(autouse=True)
 def no_workspace_env(monkeypatch):
-    monkeypatch.delenv("FUSEDLOSS_CUDA_WORKSPACE_MB", raising=False)
     monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB", raising=False)
     monkeypatch.delenv("FUSEDLOSS_ALLOW_TF32", raising=False)
 
@@ -39,14 +40,14 @@ def no_workspace_env(monkeypatch):
 # Workspace
 # ------------------------------------------------------------------------------------------------
 def test_workspace_from_free_memory_is_bounded():
-    assert cuda.workspace_bytes(None) == cuda.WORKSPACE_MIN_BYTES
-    assert cuda.workspace_bytes(1 * GIB) == cuda.WORKSPACE_MIN_BYTES  # an eighth is below the floor
+    assert cuda.workspace_bytes(None) == cuda_plan.WORKSPACE_MIN_BYTES
+    assert cuda.workspace_bytes(1 * GIB) == cuda_plan.WORKSPACE_MIN_BYTES  # an eighth is below the floor
     assert cuda.workspace_bytes(16 * GIB) == 2 * GIB
-    assert cuda.workspace_bytes(140 * GIB) == cuda.WORKSPACE_MAX_BYTES == 4 * GIB
+    assert cuda.workspace_bytes(140 * GIB) == gpu.WORKSPACE_MAX_BYTES == 4 * GIB
 
 
 def test_workspace_override_by_environment_and_keyword(monkeypatch):
-    monkeypatch.setenv("FUSEDLOSS_CUDA_WORKSPACE_MB", "1024")
+    monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", "1024")
     assert cuda.workspace_bytes(140 * GIB) == 1024 * 2**20
     with cuda.override_plan(workspace_mb=64):
         assert cuda.workspace_bytes(140 * GIB) == 64 * 2**20
@@ -54,13 +55,13 @@ def test_workspace_override_by_environment_and_keyword(monkeypatch):
     assert p.params["workspace_bytes"] == 1024 * 2**20
     assert cuda.plan(workload(), H200, 140 * GIB, workspace=3 * GIB).params["workspace_bytes"] == 3 * GIB
     for bad in ("lots", "0", "-5", "inf", "1e400", "nan", "1e-300"):
-        monkeypatch.setenv("FUSEDLOSS_CUDA_WORKSPACE_MB", bad)
-        with pytest.raises(ValueError, match="FUSEDLOSS_CUDA_WORKSPACE_MB"):
+        monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", bad)
+        with pytest.raises(ValueError, match="FUSEDLOSS_WORKSPACE_MB"):
             cuda.workspace_bytes()
 
 
 @pytest.mark.parametrize("bad", ["inf", "1e400", "-inf", "nan", "1e-300", "0.0009"])
-@pytest.mark.parametrize("variable", ["FUSEDLOSS_WORKSPACE_MB", "FUSEDLOSS_CUDA_WORKSPACE_MB"])
+@pytest.mark.parametrize("variable", ["FUSEDLOSS_WORKSPACE_MB"])
 def test_the_workspace_must_be_a_finite_size(variable, bad, monkeypatch):
     """The variable and the argument are read by one function (``config.workspace_megabytes``): a finite number
     of MiB, at least 1 KiB; infinity (which overflowed deep in the plan) and a size that rounds to no byte
@@ -98,24 +99,24 @@ def test_override_plan_checks_its_keys():
 # The acceptance shapes
 # ------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo"])
-def test_row_local_loss_at_the_h200_shape_takes_big_eager_chunks(op):
+def test_row_local_loss_at_the_h200_shape_takes_big_grad_in_forward_chunks(op):
     p = cuda.plan(workload(op), H200, 70 * 10**9)
-    assert p.path == "eager" and p.products == 3
+    assert p.path == "grad_in_forward" and p.products == 3
     assert p.params["workspace_bytes"] == 4 * GIB
     # grouped: 4 GiB / 151936 columns = 28268 B a column; two groups of 8192 rows keep their bf16 dx (16384 B),
     # which leaves (28268 - 16384) / 4 B of fp32 logits = 2971 rows a chunk, cut at 23 x 128 = 2944:
     # 2944 + 2944 + 2304 per group
     assert p.params["groups"] == 2 and p.params["group_rows"] == 8192
-    assert p.params["eager_rows"] == 2944 and p.params["chunks"] == 6
+    assert p.params["grad_in_forward_rows"] == 2944 and p.params["chunks"] == 6
     assert not p.params["dx_packed"] and p.params["dx"].startswith("bf16 region of 8192 rows")
     assert p.params["accumulate"].startswith("inside the GEMM")
     assert p.params["d_weight"] == "fp32 accumulator [V, D]"
     assert p.params["alternative"]["path"] == "composable"
     # the ungrouped shape it beat: 7067 rows a chunk with dx packed, cut at 55 x 128 = 7040: 3 chunks, so 5
     # passes of the fp32 accumulator instead of 3
-    with cuda.override_plan(eager_rows=7067):
+    with cuda.override_plan(grad_in_forward_rows=7067):
         ungrouped = cuda.plan(workload(op), H200, 70 * 10**9)
-    assert ungrouped.params["eager_rows"] == 7040 and ungrouped.params["chunks"] == 3
+    assert ungrouped.params["grad_in_forward_rows"] == 7040 and ungrouped.params["chunks"] == 3
     assert ungrouped.params["groups"] == 3 and ungrouped.params["dx_packed"]
     t = cost.evaluate(p, workload(op), H200)
     assert t.model_ms < cost.evaluate(ungrouped, workload(op), H200).model_ms
@@ -125,7 +126,7 @@ def test_row_local_loss_at_the_h200_shape_takes_big_eager_chunks(op):
 
 def test_one_chunk_defers_d_weight_to_the_backward():
     p = cuda.plan(workload(n=4096, v=128256), H200, 70 * 10**9)
-    assert p.path == "eager" and p.params["chunks"] == 1 and p.params["groups"] == 1
+    assert p.path == "grad_in_forward" and p.params["chunks"] == 1 and p.params["groups"] == 1
     assert p.params["d_weight"].startswith("deferred to the backward")
     assert p.params["dx"] == "bf16 [N, V] kept for the backward, outside the workspace"
     # N > D: the dx kept would be larger than the d weight it replaces; written once in its own dtype instead
@@ -133,12 +134,12 @@ def test_one_chunk_defers_d_weight_to_the_backward():
     assert p.params["chunks"] == 1 and p.params["d_weight"] == "written once in the weight's dtype"
 
 
-def test_eager_chunks_are_cut_at_multiples_of_128_rows():
-    assert cuda._chunked(16384, 3533) == (3456, 5)  # 4 x 3456 + 2560: 128 output tiles of 128 rows
-    assert cuda._chunked(16384, 20000) == (16384, 1)
-    assert cuda._chunked(50, 16) == (13, 4)  # below 128 rows: near-equal parts
-    shape = cuda._Shape(1408, 0, 7, 1, 64, False, 8192)
-    layout = cuda._eager_layout(16384, shape)
+def test_grad_in_forward_chunks_are_cut_at_multiples_of_128_rows():
+    assert cuda_plan._chunked(16384, 3533) == (3456, 5)  # 4 x 3456 + 2560: 128 output tiles of 128 rows
+    assert cuda_plan._chunked(16384, 20000) == (16384, 1)
+    assert cuda_plan._chunked(50, 16) == (13, 4)  # below 128 rows: near-equal parts
+    shape = cuda_plan._Shape(1408, 0, 7, 1, 64, False, 8192)
+    layout = cuda._grad_in_forward_layout(16384, shape)
     assert [(g0, g1) for g0, g1, _ in layout] == [(0, 8192), (8192, 16384)]
     chunks = [c for _, _, cs in layout for c in cs]
     assert chunks[:6] == [(0, 1408), (1408, 2816), (2816, 4224), (4224, 5632), (5632, 7040), (7040, 8192)]
@@ -151,17 +152,17 @@ def test_composable_tile_takes_every_row_when_the_workspace_allows():
     params = p.params
     assert params["tile_rows"] == 16384 and params["row_chunks"] == 1
     # every vocabulary tile starts on a 64-column boundary and the tiles cover V
-    assert params["tile_cols"] % cuda.ALIGN == 0 and params["vocab_tiles"] * params["tile_cols"] >= 151936
+    assert params["tile_cols"] % cuda_plan.ALIGN == 0 and params["vocab_tiles"] * params["tile_cols"] >= 151936
     assert (params["vocab_tiles"] - 1) * params["tile_cols"] < 151936
     assert params["dx_packed"]  # 4 bytes per logit: the bf16 dx is packed over the fp32 tile
     assert params["tile_cols"] * params["tile_rows"] * 4 <= params["workspace_bytes"]
     assert params["d_weight"] == "written once per vocabulary tile in the weight's dtype"
 
 
-def test_a_small_workspace_makes_square_tiles_and_turns_eager_off():
+def test_a_small_workspace_makes_square_tiles_and_turns_grad_in_forward_off():
     p = cuda.plan(workload(), H200, workspace=128 * 2**20)
-    assert p.path == "composable"  # 147-row eager chunks would re-add an fp32 [V, D] 112 times
-    assert p.params["alternative"]["path"] == "eager"
+    assert p.path == "composable"  # 147-row grad-in-forward chunks would re-add an fp32 [V, D] 112 times
+    assert p.params["alternative"]["path"] == "grad_in_forward"
     assert p.params["alternative"]["model_ms"] > cost.evaluate(p, workload(), H200).model_ms
     assert p.params["row_chunks"] > 1 and p.params["vocab_tiles"] > 1
     ratio = p.params["tile_cols"] / p.params["tile_rows"]
@@ -194,9 +195,9 @@ def test_model_of_the_token_math_is_small():
     assert 0.002 * est.model_ms < est.pass_ms["token math"] < 0.02 * est.model_ms
 
 
-def test_fp16_eager_pre_scales_and_frozen_weight_skips_d_weight():
+def test_fp16_grad_in_forward_pre_scales_and_frozen_weight_skips_d_weight():
     p16 = cuda.plan(workload(dtype="float16"), H200, 70 * 10**9)
-    assert p16.path == "eager" and "dx pre-scale" in [ps.name for ps in p16.passes]
+    assert p16.path == "grad_in_forward" and "dx pre-scale" in [ps.name for ps in p16.passes]
     assert "power-of-two" in p16.params["dx"]
     assert "dx pre-scale" not in [ps.name for ps in cuda.plan(workload(), H200, 70 * 10**9).passes]
     frozen = cuda.plan(workload(weight_grad=False), H200, 70 * 10**9)
@@ -214,32 +215,32 @@ def test_without_gemm_accumulation_the_plan_adds_blocks_and_costs_more():
 
 def test_plan_is_deterministic_and_a_copy():
     a = cuda.plan(workload(), H200, 70 * 10**9)
-    a.params["eager_rows"] = -1
+    a.params["grad_in_forward_rows"] = -1
     a.passes.clear()
     b = cuda.plan(workload(), H200, 70 * 10**9)
-    assert b.params["eager_rows"] == 2944 and b.passes
+    assert b.params["grad_in_forward_rows"] == 2944 and b.passes
 
 
 def test_plan_refuses_what_it_cannot_run():
     with pytest.raises(ValueError, match="float64"):
         cuda.plan(workload(dtype="float64"), H200)
-    with pytest.raises(ValueError, match="eager path needs"):
-        cuda.plan(workload("token_logprobs"), H200, path="eager")
+    with pytest.raises(ValueError, match="grad-in-forward path needs"):
+        cuda.plan(workload("token_logprobs"), H200, path="grad_in_forward")
     with pytest.raises(ValueError, match="path must be"):
         cuda.plan(workload(), H200, path="fast")
 
 
 def test_the_forward_and_backward_tile_is_the_same_whatever_the_gradients():
     for op in ("token_logprobs", "cross_entropy"):
-        shapes = {cuda._composable_shape(workload(op, hidden_grad=hg, weight_grad=wg), GIB, {})
+        shapes = {cuda_plan._composable_shape(workload(op, hidden_grad=hg, weight_grad=wg), GIB, {})
                   for hg in (True, False) for wg in (True, False)}
         assert len(shapes) == 1
 
 
 def _rows_for(w, budget, bytes_per_logit):
-    """The eager chunk rows a workspace of ``budget`` holds at ``bytes_per_logit``, cut at a multiple of 128
+    """The grad-in-forward chunk rows a workspace of ``budget`` holds at ``bytes_per_logit``, cut at a multiple of 128
     rows, and the chunks of N they make."""
-    ld = -(-w.v // cuda.ALIGN) * cuda.ALIGN
+    ld = -(-w.v // cuda_plan.ALIGN) * cuda_plan.ALIGN
     most = budget // (ld * bytes_per_logit)
     if most >= w.n:
         return w.n, 1
@@ -248,32 +249,34 @@ def _rows_for(w, budget, bytes_per_logit):
 
 
 # a cap on the chunk's rows that does not bind: the ungrouped shape, d weight accumulated per chunk
-UNGROUPED = {"eager_rows": 10**9}
+UNGROUPED = {"grad_in_forward_rows": 10**9}
 
 
 @pytest.mark.parametrize("op,dtype,packed_bytes,copy_bytes", [
     ("cross_entropy", "bfloat16", 4, 6), ("distill_reverse_kl", "bfloat16", 8, 10),
     ("cross_entropy", "float16", None, 6), ("cross_entropy", "float32", None, 4)])
-def test_packed_dx_grows_the_eager_chunks_as_modelled(op, dtype, packed_bytes, copy_bytes):
+def test_packed_dx_grows_the_grad_in_forward_chunks_as_modelled(op, dtype, packed_bytes, copy_bytes):
     """bf16: the dx packed over the fp32 tile leaves 4 bytes per logit (8 with the teacher's tile), so a 4 GiB
     workspace holds 7067 rows of V = 151936 instead of 4711 (3533 instead of 2826 with a teacher): fewer chunks,
-    fewer beta = 1 accumulations of d weight, a lower modelled time. fp16's eager dx is pre-scaled into a copy by
+    fewer beta = 1 accumulations of d weight, a lower modelled time. fp16's grad-in-forward dx is pre-scaled into a copy
+    by
     torch ops, and fp32's is in place: both as before. (The ungrouped shapes: ``UNGROUPED``.)"""
     w = workload(op, dtype=dtype)
     with cuda.override_plan(**UNGROUPED):
-        p = cuda.plan(w, H200, workspace=4 * GIB, path="eager")
+        p = cuda.plan(w, H200, workspace=4 * GIB, path="grad_in_forward")
     rows, chunks = _rows_for(w, 4 * GIB, packed_bytes or copy_bytes)
-    assert (p.params["eager_rows"], p.params["chunks"], p.params["dx_packed"]) == (rows, chunks, bool(packed_bytes))
-    shape = cuda._eager_shape(w, 4 * GIB, UNGROUPED, H200, True)
-    assert shape.rows * shape.ld * cuda._bytes_per_element(w, shape.packed) <= 4 * GIB
+    assert (p.params["grad_in_forward_rows"], p.params["chunks"], p.params["dx_packed"]) == (rows, chunks,
+                                                                                             bool(packed_bytes))
+    shape = cuda_plan._grad_in_forward_shape(w, 4 * GIB, UNGROUPED, H200, True)
+    assert shape.rows * shape.ld * cuda_plan._bytes_per_element(w, shape.packed) <= 4 * GIB
     dx_pass = next(ps for ps in p.passes if ps.name == "dx")
-    kernel = cuda.kernel_name("dx", w, "float" if dtype == "float16" else None, shape.packed)
+    kernel = cuda_plan.kernel_name("dx", w, "float" if dtype == "float16" else None, shape.packed)
     assert kernel.startswith("dx_packed_kernel" if packed_bytes else "dx_kernel")
-    assert dx_pass.instructions == pytest.approx(w.n * w.v * cuda.sass_counts.KERNELS[kernel]["per_column"] / 32)
+    assert dx_pass.instructions == pytest.approx(w.n * w.v * cuda_plan.sass_counts.KERNELS[kernel]["per_column"] / 32)
     if packed_bytes:
         with cuda.override_plan(packed_min_rows=10**9, **UNGROUPED):  # the copy: fewer rows, more chunks, slower
-            unpacked = cuda.plan(w, H200, workspace=4 * GIB, path="eager")
-        assert (unpacked.params["eager_rows"], unpacked.params["chunks"]) == _rows_for(w, 4 * GIB, copy_bytes)
+            unpacked = cuda.plan(w, H200, workspace=4 * GIB, path="grad_in_forward")
+        assert (unpacked.params["grad_in_forward_rows"], unpacked.params["chunks"]) == _rows_for(w, 4 * GIB, copy_bytes)
         assert unpacked.params["chunks"] > chunks and not unpacked.params["dx_packed"]
         assert cost.evaluate(p, w, H200).model_ms < cost.evaluate(unpacked, w, H200).model_ms
 
@@ -282,28 +285,31 @@ def test_few_row_tiles_keep_the_dx_copy():
     """One block per row would underfill the GPU below PACKED_MIN_ROWS rows: such tiles keep the separate copy
     (and the (rows, column blocks) grid), whether N is small or V so large that few packed rows fit."""
     with cuda.override_plan(**UNGROUPED):
-        small = cuda.plan(workload(n=1024, v=128256), H200, workspace=4 * GIB, path="eager")
-    assert small.params["eager_rows"] == 1024 and not small.params["dx_packed"]
+        small = cuda.plan(workload(n=1024, v=128256), H200, workspace=4 * GIB, path="grad_in_forward")
+    assert small.params["grad_in_forward_rows"] == 1024 and not small.params["dx_packed"]
     assert small.params["dx"] == "bf16 copy"
-    assert not cuda._composable_shape(workload("token_logprobs", n=1024), 4 * GIB, {}).packed
+    assert not cuda_plan._composable_shape(workload("token_logprobs", n=1024), 4 * GIB, {}).packed
     huge_v = workload(n=16384, v=2**21)
-    shape = cuda._eager_shape(huge_v, 4 * GIB, UNGROUPED, H200, True)  # 512 packed rows would fit: below the rule
+    shape = cuda_plan._grad_in_forward_shape(huge_v, 4 * GIB, UNGROUPED, H200,
+                                             True)  # 512 packed rows would fit: below the rule
     assert not shape.packed and shape.rows == _rows_for(huge_v, 4 * GIB, 6)[0]
-    at_rule = workload(n=cuda.PACKED_MIN_ROWS, v=128256)
-    assert cuda._eager_shape(at_rule, 4 * GIB, UNGROUPED, H200, True).packed
-    assert not cuda._eager_shape(workload(n=cuda.PACKED_MIN_ROWS - 1, v=128256), 4 * GIB, UNGROUPED, H200,
+    at_rule = workload(n=cuda_plan.PACKED_MIN_ROWS, v=128256)
+    assert cuda_plan._grad_in_forward_shape(at_rule, 4 * GIB, UNGROUPED, H200, True).packed
+    assert not cuda_plan._grad_in_forward_shape(workload(n=cuda_plan.PACKED_MIN_ROWS - 1, v=128256), 4 * GIB,
+                                                UNGROUPED, H200,
                                  True).packed
-    # fp16: the composable tile packs (dx written straight from the kernel), the eager chunk does not
+    # fp16: the composable tile packs (dx written straight from the kernel), the grad-in-forward chunk does not
     w16 = workload(n=4096, v=128256, dtype="float16")
-    assert cuda._composable_shape(w16, 4 * GIB, {}).packed and not cuda._eager_shape(w16, 4 * GIB, {}, H200,
+    assert cuda_plan._composable_shape(w16, 4 * GIB, {}).packed and not cuda_plan._grad_in_forward_shape(w16, 4 * GIB,
+                                                                                                         {}, H200,
                                                                                      True).packed
 
 
 def test_odd_vocabulary_gets_a_padded_leading_dimension():
     p = cuda.plan(workload(v=32003, n=4096), H200, 70 * 10**9)
     assert p.params["ld"] == 32064  # rows of 16-byte multiples whatever V is
-    shape = cuda._composable_shape(workload("token_logprobs", v=131071, n=4096), 256 * 2**20, {})
-    assert shape.ld % cuda.ALIGN == 0 and shape.ld >= shape.cols
+    shape = cuda_plan._composable_shape(workload("token_logprobs", v=131071, n=4096), 256 * 2**20, {})
+    assert shape.ld % cuda_plan.ALIGN == 0 and shape.ld >= shape.cols
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,7 +326,7 @@ def _problem(n=37, v=131, d=8, seed=0, teacher=False):
 
 
 @pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
-def test_eager_chunks_follow_the_plan():
+def test_grad_in_forward_chunks_follow_the_plan():
     p = _problem(n=37)
     calls = []
 
@@ -330,21 +336,21 @@ def test_eager_chunks_follow_the_plan():
         coeffs[0] = 1.0  # d sum(logp) / dz = onehot(y) - q
         return stats.logp.sum(), coeffs
 
-    with cuda.override_plan(eager_rows=10):
-        assert cuda.eager_rows(p) == 10
-        cuda.eager_gradients(p, chunk_fn, GradientNeeds(True, True, False))
+    with cuda.override_plan(grad_in_forward_rows=10):
+        assert cuda.grad_in_forward_rows(p) == 10
+        cuda.grad_in_forward_gradients(p, chunk_fn, GradientNeeds(True, True, False))
     # 37 rows in chunks of at most 10: four even chunks (10, 10, 10, 7)
     assert [(r.start, r.stop) for r in calls] == [(0, 10), (10, 20), (20, 30), (30, 37)]
 
 
 @pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
-def test_eager_pays_follows_the_plan(monkeypatch):
+def test_grad_in_forward_pays_follows_the_plan(monkeypatch):
     p = _problem(n=64, v=131)
     p = StatsProblem(**{**p.__dict__, "hidden": p.hidden.requires_grad_()})
-    want = cuda._problem_plan(p, row_local=True, path=None, needs=GradientNeeds(True, False, False)).path
-    assert cuda.eager_pays(p) == (want == "eager")
+    want = cuda_plan._problem_plan(p, row_local=True, path=None, needs=GradientNeeds(True, False, False)).path
+    assert cuda.grad_in_forward_pays(p) == (want == "grad_in_forward")
     frozen = StatsProblem(**{**p.__dict__, "hidden": p.hidden.detach()})
-    assert cuda.eager_pays(frozen) is False  # no gradient: nothing to do in the forward
+    assert cuda.grad_in_forward_pays(frozen) is False  # no gradient: nothing to do in the forward
 
 
 # ------------------------------------------------------------------------------------------------
@@ -366,7 +372,7 @@ def test_release_workspace_drops_the_kept_buffers(monkeypatch):
 def test_release_workspace_never_imports_a_backend(monkeypatch):
     """A backend never imported keeps nothing: releasing does not import it (the CUDA backend loads its
     extension on import)."""
-    monkeypatch.delitem(sys.modules, "fusedloss.cuda.backend")
+    monkeypatch.delitem(sys.modules, "fusedloss.backends.cuda.backend")
     monkeypatch.setattr(cuda, "_BUFFERS", {(0, 7): torch.empty(64, dtype=torch.uint8)})
-    assert backends.release_workspace() == 0
-    assert "fusedloss.cuda.backend" not in sys.modules
+    assert registry.release_workspace() == 0
+    assert "fusedloss.backends.cuda.backend" not in sys.modules

@@ -5,7 +5,7 @@ restores, and the numerics a GPU would otherwise be the first to show.
 * availability(): the extension built and no usable device, a driver older than the built runtime;
 * the device guard of every launch (the C++ template, through the extension);
 * TileArgs validated at the C++ boundary (ValueError with a sentence);
-* fp16 gradients that survive a GradScaler-sized loss scale on the eager path (host twins vs float64);
+* fp16 gradients that survive a GradScaler-sized loss scale on the grad-in-forward path (host twins vs float64);
 * fp32 products whatever torch's TF32 flags say (the flag handling, in a subprocess).
 """
 
@@ -22,8 +22,9 @@ import torch
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends import gpu
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.core import registry
 
 built = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
 F64 = torch.float64
@@ -35,13 +36,13 @@ F64 = torch.float64
 def test_probe_falls_back_once_with_a_warning(monkeypatch):
     """On a device whose torch cannot multiply half operands into fp32 (here: the CPU, where torch.mm has no
     out_dtype kernel) the probe says so and warns once; the products then take fp32 operands."""
-    monkeypatch.setattr(cuda, "_WARNED", set())
+    monkeypatch.setattr(gpu, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="out_dtype=torch.float32"):
-        caps = cuda._probe(torch.device("cpu"))
-    assert caps == cuda.Capabilities(out_dtype=False, accumulate=False)
+        caps = gpu._probe(torch.device("cpu"))
+    assert caps == gpu.Capabilities(out_dtype=False, accumulate=False)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert cuda._probe(torch.device("cpu")) == caps  # no second warning
+        assert gpu._probe(torch.device("cpu")) == caps  # no second warning
 
 
 def test_probe_never_swallows_out_of_memory(monkeypatch):
@@ -50,14 +51,14 @@ def test_probe_never_swallows_out_of_memory(monkeypatch):
 
     monkeypatch.setattr(torch, "mm", oom)
     with pytest.raises(torch.OutOfMemoryError):
-        cuda._probe(torch.device("cpu"))
+        gpu._probe(torch.device("cpu"))
 
 
 def test_products_with_the_fallback_are_exact_fp32_products():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(5, 7, generator=g).bfloat16(), torch.randn(7, 3, generator=g).bfloat16()
-    products = cuda._Products(torch.device("cpu"))
-    products.host, products.caps = False, cuda.Capabilities(out_dtype=False, accumulate=False)
+    products = gpu.Products(torch.device("cpu"))
+    products.host, products.caps = False, gpu.Capabilities(out_dtype=False, accumulate=False)
     out = torch.empty(5, 3)
     products.into(out, a, b)
     assert torch.equal(out, a.float() @ b.float())
@@ -75,9 +76,9 @@ def test_availability_with_the_extension_and_no_device(monkeypatch):
         pytest.skip("a CUDA device is visible")
     assert cuda.availability() == "built; no CUDA device visible"
     assert fusedloss.backend_status()["cuda"] == "built; no CUDA device visible"
-    monkeypatch.setattr(backends, "_CUDA_SKIP_WARNED", [])
+    monkeypatch.setattr(registry, "_CUDA_SKIP_WARNED", [])
     with pytest.warns(UserWarning, match="because the CUDA backend cannot run: built; no CUDA device visible"):
-        assert backends.resolve("auto", torch.device("cuda")) != "cuda"
+        assert registry.resolve("auto", torch.device("cuda")) != "cuda"
     info = cuda.runtime_info()
     assert info["devices"] == 0 and info["driver"] is None and info["runtime"].count(".") == 1
 
@@ -171,7 +172,7 @@ def test_tile_arguments_are_checked_with_sentences():
 
 
 # ------------------------------------------------------------------------------------------------
-# fp16 on the eager path: dx is formed before the GradScaler's scale exists
+# fp16 on the grad-in-forward path: dx is formed before the GradScaler's scale exists
 # ------------------------------------------------------------------------------------------------
 def _fp16_case(n=1024, v=1031, d=32, seed=0):
     """A long mean over peaked rows: d loss / dz = q / n is mostly far below fp16's smallest subnormal."""
@@ -191,11 +192,11 @@ def _grads(h16, w16, y, run):
 
 
 @built
-@pytest.mark.parametrize("path", ["eager", "composable"])
+@pytest.mark.parametrize("path", ["grad_in_forward", "composable"])
 def test_fp16_gradients_survive_a_gradscaler_sized_scale(path, monkeypatch):
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if path == "eager" else "0")
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if path == "grad_in_forward" else "0")
     h16, w16, y = _fp16_case()
     scale = 2.0**16
 
@@ -235,13 +236,14 @@ def test_fp16_pre_scale_is_exact_and_keeps_tiny_values():
 # ------------------------------------------------------------------------------------------------
 TF32_SCRIPT = r"""
 import os, torch
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends import gpu
+from fusedloss.backends.cuda import backend as cuda
 m = torch.backends.cuda.matmul
 dev = torch.device("cuda")
 inside = []
 def check(expected_inside):
     with cuda._fp32_products(dev, torch.float32):
-        inside.append(cuda._torch_fp32_precision())
+        inside.append(gpu.torch_fp32_precision())
     assert inside[-1] == expected_inside, (inside, expected_inside)
 # legacy API in use (HF Trainer's tf32=True): switched off inside, back on after, still readable
 m.allow_tf32 = True
@@ -258,9 +260,9 @@ check("ieee")
 # bf16 products and CPU tensors are left alone
 m.fp32_precision = "tf32"
 with cuda._fp32_products(dev, torch.bfloat16):
-    assert cuda._torch_fp32_precision() == "tf32"
+    assert gpu.torch_fp32_precision() == "tf32"
 with cuda._fp32_products(torch.device("cpu"), torch.float32):
-    assert cuda._torch_fp32_precision() == "tf32"
+    assert gpu.torch_fp32_precision() == "tf32"
 # the documented opt-in
 os.environ["FUSEDLOSS_ALLOW_TF32"] = "1"
 m.fp32_precision = "ieee"

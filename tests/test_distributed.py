@@ -384,7 +384,7 @@ def fast_checks(world: int) -> list:
 
 
 def _cuda_host_twins() -> bool:
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.backends.cuda import backend as cuda
 
     return cuda.extension_built()
 

@@ -31,8 +31,8 @@ from _driver_compat import (
 )
 
 import fusedloss
-from fusedloss.core import backends
-from fusedloss.cuda import backend as cuda
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.core import registry
 
 ROOT = Path(__file__).resolve().parents[1]
 built = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
@@ -79,13 +79,13 @@ def _fake_extension(devices, runtime, driver, error=""):
 def _auto_on_cuda(times: int) -> tuple:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        chosen = {backends.resolve("auto", torch.device("cuda")) for _ in range(times)}
+        chosen = {registry.resolve("auto", torch.device("cuda")) for _ in range(times)}
     return chosen, [str(w.message) for w in caught if "fusedloss" in str(w.message)]
 
 
 @built
 def test_auto_warns_once_naming_the_reason_and_the_fix(monkeypatch):
-    monkeypatch.setattr(backends, "_CUDA_SKIP_WARNED", [])
+    monkeypatch.setattr(registry, "_CUDA_SKIP_WARNED", [])
     monkeypatch.setattr(cuda, "_C", _fake_extension(0, 13000, 12080, "CUDA driver version is insufficient"))
     chosen, messages = _auto_on_cuda(3)
     assert chosen <= {"triton", "torch"} and len(chosen) == 1
@@ -96,12 +96,12 @@ def test_auto_warns_once_naming_the_reason_and_the_fix(monkeypatch):
     # explicit backends never warn: they raise, or run
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert backends.resolve("torch", torch.device("cuda")) == "torch"
+        assert registry.resolve("torch", torch.device("cuda")) == "torch"
 
 
 @pytest.mark.parametrize("case", ["FUSEDLOSS_CUDA=0", "rocm", "old GPU"])
 def test_auto_does_not_warn_about_a_choice_or_the_hardware(monkeypatch, case):
-    monkeypatch.setattr(backends, "_CUDA_SKIP_WARNED", [])
+    monkeypatch.setattr(registry, "_CUDA_SKIP_WARNED", [])
     if case == "FUSEDLOSS_CUDA=0":
         monkeypatch.setattr(cuda, "availability", lambda: "not built: FUSEDLOSS_CUDA=0")
     elif case == "rocm":
@@ -114,7 +114,7 @@ def test_auto_does_not_warn_about_a_choice_or_the_hardware(monkeypatch, case):
 
 
 def test_a_build_without_nvcc_says_how_to_get_the_extension(monkeypatch):
-    monkeypatch.setattr(backends, "_CUDA_SKIP_WARNED", [])
+    monkeypatch.setattr(registry, "_CUDA_SKIP_WARNED", [])
     monkeypatch.setattr(cuda, "_C", None)
     monkeypatch.setattr(cuda, "_build_status", lambda: "not built: nvcc was not found when the package was built")
     status = cuda.availability()

@@ -10,7 +10,7 @@ import torch
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
+from fusedloss.core import registry
 
 
 def _rel(a, b):
@@ -29,8 +29,8 @@ def test_ignored_rows_with_huge_logits_give_finite_gradients(backend, device, op
     y = torch.randint(0, v, (n,), generator=g)
     y[2] = y[4] = -100
     h, w, y = h.to(device), w.to(device), y.to(device)
-    for eager in ("1", "0"):
-        monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    for grad_in_forward in ("1", "0"):
+        monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         if op == "cross_entropy":
             loss = fusedloss.cross_entropy(hh, ww, y, temperature=0.3, backend=backend)
@@ -42,10 +42,10 @@ def test_ignored_rows_with_huge_logits_give_finite_gradients(backend, device, op
                                        torch.tensor([1.0, -1.0], device=device),
                                        mask, temperature=0.3, backend=backend)
         loss.backward()
-        assert torch.isfinite(loss), (op, eager)
-        assert torch.isfinite(ww.grad).all(), (op, eager)
-        assert torch.isfinite(hh.grad).all(), (op, eager)
-        assert (hh.grad[[2, 4]] == 0).all(), (op, eager)
+        assert torch.isfinite(loss), (op, grad_in_forward)
+        assert torch.isfinite(ww.grad).all(), (op, grad_in_forward)
+        assert torch.isfinite(hh.grad).all(), (op, grad_in_forward)
+        assert (hh.grad[[2, 4]] == 0).all(), (op, grad_in_forward)
 
 
 def test_grpo_ids_outside_the_mask_are_never_read_and_inside_must_be_tokens(backend, device):
@@ -111,7 +111,7 @@ def test_triton_on_cpu_tensors_needs_the_interpreter(monkeypatch):
         pytest.skip("with a GPU, CPU tensors are the case to check: covered by the device script")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="TRITON_INTERPRET"):
-        backends.resolve("triton", torch.device("cpu"))
+        registry.resolve("triton", torch.device("cpu"))
 
 
 @pytest.mark.parametrize("name,kwargs", [("unbiased", {"unbiased": 1}),
@@ -122,13 +122,13 @@ def test_group_advantages_flags_are_bools(name, kwargs):
 
 
 @pytest.mark.parametrize("case", ["ce_mean_smooth_z", "ce_sum", "ce_items", "grpo_dapo", "grpo_bnpo_kl", "distill_jsd"])
-def test_forced_eager_path_matches_the_reference_across_chunks(case, monkeypatch):
+def test_forced_grad_in_forward_path_matches_the_reference_across_chunks(case, monkeypatch):
     """The 3-product path (taken on GPUs and for distillation by policy) on every row-local loss, forced and
     cut into chunks of 3 rows, against the float64 reference: values and gradients."""
-    from fusedloss.core import torch_backend
+    from fusedloss.backends import torch as torch_backend
 
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
-    monkeypatch.setattr(torch_backend, "eager_rows", lambda p: 3)
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
+    monkeypatch.setattr(torch_backend, "grad_in_forward_rows", lambda p: 3)
     g = torch.Generator().manual_seed(3)
     dt = torch.float64
     h = torch.randn(2, 5, 6, generator=g, dtype=dt)
@@ -167,12 +167,12 @@ def test_nan_padding_rows_stay_out_of_the_weight_gradient(backend, device, monke
     h[1] = float("nan")
     y = torch.tensor([3, -100, 7, 5])
     h, w, y = h.to(device), w.to(device), y.to(device)
-    for eager in ("0", "1"):
-        monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    for grad_in_forward in ("0", "1"):
+        monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
         hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
         fusedloss.cross_entropy(hh, ww, y, backend=backend).backward()
-        assert torch.isfinite(ww.grad).all(), eager
-        assert torch.isfinite(hh.grad[[0, 2, 3]]).all() and (hh.grad[1] == 0).all(), eager
+        assert torch.isfinite(ww.grad).all(), grad_in_forward
+        assert torch.isfinite(hh.grad[[0, 2, 3]]).all() and (hh.grad[1] == 0).all(), grad_in_forward
 
 
 def _with_backend(backend):
@@ -187,7 +187,7 @@ def _with_backend(backend):
 def test_minus_inf_bias_masks_vocabulary_entries(backend, device, op, monkeypatch):
     """A -inf bias (vocabulary masking) gives q = 0 there: finite statistics and gradients like the reference,
     also when a whole vocabulary tile is masked."""
-    from fusedloss.core import torch_backend
+    from fusedloss.backends import torch as torch_backend
 
     monkeypatch.setattr(torch_backend, "VOCAB_TILE", 8)
     g = torch.Generator().manual_seed(6)
@@ -213,17 +213,17 @@ def test_minus_inf_bias_masks_vocabulary_entries(backend, device, op, monkeypatc
         beta = {"kl_fwd": 0.0, "kl_rev": 1.0, "jsd": 0.5}[op]
         return m.distillation_loss(hh, ww, ht, wt, y, beta=beta, bias=b, teacher_bias=b)
 
-    for eager in ("0", "1"):
-        monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    for grad_in_forward in ("0", "1"):
+        monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
         leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
         got = run(_with_backend(backend), *leaves, b)
         ref_leaves = [h.clone().requires_grad_(), w.clone().requires_grad_()]
         want = run(reference, *ref_leaves, b_ref)
-        assert torch.isfinite(got), (op, eager)
-        assert _rel(got, want) < 1e-10, (op, eager)
+        assert torch.isfinite(got), (op, grad_in_forward)
+        assert _rel(got, want) < 1e-10, (op, grad_in_forward)
         for a, e in zip(torch.autograd.grad(got, leaves), torch.autograd.grad(want, ref_leaves)):
-            assert torch.isfinite(a).all(), (op, eager)
-            assert _rel(a, e) < 1e-9, (op, eager)
+            assert torch.isfinite(a).all(), (op, grad_in_forward)
+            assert _rel(a, e) < 1e-9, (op, grad_in_forward)
 
 
 def test_grpo_kl_metric_is_a_masked_mean_even_for_one_token_completions(backend, device):
@@ -266,7 +266,7 @@ def test_a_rows_gradient_does_not_depend_on_which_other_rows_carry_gradient(any_
     that carry gradient only) rounds differently, and on a confident row (1 - q ~ 1e-7) that last bit of z
     became the leading digit of 1 - q: d hidden off by 3e-8 relative in float64, 3e-3 in fp32."""
     backend, device = any_engine
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "0")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "0")
     g = torch.Generator().manual_seed(284)
     h = torch.randn(2, 8, generator=g, dtype=F64)
     w = torch.zeros(2, 8, dtype=F64)
@@ -287,7 +287,7 @@ def test_confident_rows_next_to_ignored_rows_keep_fp32_accuracy(any_engine, monk
     """Ignored rows (every SFT batch has them) must not change the products a valid row's logits come from
     (the CUDA forward kept them, its backward dropped them): confident fp32 rows stay within 1e-5."""
     backend, device = any_engine
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "0")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "0")
     g = torch.Generator().manual_seed(3)
     v, d = 37, 16
     w = (torch.randn(v, d, generator=g, dtype=F64) / 4).float().double()
@@ -394,15 +394,15 @@ def test_forward_kl_against_a_masked_student_entry_is_inf_on_every_backend(any_e
     assert float(loss) == INF
 
 
-@pytest.mark.parametrize("eager", ["0", "1"])
+@pytest.mark.parametrize("grad_in_forward", ["0", "1"])
 @pytest.mark.parametrize("beta", [0.0, 1.0])
-def test_kl_next_to_a_masked_entry_does_not_depend_on_the_tiling(beta, eager, monkeypatch):
+def test_kl_next_to_a_masked_entry_does_not_depend_on_the_tiling(beta, grad_in_forward, monkeypatch):
     """A probability that underflows only at the row's scale (logit -490 against a maximum of 688) facing a
     masked (-inf) entry on the other side: the KL is +inf (mass where the other side has none), whatever the
     vocabulary tile; it was 1.79, inf or NaN depending on VOCAB_TILE."""
-    from fusedloss.core import torch_backend
+    from fusedloss.backends import torch as torch_backend
 
-    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
     v = 7
     h, w = torch.ones(1, 1, dtype=F64), torch.zeros(v, 1, dtype=F64)
     finite = torch.zeros(v, dtype=F64)
@@ -419,11 +419,11 @@ def test_kl_next_to_a_masked_entry_does_not_depend_on_the_tiling(beta, eager, mo
         assert float(loss.detach()) == INF, tile
 
 
-@pytest.mark.parametrize("eager", ["1", "0"])
-def test_create_graph_is_refused_clearly(eager, monkeypatch):
+@pytest.mark.parametrize("grad_in_forward", ["1", "0"])
+def test_create_graph_is_refused_clearly(grad_in_forward, monkeypatch):
     """Second-order gradients are not implemented: differentiating a gradient must raise, never treat the
     gradient as a constant (a gradient penalty was silently off by 60%)."""
-    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
     g = torch.Generator().manual_seed(0)
     h = torch.randn(3, 4, generator=g, dtype=F64, requires_grad=True)
     w, ht = torch.randn(5, 4, generator=g, dtype=F64), torch.randn(3, 4, generator=g, dtype=F64)
@@ -433,9 +433,9 @@ def test_create_graph_is_refused_clearly(eager, monkeypatch):
         (loss + (grad ** 2).sum()).backward()
 
 
-@pytest.mark.parametrize("eager", ["1", "0"])
-def test_backward_twice_without_retain_graph_raises_like_pytorch(eager, monkeypatch):
-    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+@pytest.mark.parametrize("grad_in_forward", ["1", "0"])
+def test_backward_twice_without_retain_graph_raises_like_pytorch(grad_in_forward, monkeypatch):
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
     g = torch.Generator().manual_seed(1)
     h = torch.randn(3, 4, generator=g, dtype=F64, requires_grad=True)
     w, ht = torch.randn(5, 4, generator=g, dtype=F64), torch.randn(3, 4, generator=g, dtype=F64)
@@ -452,10 +452,10 @@ def test_backward_twice_without_retain_graph_raises_like_pytorch(eager, monkeypa
 
 
 @pytest.mark.parametrize("fn", ["distillation_loss", "cross_entropy"])
-def test_meta_tensors_on_the_eager_path(fn, monkeypatch):
-    """Shape-only (meta) tensors give a meta loss whatever path the policy picks (FUSEDLOSS_EAGER=1 forces the
-    eager one for every row-local loss), as the composable op does."""
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+def test_meta_tensors_on_the_grad_in_forward_path(fn, monkeypatch):
+    """Shape-only (meta) tensors give a meta loss whatever path the policy picks (FUSEDLOSS_GRAD_IN_FORWARD=1 forces the
+    grad-in-forward one for every row-local loss), as the composable op does."""
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
     h = torch.empty(2, 3, 4, device="meta", requires_grad=True)
     w = torch.empty(11, 4, device="meta", requires_grad=True)
     y = torch.empty(2, 3, dtype=torch.long, device="meta")
@@ -467,11 +467,11 @@ def test_meta_tensors_on_the_eager_path(fn, monkeypatch):
     assert loss.device.type == "meta" and loss.shape == () and loss.requires_grad
 
 
-@pytest.mark.parametrize("eager", ["1", "0"])
-def test_num_items_in_batch_is_the_divisor(eager, monkeypatch):
+@pytest.mark.parametrize("grad_in_forward", ["1", "0"])
+def test_num_items_in_batch_is_the_divisor(grad_in_forward, monkeypatch):
     """The loss is sum / num_items_in_batch (transformers divides by it; so does the reference): 0.5 gives
     twice the sum, not the sum; a number or tensor that is not > 0 is a ValueError, not a silent 1."""
-    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
     g = torch.Generator().manual_seed(2)
     h = torch.randn(4, 5, generator=g, dtype=F64, requires_grad=True)
     w, ht = torch.randn(7, 5, generator=g, dtype=F64), torch.randn(4, 5, generator=g, dtype=F64)
@@ -493,12 +493,12 @@ def test_num_items_in_batch_is_the_divisor(eager, monkeypatch):
                 call(fusedloss, bad)
 
 
-@pytest.mark.parametrize("eager", ["0", "1"])
-def test_an_empty_batch_gives_zero_loss_and_zero_gradients(any_engine, eager, monkeypatch):
+@pytest.mark.parametrize("grad_in_forward", ["0", "1"])
+def test_an_empty_batch_gives_zero_loss_and_zero_gradients(any_engine, grad_in_forward, monkeypatch):
     """No tokens at all, on every backend and gradient path: loss 0, d hidden [0, D], d weight exactly 0
     (the plans model at least one row; the buffers a first product would fill are zeros)."""
     backend, device = any_engine
-    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
     w = torch.randn(19, 6, generator=torch.Generator().manual_seed(2)).to(device)
     calls = {
         "cross_entropy": lambda h, w: fusedloss.cross_entropy(h, w, torch.zeros(0, dtype=torch.long, device=device),

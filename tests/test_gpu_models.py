@@ -10,10 +10,11 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss.core import backends, cost
+from fusedloss.backends.cuda import backend as cuda_backend
+from fusedloss.backends.triton import backend as tb
+from fusedloss.backends.triton import plan as tb_plan
+from fusedloss.core import cost, registry
 from fusedloss.core.problem import LogitTransform, StatsProblem
-from fusedloss.cuda import backend as cuda_backend
-from fusedloss.triton import backend as tb
 
 # (torch's device name, capability, SMs, memory, gfx name on ROCm) -> the table entry both backends price it as
 DEVICES = [
@@ -46,8 +47,8 @@ def test_both_backends_price_a_device_as_the_same_gpu(monkeypatch, name, capabil
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     monkeypatch.setattr(torch.version, "hip", "6.4" if arch else None)
-    backends._device_gpu.cache_clear()
-    tb._cuda_target.cache_clear()
+    registry._device_gpu.cache_clear()
+    tb_plan._cuda_target.cache_clear()
     try:
         device = torch.device("cuda", 0)
         spec = cost.gpu_for_device(name, capability, sms, memory, arch)
@@ -56,8 +57,8 @@ def test_both_backends_price_a_device_as_the_same_gpu(monkeypatch, name, capabil
         assert tb.gpu_of(device) == cuda_backend.gpu_of(device) == spec
         assert tb.device_target(device) == (arch or f"sm_{capability[0]}{capability[1]}")
     finally:
-        backends._device_gpu.cache_clear()
-        tb._cuda_target.cache_clear()
+        registry._device_gpu.cache_clear()
+        tb_plan._cuda_target.cache_clear()
 
 
 def test_host_tensors_price_an_h200():
@@ -116,10 +117,10 @@ def test_tile_family(target, family):
 def test_default_tiles_fit_the_targets_shared_memory(target):
     """A cheap bound beside the compile test: (stages - 1) buffers of both operand tiles (what Triton keeps in
     shared memory / LDS for a pipelined K loop), at most the target's block limit, for every default tile."""
-    limit = tb.SHARED_LIMITS[tb.tile_family(target)]
+    limit = tb_plan.SHARED_LIMITS[tb.tile_family(target)]
     for dtype, size in ((torch.bfloat16, 2), (torch.float32, 4)):
         for kind in ("lean", "heavy", "teacher"):
-            paths = ("composable", "eager") if kind != "teacher" else ("composable",)
+            paths = ("composable", "grad_in_forward") if kind != "teacher" else ("composable",)
             for path in paths:
                 cfg = tb.candidates(dtype, kind, path, target)[0]
                 operands = 2 if kind == "teacher" else 1
@@ -133,11 +134,12 @@ def test_tiles_follow_the_device(monkeypatch):
     Blackwell, 128 x 128 on Hopper; gfx942's half tiles take 3 stages."""
     monkeypatch.setattr(tb, "deterministic", lambda: True)
     p = _problem(torch.bfloat16)
-    for target, eager, composable in (("sm_90", (128, 128, 4), (128, 128, 4)), ("sm_100", (64, 128, 4), (64, 128, 4)),
+    for target, grad_in_forward, composable in (("sm_90", (128, 128, 4), (128, 128, 4)), ("sm_100", (64, 128, 4),
+                                                                                          (64, 128, 4)),
                                       ("sm_120", (64, 128, 4), (64, 128, 4)), ("gfx942", (128, 128, 3), (128, 128, 3)),
                                       ("gfx950", (128, 128, 4), (128, 128, 4))):
         monkeypatch.setattr(tb, "device_target", lambda device, t=target: t)
-        for path, want in (("eager", eager), ("composable", composable)):
+        for path, want in (("grad_in_forward", grad_in_forward), ("composable", composable)):
             cfg = tb.tiles_for(p, path)
             assert (cfg.block_m, cfg.block_v, cfg.num_stages) == want, (target, path, cfg)
 
@@ -174,8 +176,8 @@ def test_backend_status_says_which_gpu_the_plans_price(monkeypatch, name, capabi
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index=None: props)
     monkeypatch.setattr(torch.version, "hip", "6.4" if arch else None)
-    backends._device_gpu.cache_clear()
+    registry._device_gpu.cache_clear()
     try:
-        assert backends.gpu_model() == want
+        assert registry.gpu_model() == want
     finally:
-        backends._device_gpu.cache_clear()
+        registry._device_gpu.cache_clear()

@@ -305,9 +305,9 @@ def _spacing(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.ldexp(torch.ones_like(x), exponent - bits).clamp(min=smallest)
 
 
-@pytest.mark.parametrize("eager", [True, False], ids=["eager", "composable"])
-def test_half_bias_gradient_is_rounded_once(any_engine, eager):
-    """cross_entropy of a bf16 / fp16 head with a bias and a temperature (the eager path, and the statistics
+@pytest.mark.parametrize("grad_in_forward", [True, False], ids=["grad_in_forward", "composable"])
+def test_half_bias_gradient_is_rounded_once(any_engine, grad_in_forward):
+    """cross_entropy of a bf16 / fp16 head with a bias and a temperature (the grad-in-forward path, and the statistics
     op's backward): every entry of d bias within half a unit in the last place of the float64 value, i.e. the
     sum of dx as formed, rounded once. Summed from dx rounded to the half dtype, entries were 1.2 ulp off (bf16)
     and up to 22 (fp16, the composable path), where the naive path is 1.4 and 7."""
@@ -320,7 +320,7 @@ def test_half_bias_gradient_is_rounded_once(any_engine, eager):
     for dtype in _half_dtypes(backend):
         x = leaves(tensors, dtype, device)
         loss = fusedloss.cross_entropy(*x[:2], y.to(device), bias=x[2], temperature=0.9, backend=backend,
-                                       eager=eager)
+                                       grad_in_forward=grad_in_forward)
         (db,) = torch.autograd.grad(loss, x[2])
         e = leaves(tensors, dtype, "cpu")
         e = [t.detach().double().requires_grad_() for t in e]

@@ -1,7 +1,7 @@
 """grpo_loss: every TRL 1.16 loss type and option, against TRL's own ``GRPOTrainer._compute_loss``.
 
 * ``test_matches_trl``: float64, TRL's loss code (tests/_trl_oracle.py) on materialised logits vs
-  ``fusedloss.grpo_loss`` (torch backend, with and without ``return_details``: the eager 3-product path and
+  ``fusedloss.grpo_loss`` (torch backend, with and without ``return_details``: the grad-in-forward 3-product path and
   the composable one) and vs ``fusedloss.reference.grpo_loss``: the loss, the gradients of hidden, weight and
   bias, the per-token log-probs and every metric TRL logs (kl, entropy, clip ratios, cispo_clip_ratio,
   vespo/phi_seq_mean, policy_loss).
@@ -30,8 +30,8 @@ from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, make_head, rel_er
 
 import fusedloss  # noqa: E402
 from fusedloss import reference  # noqa: E402
-from fusedloss.core import backends  # noqa: E402
-from fusedloss.cuda import backend as cuda_backend  # noqa: E402
+from fusedloss.backends.cuda import backend as cuda_backend  # noqa: E402
+from fusedloss.core import registry  # noqa: E402
 
 B, C, D, V = 3, 5, 11, 37
 RATIOS = torch.tensor([0.5, 0.7, 0.9, 1.0, 1.1, 1.37, 1.7], dtype=torch.float64)
@@ -238,8 +238,8 @@ def _cuda_host(monkeypatch):
     """Route backend="cuda" to the CUDA backend with CPU tensors: its host twins run the kernels' math."""
     if not cuda_backend.extension_built():
         pytest.skip(f"CUDA extension not built: {cuda_backend.availability()}")
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
 
 
 ALL_BACKENDS = BACKENDS + ([] if "cuda" in BACKENDS else ["cuda-host"])
@@ -270,26 +270,26 @@ def test_backends(which, name, dtype, monkeypatch):
     tol = fp64_tol(backend) if dtype == F64 else FP32_TOL
     compare("grpo_loss", inputs, options, backend, dtype, device, tol)
     options.pop("return_details")
-    compare("grpo_loss", inputs, options, backend, dtype, device, tol)  # the eager path where it applies
+    compare("grpo_loss", inputs, options, backend, dtype, device, tol)  # the grad-in-forward path where it applies
 
 
 ROW_LOCAL_CASES = ["grpo-token", "sapo-token", "luspo-token", "cispo-eps-high", "dapo-on-policy-kl",
                    "bnpo-entropy-bonus", "dapo-token-weights", "grpo-transforms"]
 
 
-# The backends with an eager path (the Triton backend has none: it always runs the composable op).
+# The backends with a grad-in-forward path (the Triton backend has none: it always runs the composable op).
 @pytest.mark.parametrize("which, name", [(b, n) for b in ALL_BACKENDS for n in ROW_LOCAL_CASES if b != "triton"])
-def test_eager_path_matches_trl(which, name, monkeypatch):
-    """Token-level loss types whose terms depend on their own token take the eager 3-product path
-    (``FUSEDLOSS_EAGER=1`` forces it where the backend's policy would not pay on a CPU), and still equal
+def test_grad_in_forward_path_matches_trl(which, name, monkeypatch):
+    """Token-level loss types whose terms depend on their own token take the grad-in-forward 3-product path
+    (``FUSEDLOSS_GRAD_IN_FORWARD=1`` forces it where the backend's policy would not pay on a CPU), and still equal
     TRL's loss and gradients."""
-    from fusedloss.core import eager
+    from fusedloss.core import grad_in_forward
 
     backend, device = _backend(which, monkeypatch)
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
     taken = []
-    original = eager.eager_loss
-    monkeypatch.setattr(eager, "eager_loss", lambda *a: taken.append(1) or original(*a))
+    original = grad_in_forward.grad_in_forward_loss
+    monkeypatch.setattr(grad_in_forward, "grad_in_forward_loss", lambda *a: taken.append(1) or original(*a))
     inputs, options = case_inputs(name)
     trl_inputs, trl_leaves = _leaves(inputs)
     trl_loss, _, _ = _call(trl_grpo, trl_inputs, options)
@@ -297,7 +297,7 @@ def test_eager_path_matches_trl(which, name, monkeypatch):
     got_inputs, leaves = _leaves({k: (t.to(device) if isinstance(t, torch.Tensor) else t) for k, t in inputs.items()})
     loss = _call(fusedloss.grpo_loss, got_inputs, dict(options, backend=backend))
     loss.backward()
-    assert taken, "the eager path was not taken"
+    assert taken, "the grad-in-forward path was not taken"
     tol = fp64_tol(backend)
     assert rel_err(loss, trl_loss) < tol, (loss.item(), trl_loss.item())
     for key, leaf in leaves.items():

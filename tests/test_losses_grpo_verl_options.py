@@ -1,5 +1,5 @@
 """grpo_loss's verl options (``loss_agg_mode``, ``kl_loss_type``, ``global_batch_size``) on every backend,
-against ``fusedloss.reference.grpo_loss`` (float64, fp32), on the eager path and the composable one.
+against ``fusedloss.reference.grpo_loss`` (float64, fp32), on the grad-in-forward path and the composable one.
 
 verl's own ``ppo_loss`` is the oracle in tests/frameworks/test_verl_policy_loss.py (run where verl is
 installed); here the reference twin stands for it, and the data hold a fully masked completion, ratios on
@@ -15,8 +15,8 @@ from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, rel_err
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
-from fusedloss.cuda import backend as cuda_backend
+from fusedloss.backends.cuda import backend as cuda_backend
+from fusedloss.core import registry
 
 pytest.importorskip("trl")
 from test_losses_grpo import grpo_data  # noqa: E402
@@ -65,8 +65,8 @@ def _backend(which, monkeypatch):
         return which, device_for(which)
     if not cuda_backend.extension_built():
         pytest.skip(f"CUDA extension not built: {cuda_backend.availability()}")
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
     return "cuda", torch.device("cpu")
 
 
@@ -122,19 +122,19 @@ def test_bad_verl_options(options, match):
 @pytest.mark.parametrize("which", [b for b in ALL_BACKENDS if b != "triton"])
 @pytest.mark.parametrize("name", ["token-mean-k3", "seq-sum-abs", "seq-mean-k2", "cispo-two-sided", "dppo_kl", "dro",
                                   "vanilla"])
-def test_eager_path(which, name, monkeypatch):
-    """Token-level verl options are row-local: the eager 3-product path takes them (forced), entropy bonus
+def test_grad_in_forward_path(which, name, monkeypatch):
+    """Token-level verl options are row-local: the grad-in-forward 3-product path takes them (forced), entropy bonus
     aggregated by the same weights, and equals the reference."""
-    from fusedloss.core import eager
+    from fusedloss.core import grad_in_forward
 
     backend, device = _backend(which, monkeypatch)
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
     taken = []
-    original = eager.eager_loss
-    monkeypatch.setattr(eager, "eager_loss", lambda *a: taken.append(1) or original(*a))
+    original = grad_in_forward.grad_in_forward_loss
+    monkeypatch.setattr(grad_in_forward, "grad_in_forward_loss", lambda *a: taken.append(1) or original(*a))
     inputs, options = case(name)
     compare("grpo_loss", inputs, options, backend, F64, device, fp64_tol(backend))
-    assert taken, "the eager path was not taken"
+    assert taken, "the grad-in-forward path was not taken"
 
 
 COVARIANCE_CASES = {

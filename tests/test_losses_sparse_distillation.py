@@ -256,13 +256,13 @@ def test_token_logprobs_several_targets_bad_input():
 def test_several_targets_and_sparse_distillation_on_the_cuda_host_path(monkeypatch):
     """The CUDA backend's statistics (its kernels' host twins, on the CPU) under K targets per position and
     the sparse distillation loss: float64 values and gradients as the reference's."""
-    from fusedloss.core import backends
-    from fusedloss.cuda import backend as cuda
+    from fusedloss.backends.cuda import backend as cuda
+    from fusedloss.core import registry
 
     if not cuda.extension_built():
         pytest.skip(f"CUDA extension not built: {cuda.availability()}")
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
     (h, w, b), ids = several_targets_case(torch.float64)
     leaves = [x.detach().requires_grad_() for x in (h, w, b)]
     masters = [x.detach().requires_grad_() for x in (h, w, b)]

@@ -27,9 +27,9 @@ F64 = torch.float64
 TOL = 1e-5
 
 
-@pytest.fixture(params=["eager", "composable"])
+@pytest.fixture(params=["grad_in_forward", "composable"])
 def path(request, monkeypatch):
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if request.param == "eager" else "0")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if request.param == "grad_in_forward" else "0")
     return request.param
 
 

@@ -1,4 +1,4 @@
-"""The generalized JSD's second sweep with given normalisers (``Backend.jsd_sums``, core/backends.py).
+"""The generalized JSD's second sweep with given normalisers (``Backend.jsd_sums``, core/registry.py).
 
 A vocabulary-parallel head (docs/design.md, "Distributed") merges every rank's log-sum-exps first, then asks
 each rank's backend for KL(q || m) and KL(p || m) over its own columns, q and p normalised by the global
@@ -18,7 +18,8 @@ import pytest
 import torch
 from conftest import engine_params
 
-from fusedloss.core import backends, torch_backend
+from fusedloss.backends import torch as torch_backend
+from fusedloss.core import registry
 from fusedloss.core.problem import LogitTransform, StatsProblem
 from fusedloss.distributed.merge import NOT_HERE
 
@@ -66,12 +67,12 @@ def shard(p: StatsProblem, start: int, stop: int) -> StatsProblem:
 def small_tiles(engine):
     """Tiles smaller than a shard (the sweep then crosses tiles, splits or lanes)."""
     if engine == "cuda":
-        from fusedloss.cuda import backend as cuda
+        from fusedloss.backends.cuda import backend as cuda
 
         with cuda.override_plan(tile_rows=4, tile_cols=6):
             yield
     elif engine == "triton":
-        from fusedloss.triton import backend as triton_backend
+        from fusedloss.backends.triton import backend as triton_backend
 
         saved = triton_backend.INTERPRETER_TILES
         triton_backend.INTERPRETER_TILES = triton_backend.TileConfig(16, 16, 16, 4, 1, slots=2)
@@ -85,8 +86,8 @@ def small_tiles(engine):
 
 
 def test_every_backend_provides_its_own_jsd_sums(engine):
-    """backends.jsd_sums falls back to the torch backend only for a backend without the hook."""
-    assert backends.jsd_sums(engine) is backends.get(engine).jsd_sums
+    """registry.jsd_sums falls back to the torch backend only for a backend without the hook."""
+    assert registry.jsd_sums(engine) is registry.get(engine).jsd_sums
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, F64])
@@ -95,7 +96,7 @@ def test_jsd_sums_with_given_normalisers_match_torch(engine, dtype, beta, small_
     p = full_problem(dtype, beta)
     full = torch_backend.forward_statistics(dataclasses.replace(p, jsd_beta=None))
     lse, lse_t = (full.lse, full.lse_lo), (full.lse_t, full.lse_t_lo)
-    fn = backends.get(engine).jsd_sums
+    fn = registry.get(engine).jsd_sums
     valid = p.targets >= 0
     tol = (1e-10 if engine == "torch" else 1e-9) if dtype == F64 else 1e-5
     total = torch.zeros(2, N, dtype=F64)

@@ -1,6 +1,6 @@
 """Masked (-inf) vocabulary entries give one answer on every backend (docs/design.md, "Numerical doctrine").
 
-Rule G, the rule of the KL partials (``core/torch_backend.py::_kl_terms``, ``core/partials.py::merge``,
+Rule G, the rule of the KL partials (``backends/torch.py::_kl_terms``, ``core/partials.py::merge``,
 ``csrc/fusedloss/math.h::kl_term``): a column adds +inf to KL(q || p) where its student logit is finite and
 the teacher's is -inf, and 0 where its student logit is -inf (0 log 0), whatever exp underflows to at the
 scale of the piece (tile, lane, split) that holds the column; a piece's +inf survives every merge. Likewise
@@ -25,7 +25,7 @@ import pytest
 import torch
 from conftest import engine_params
 
-from fusedloss.core import torch_backend
+from fusedloss.backends import torch as torch_backend
 from fusedloss.core.statistics import TeacherHead, token_statistics
 
 F64 = torch.float64
@@ -49,12 +49,12 @@ def small_pieces(engine: str):
         finally:
             torch_backend.VOCAB_TILE, torch_backend.ROW_CHUNK = saved
     elif engine == "cuda":
-        from fusedloss.cuda import backend as cuda
+        from fusedloss.backends.cuda import backend as cuda
 
         with cuda.override_plan(tile_rows=3, tile_cols=8):
             yield
     else:
-        from fusedloss.triton import backend as triton_backend
+        from fusedloss.backends.triton import backend as triton_backend
 
         saved = triton_backend.INTERPRETER_TILES
         triton_backend.INTERPRETER_TILES = triton_backend.TileConfig(16, 16, 16, 4, 1, slots=3)

@@ -1,6 +1,6 @@
 """The failure modes fused LM-head losses elsewhere have shipped, each checked on every backend that runs here
 (torch; Triton, under its interpreter without a GPU; the CUDA backend's host twins on CPU tensors when the
-extension is built), on the gradient path that could lose it (the eager 3-product path and the statistics
+extension is built), on the gradient path that could lose it (the grad-in-forward 3-product path and the statistics
 op's recompute backward):
 
 * the true class's d logit on a confident row (softmax >= 0.999), lost when the probability is rounded to
@@ -42,11 +42,11 @@ def _dtype_id(dtype):
     return str(dtype).replace("torch.", "")
 
 
-@pytest.fixture(params=["eager", "statistics"])
+@pytest.fixture(params=["grad_in_forward", "statistics"])
 def path(request, monkeypatch):
-    """Both gradient paths: the 3-product eager one (gradients formed in the forward) and the statistics
+    """Both gradient paths: the 3-product grad-in-forward one (gradients formed in the forward) and the statistics
     op's recompute backward."""
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if request.param == "eager" else "0")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if request.param == "grad_in_forward" else "0")
     return request.param
 
 
@@ -179,7 +179,7 @@ def test_outputs_of_half_inputs_are_fp32_at_fp32_precision(any_engine, path, dty
     rounded = {k: t.to(dtype).to(F64) for k, t in tensors.items()}
     want = _call(reference, name, rounded, rest, options, None)
     naive32 = _call(reference, name, {k: t.float() for k, t in rounded.items()}, rest, options, None)
-    # the student's head requires grad, so that the eager path (a loss formed with its gradients) is taken
+    # the student's head requires grad, so that the grad-in-forward path (a loss formed with its gradients) is taken
     leaves = {k: t.to(device, dtype).requires_grad_(k in ("hidden", "weight", "bias")) for k, t in rounded.items()}
     got = [t.detach() for t in _call(fusedloss, name, leaves, tuple(x.to(device) for x in rest), options, engine)]
     assert len(got) == len(want) > 0

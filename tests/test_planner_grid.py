@@ -1,6 +1,6 @@
 """Every shape a user can pass gets a plan, and a price: the Triton and CUDA planners over a dense grid.
 
-The backends take their run-time choices (eager or composable path, chunk rows, grouped or deferred d weight)
+The backends take their run-time choices (grad-in-forward or composable path, chunk rows, grouped or deferred d weight)
 from their plans (docs/design.md, "Plans and the cost model"), so a planner that raises fails the loss that
 asked. The grid: every op of the cost model, rows from 1 to ~70k (every row up to 129, every row of
 7168..7296, primes, powers of two and their neighbours), the vocabularies of Llama 3, Qwen 2.5/3, Gemma 2/3 and
@@ -19,9 +19,10 @@ import warnings
 
 import pytest
 
+from fusedloss.backends import gpu as gpu_glue
+from fusedloss.backends.cuda import plan as cuda
+from fusedloss.backends.triton import backend as tb
 from fusedloss.core import cost
-from fusedloss.cuda import backend as cuda
-from fusedloss.triton import backend as tb
 
 OPS = tuple(cost.OPS)
 GPUS = tuple(cost.GPUS)
@@ -61,18 +62,18 @@ def _samples(per_row: int, seed: int):
 def strict_pricing():
     """Fresh plan caches, and a fallback without prices is an error (the model must price every plan)."""
     cuda._path_choice.cache_clear()
-    cuda._eager_kind.cache_clear()
+    cuda._grad_in_forward_kind.cache_clear()
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)
         yield
     cuda._path_choice.cache_clear()
-    cuda._eager_kind.cache_clear()
+    cuda._grad_in_forward_kind.cache_clear()
 
 
 def _check_priced(plan: cost.Plan, w: cost.Workload, gpu: cost.GPUSpec, where) -> None:
-    assert plan.path in ("eager", "composable"), where
-    if plan.path == "eager":
-        assert w.row_local and plan.params["eager_rows"] >= 1, where
+    assert plan.path in ("grad_in_forward", "composable"), where
+    if plan.path == "grad_in_forward":
+        assert w.row_local and plan.params["grad_in_forward_rows"] >= 1, where
     est = cost.evaluate(plan, w, gpu)
     assert math.isfinite(est.model_ms) and est.model_ms > 0 and math.isfinite(est.ratio), where
 
@@ -91,10 +92,11 @@ def test_cuda_plans_every_shape(strict_pricing):
         plan = cuda.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace=workspace)
         where = (n, op, v, d, dtype, name, workspace_mb)
         _check_priced(plan, w, gpu, where)
-        if plan.path == "eager":  # the chunks the run-time code cuts cover the rows, within the workspace
-            shape = cuda._eager_shape(w, plan.params["workspace_bytes"], {}, gpu, True)
-            assert shape.rows == plan.params["eager_rows"] and shape.row_chunks == plan.params["chunks"], where
-            layout = cuda._eager_layout(n, shape)
+        if plan.path == "grad_in_forward":  # the chunks the run-time code cuts cover the rows, within the workspace
+            shape = cuda._grad_in_forward_shape(w, plan.params["workspace_bytes"], {}, gpu, True)
+            assert (shape.rows == plan.params["grad_in_forward_rows"]
+                    and shape.row_chunks == plan.params["chunks"]), where
+            layout = cuda._grad_in_forward_layout(n, shape)
             assert layout[0][0] == 0 and layout[-1][1] == n and len(layout) == plan.params["groups"], where
         if "alternative" in plan.params:
             assert math.isfinite(plan.params["alternative"]["model_ms"]), where
@@ -103,7 +105,7 @@ def test_cuda_plans_every_shape(strict_pricing):
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo", "distill_reverse_kl"])
 @pytest.mark.parametrize("d", [3584, 5120])
 def test_every_row_count_around_the_first_short_last_chunk_of_a_qwen_head(op, d, strict_pricing):
-    """bf16 on an H200 with its memory free: the eager chunks hold ~7000 rows of V = 152064, so rows from 7168
+    """bf16 on an H200 with its memory free: the grad-in-forward chunks hold ~7000 rows of V = 152064, so rows from 7168
     on end with a shorter chunk, whose last wave has idle programs where the whole chunks' has none."""
     gpu = cost.GPUS["h200"]
     for n in list(range(7168, 7168 + 129)) + [18000, 36001]:
@@ -119,7 +121,7 @@ def test_passes_of_one_name_with_and_without_flops_merge_into_one_entry():
     idle = cost.Pass("idle", flops=0.0, hbm_bytes=0.0, count=3)
     busy = cost.Pass("idle", flops=1e9, hbm_bytes=0.0, efficiency=0.8, fixed_us=cost.LAUNCH_US)
     for passes in ([idle, busy], [busy, idle]):
-        est = cost.evaluate(cost.Plan("triton", "eager", 3.0, passes), w, gpu)
+        est = cost.evaluate(cost.Plan("triton", "grad_in_forward", 3.0, passes), w, gpu)
         entry = est.pass_detail["idle"]
         assert entry["count"] == 4 and entry["rates"]["efficiency"] == 0.8
         assert entry["rates"]["tflops"] == round(gpu.tflops["bfloat16"] * 0.8, 2)
@@ -130,8 +132,9 @@ def test_passes_of_one_name_with_and_without_flops_merge_into_one_entry():
 def test_a_pass_executed_several_times_counts_its_totals_once_per_execution():
     gpu, w = cost.GPUS["h200"], cost.Workload(op="cross_entropy", n=100, d=64, v=1000)
     one = cost.Pass("fold", hbm_bytes=1e6, math="cuda_core", fixed_us=2 * cost.LAUNCH_US, instructions=320.0)
-    three = cost.evaluate(cost.Plan("cuda", "eager", 3.0, [cost.Pass(**{**one.__dict__, "count": 3})]), w, gpu)
-    merged = cost.evaluate(cost.Plan("cuda", "eager", 3.0, [one, one, one]), w, gpu)
+    three = cost.evaluate(cost.Plan("cuda", "grad_in_forward", 3.0, [cost.Pass(**{**one.__dict__, "count": 3})]), w,
+                          gpu)
+    merged = cost.evaluate(cost.Plan("cuda", "grad_in_forward", 3.0, [one, one, one]), w, gpu)
     assert three.model_ms == pytest.approx(merged.model_ms)
     assert three.pass_detail["fold"]["rates"] == merged.pass_detail["fold"]["rates"]
     assert three.pass_detail["fold"]["rates"]["launches"] == 6.0
@@ -139,10 +142,10 @@ def test_a_pass_executed_several_times_counts_its_totals_once_per_execution():
 
 @pytest.mark.parametrize("planner", ["cuda", "triton"])
 def test_a_plan_the_model_cannot_price_still_runs(planner, monkeypatch):
-    """A defect of the pricing never fails the call: the plan takes its choice without prices (the eager path
+    """A defect of the pricing never fails the call: the plan takes its choice without prices (the grad-in-forward path
     where the workspace holds 128 rows of its chunks) and says so once (a RuntimeWarning naming the error)."""
     cuda._path_choice.cache_clear()
-    cuda._eager_kind.cache_clear()
+    cuda._grad_in_forward_kind.cache_clear()
 
     def broken(*args, **kwargs):
         raise KeyError("tflops")
@@ -155,8 +158,8 @@ def test_a_plan_the_model_cannot_price_still_runs(planner, monkeypatch):
         if planner == "cuda":
             with pytest.warns(RuntimeWarning, match="could not price .*KeyError"):
                 plan = cuda.plan(w, gpu, 139 << 30)
-            shape = cuda._eager_shape(w, plan.params["workspace_bytes"], {}, gpu, True)
-            assert plan.path == "eager" and shape.group_rows == 0 and not shape.deferred  # the plain chunks
+            shape = cuda._grad_in_forward_shape(w, plan.params["workspace_bytes"], {}, gpu, True)
+            assert plan.path == "grad_in_forward" and shape.group_rows == 0 and not shape.deferred  # the plain chunks
             assert shape.rows * shape.ld * cuda._bytes_per_element(w, shape.packed) <= 4 << 30
             assert "could not price" in plan.params["reason"]
             with pytest.warns(RuntimeWarning):  # 256 KiB hold one row of 152064 columns: composable
@@ -164,12 +167,12 @@ def test_a_plan_the_model_cannot_price_still_runs(planner, monkeypatch):
         else:
             with pytest.warns(RuntimeWarning, match="could not price .*KeyError"):
                 plan = tb.plan(w, gpu, 139 << 30)
-            assert plan.path == "eager" and plan.params["eager_rows"] >= 128
+            assert plan.path == "grad_in_forward" and plan.params["grad_in_forward_rows"] >= 128
             with pytest.warns(RuntimeWarning):
                 assert tb.plan(small, gpu, workspace_mb=1).path == "composable"
     finally:
         cuda._path_choice.cache_clear()
-        cuda._eager_kind.cache_clear()
+        cuda._grad_in_forward_kind.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ def test_the_layout_counts_are_the_layout():
         rows = rng.randint(1, 9000)
         group = rng.choice([0, rows, rng.randint(rows, 3 * rows + 1000)])
         shape = cuda._Shape(rows, 0, 7, 1, 64, False, group)
-        layout = cuda._eager_layout(n, shape)
+        layout = cuda._grad_in_forward_layout(n, shape)
         sizes = cuda._layout_sizes(n, shape)
         chunks = [r1 - r0 for _, _, cs in layout for r0, r1 in cs]
         assert sizes.chunk_rows == {m: chunks.count(m) for m in sorted(set(chunks))}
@@ -202,7 +205,7 @@ def test_group_candidates_visit_the_sizes_one_at_a_time_would():
         v = rng.choice([97, 1009, 32768, 151936, 262144])
         w = cost.Workload(op=rng.choice(["cross_entropy", "distill_jsd"]), n=rng.randint(1, 3_000_000), d=4096, v=v)
         budget = rng.choice([64 << 20, 1 << 30, 4 << 30, 64 << 30])
-        base = cuda._with_packing(w, budget, {}, cuda._eager_shape_as, True)
+        base = cuda._with_packing(w, budget, {}, cuda._grad_in_forward_shape_as, True)
         live = 4 + (4 if w.has_teacher else 0)
         largest = (budget // base.ld - live) // 2
         want, bar = [], None
@@ -232,32 +235,33 @@ def test_decision_rows_round_n_up_by_at_most_a_32nd():
 
 
 def test_the_plan_cache_hits_under_varying_sequence_lengths():
-    """The run-time choices (the path, the eager shape's kind) are cached per step of ``decision_rows``, not
+    """The run-time choices (the path, the grad-in-forward shape's kind) are cached per step of ``decision_rows``, not
     per N: 2000 calls of random lengths up to 65536 price the plans ~200 times, the rest are lookups; the
     chunks are cut for each N itself, as ``plan`` reports them."""
     cuda._path_choice.cache_clear()
-    cuda._eager_kind.cache_clear()
-    gpu, budget, rng = cost.GPUS["h200"], cuda.WORKSPACE_MAX_BYTES, random.Random(2)
+    cuda._grad_in_forward_kind.cache_clear()
+    gpu, budget, rng = cost.GPUS["h200"], gpu_glue.WORKSPACE_MAX_BYTES, random.Random(2)
     try:
         for i in range(2000):
             w = cost.Workload(op="cross_entropy", n=rng.randint(1, 65536), d=4096, v=152064)
             path = cuda._choose_path(w, gpu, budget, True).path
-            shape = cuda._eager_shape(w, budget, {}, gpu, True) if path == "eager" else None
+            shape = cuda._grad_in_forward_shape(w, budget, {}, gpu, True) if path == "grad_in_forward" else None
             if i % 100 == 0:
                 plan = cuda.plan(w, gpu, workspace=budget)
                 assert plan.path == path
                 if shape is not None:
-                    assert (plan.params["eager_rows"], plan.params["chunks"]) == (shape.rows, shape.row_chunks)
+                    assert (plan.params["grad_in_forward_rows"], plan.params["chunks"]) == (shape.rows,
+                                                                                            shape.row_chunks)
         info = cuda._path_choice.cache_info()
         assert info.hits + info.misses == 2000 + 20
         assert info.misses <= 200 and info.hits >= 1800, info
     finally:
         cuda._path_choice.cache_clear()
-        cuda._eager_kind.cache_clear()
+        cuda._grad_in_forward_kind.cache_clear()
 
 
 def test_planning_time_does_not_grow_with_n():
-    """The eager layout's counts come from divisions and the grouped candidates are bounded by the workspace:
+    """The grad-in-forward layout's counts come from divisions and the grouped candidates are bounded by the workspace:
     planning a billion rows costs what planning a thousand does."""
     import time
 

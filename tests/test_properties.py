@@ -12,7 +12,7 @@ hidden sizes 1..6; regimes normal, peaked (some rows x25: confident rows next to
 the thousands), tiny, zero hidden states, exact ties (duplicated vocabulary rows); biases with -inf entries
 (masked vocabulary) in student and teacher; every transform; ignored rows, all-ignored batches, rows that
 carry no gradient (zero cotangents) next to confident rows; non-contiguous hidden / weight / bias;
-gradients for any subset of hidden, weight, bias; no_grad and inference_mode; ``FUSEDLOSS_EAGER`` forced on
+gradients for any subset of hidden, weight, bias; no_grad and inference_mode; ``FUSEDLOSS_GRAD_IN_FORWARD`` forced on
 and off; torch-backend tiles shrunk to 1..5 rows and columns so that tiny shapes cross tile borders (forward
 and backward inside the same configuration).
 
@@ -40,7 +40,8 @@ from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import fusedloss
-from fusedloss.core import backends, torch_backend
+from fusedloss.backends import torch as torch_backend
+from fusedloss.core import registry
 
 F64 = torch.float64
 PRIMES = (1, 2, 3, 5, 7, 11, 13, 17, 31, 37)
@@ -93,30 +94,30 @@ def _device(backend: str) -> torch.device:
 
 
 @contextlib.contextmanager
-def configured(backend: str, eager: Optional[str], tiles: Optional[tuple]):
-    """FUSEDLOSS_EAGER, the torch backend's tile sizes and (for the CUDA host twins) the backend resolution,
+def configured(backend: str, grad_in_forward: Optional[str], tiles: Optional[tuple]):
+    """FUSEDLOSS_GRAD_IN_FORWARD, the torch backend's tile sizes and (for the CUDA host twins) the backend resolution,
     for the forward and the backward of one run alike."""
-    saved_env = os.environ.get("FUSEDLOSS_EAGER")
-    saved = (torch_backend.ROW_CHUNK, torch_backend.VOCAB_TILE, torch_backend.eager_rows, backends.resolve)
+    saved_env = os.environ.get("FUSEDLOSS_GRAD_IN_FORWARD")
+    saved = (torch_backend.ROW_CHUNK, torch_backend.VOCAB_TILE, torch_backend.grad_in_forward_rows, registry.resolve)
     try:
-        if eager is None:
-            os.environ.pop("FUSEDLOSS_EAGER", None)
+        if grad_in_forward is None:
+            os.environ.pop("FUSEDLOSS_GRAD_IN_FORWARD", None)
         else:
-            os.environ["FUSEDLOSS_EAGER"] = eager
+            os.environ["FUSEDLOSS_GRAD_IN_FORWARD"] = grad_in_forward
         if tiles is not None:
             rows, cols = tiles
             torch_backend.ROW_CHUNK, torch_backend.VOCAB_TILE = rows, cols
-            torch_backend.eager_rows = lambda p: rows
+            torch_backend.grad_in_forward_rows = lambda p: rows
         if backend == "cuda" and not torch.cuda.is_available():
             original = saved[3]
-            backends.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
+            registry.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
         yield
     finally:
         if saved_env is None:
-            os.environ.pop("FUSEDLOSS_EAGER", None)
+            os.environ.pop("FUSEDLOSS_GRAD_IN_FORWARD", None)
         else:
-            os.environ["FUSEDLOSS_EAGER"] = saved_env
-        torch_backend.ROW_CHUNK, torch_backend.VOCAB_TILE, torch_backend.eager_rows, backends.resolve = saved
+            os.environ["FUSEDLOSS_GRAD_IN_FORWARD"] = saved_env
+        torch_backend.ROW_CHUNK, torch_backend.VOCAB_TILE, torch_backend.grad_in_forward_rows, registry.resolve = saved
 
 
 # --------------------------------------------------------------------------------------------------
@@ -204,14 +205,14 @@ def transforms(draw, masked: bool):
 
 
 @st.composite
-def run_configs(draw, backend: str, *, eager_applies: bool = True):
-    """How to run: dtype, grad mode, which leaves need gradients, layout, eager switch, tiles."""
+def run_configs(draw, backend: str, *, grad_in_forward_applies: bool = True):
+    """How to run: dtype, grad mode, which leaves need gradients, layout, grad-in-forward switch, tiles."""
     dtypes = (F64, torch.float32) if backend != "cuda" else (torch.float32,)
     cfg = dict(dtype=draw(st.sampled_from(dtypes)),
                grad_mode=draw(st.sampled_from(("grad", "grad", "grad", "no_grad", "inference_mode"))),
                needs=draw(st.sampled_from(("hwb", "hwb", "h", "w", "b", "hw"))),
                strided=draw(st.booleans()),
-               eager=draw(st.sampled_from((None, "1", "0"))) if eager_applies else None,
+               grad_in_forward=draw(st.sampled_from((None, "1", "0"))) if grad_in_forward_applies else None,
                tiles=None)
     if backend == "torch" and draw(st.booleans()):
         cfg["tiles"] = (draw(st.integers(1, 5)), draw(st.integers(1, 5)))
@@ -350,7 +351,7 @@ def check(fn_name: str, call, inputs: dict, *, backend: str, cfg: dict, scales: 
     label = f"{fn_name}[{backend}, {dtype}, {cfg}]"
     prepared, leaves = _prepare(inputs, dtype, device, cfg)
     mode = {"grad": contextlib.nullcontext, "no_grad": torch.no_grad, "inference_mode": torch.inference_mode}
-    with configured(backend, cfg["eager"], cfg["tiles"]), mode[cfg["grad_mode"]]():
+    with configured(backend, cfg["grad_in_forward"], cfg["tiles"]), mode[cfg["grad_mode"]]():
         got = run_side(call, prepared, leaves, differentiable, cot_seed)
 
     def oracle_side(ocfg):
@@ -444,9 +445,9 @@ def _bias_kind(draw, v):
 # The properties
 
 
-def _head_case(draw, backend, *, lead2_only=False, even_rows=False, ignore_index=-100, eager_applies=True):
+def _head_case(draw, backend, *, lead2_only=False, even_rows=False, ignore_index=-100, grad_in_forward_applies=True):
     s = draw(structures(lead2_only=lead2_only, even_rows=even_rows))
-    cfg = draw(run_configs(backend, eager_applies=eager_applies))
+    cfg = draw(run_configs(backend, grad_in_forward_applies=grad_in_forward_applies))
     g = torch.Generator().manual_seed(s["seed"])
     bias_kind = _bias_kind(draw, s["v"])
     head = make_head(g, s["lead"], s["v"], s["d"], s["regime"], bias_kind, cfg["dtype"])
@@ -727,10 +728,10 @@ def test_a_rows_gradient_does_not_depend_on_the_other_rows(engine, slow):
         y = make_targets(g, head, (n,), v, "some")
         y[0] = int((head.hidden[0] @ head.weight.T).argmax())
         tiles = data.draw(st.sampled_from((None, (2, 3), (1, 4)))) if backend == "torch" else None
-        eager = data.draw(st.sampled_from(("0", None)))
+        grad_in_forward = data.draw(st.sampled_from(("0", None)))
         h = head.hidden.to(dtype).to(_device(backend)).requires_grad_(True)
         w = head.weight.to(dtype).to(_device(backend))
-        with configured(backend, eager, tiles):
+        with configured(backend, grad_in_forward, tiles):
             logp, ent = fusedloss.token_logprobs(h, w, y.to(h.device), return_entropy=True, backend=backend)
             alone = torch.autograd.grad(logp[0] + 0.5 * ent[0], h, retain_graph=True)[0][0]
             weights = torch.rand(n, generator=g, dtype=F64).to(logp.dtype).to(h.device)
@@ -759,12 +760,12 @@ def _autocast_case(fn: str):
     return (h, w, b), lambda m, h, w, b, **kw: m.grpo_loss(h, w, ids, adv, mask, old_logprobs=old, bias=b, **kw)
 
 
-@pytest.mark.parametrize("eager", ["1", "0"])
+@pytest.mark.parametrize("grad_in_forward", ["1", "0"])
 @pytest.mark.parametrize("fn", ["cross_entropy", "grpo_loss"])
-def test_autocast_bf16_is_no_worse_than_the_naive_autocast_path(fn, eager, monkeypatch):
+def test_autocast_bf16_is_no_worse_than_the_naive_autocast_path(fn, grad_in_forward, monkeypatch):
     """Under CPU bf16 autocast the loss and every gradient are no further from float64 than the naive path
     (materialised logits under the same autocast), plus one bf16 rounding."""
-    monkeypatch.setenv("FUSEDLOSS_EAGER", eager)
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
     tensors, run = _autocast_case(fn)
     leaves64 = [t.double().requires_grad_() for t in tensors]
     want = run(oracle, *leaves64)

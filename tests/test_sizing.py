@@ -9,8 +9,8 @@ import pytest
 
 import fusedloss
 from fusedloss.__main__ import main
+from fusedloss.backends.cuda import backend as cuda_backend
 from fusedloss.core import cost
-from fusedloss.cuda import backend as cuda_backend
 
 GiB, MiB = 2**30, 2**20
 QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "vocab_size": 152064}
@@ -30,7 +30,7 @@ def test_a_qwen_7b_sized_sft_batch(tmp_path):
     fused = next(p for p in est.paths if p.name.startswith("fusedloss, GPU"))
     spec = cost.GPUS["h200"]
     assert fused.transient_bytes == cuda_backend.workspace_bytes(spec.memory_bytes // 2) and fused.held_bytes == 0
-    assert fused.products == 3 and "eager" in fused.name  # cross-entropy is known in the forward
+    assert fused.products == 3 and "grad_in_forward" in fused.name  # cross-entropy is known in the forward
     torch_path = est.path("fusedloss, torch backend (CPU)")
     assert torch_path.transient_bytes == 1024 * 4096 * 4 == 16 * MiB
     assert est.bound_products == 3
@@ -103,7 +103,7 @@ def test_configs_that_name_the_width_d_model(tmp_path):
 
 @pytest.mark.parametrize("tokens", [4 * 10**6, 10**9, 10**12])
 def test_a_huge_token_count_takes_milliseconds(tokens):
-    """Planning cost does not grow with N (the eager layout is counted, not listed; the grouped candidates are
+    """Planning cost does not grow with N (the grad-in-forward layout is counted, not listed; the grouped candidates are
     bounded by the workspace): the estimate of a billion-token batch returns at once, with sizes that follow
     the formulas."""
     import time

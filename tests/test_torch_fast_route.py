@@ -1,6 +1,7 @@
-"""The torch backend's eager fast route (core/torch_backend.py: ``_eager_partials``, ``_dz_from_frame``).
+"""The torch backend's grad-in-forward fast route (backends/torch.py: ``_grad_in_forward_partials``,
+``_dz_from_frame``).
 
-On a CPU an eager chunk of a cross-entropy, GRPO or reverse-KL distillation loss forms its statistics in place
+On a CPU a grad-in-forward chunk of a cross-entropy, GRPO or reverse-KL distillation loss forms its statistics in place
 and its dz from the forward's exp(z - m), in fewer passes over the [rows, V] tile than the general route. Both
 routes must give the same loss and gradients up to rounding: each case runs twice, the general route forced
 once, and both are held to the float64 reference. The cases put the route's exceptions in front of it: -inf
@@ -17,7 +18,7 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss.core import torch_backend
+from fusedloss.backends import torch as torch_backend
 
 V = 53  # prime
 
@@ -72,7 +73,7 @@ def test_fast_route_matches_the_general_route_and_float64(kind, dtype, loss_name
     real = torch_backend._dz_from_frame
     monkeypatch.setattr(torch_backend, "_dz_from_frame", lambda *a, **k: calls.append(1) or real(*a, **k))
     fast_loss, fast_grads = _run(fn, leaves, True, monkeypatch)
-    assert calls, "the eager chunk did not take the fast route"
+    assert calls, "the grad-in-forward chunk did not take the fast route"
     slow_loss, slow_grads = _run(fn, leaves, False, monkeypatch)
     ref_fn, _ = _losses(targets, None if tb is None else tb.double())[loss_name]
     ref_loss, ref_grads = _run(ref_fn, [t.double() for t in leaves], False, monkeypatch)
@@ -118,7 +119,7 @@ def test_the_teacher_sum_at_its_own_maximum_where_the_frame_overflows():
         jsd_beta = None
         want_kl_rev = True
 
-    part, frame, _ = torch_backend._eager_partials(z.clone(), zt.clone(), Problem(), None, scratch)
+    part, frame, _ = torch_backend._grad_in_forward_partials(z.clone(), zt.clone(), Problem(), None, scratch)
     lse_t = part["mt"] + torch.log(part["st"])
     torch.testing.assert_close(lse_t, torch.logsumexp(zt, 1), rtol=1e-6, atol=1e-6)
     assert torch.isfinite(part["st"]).all()

@@ -23,7 +23,7 @@ import torch
 from conftest import make_head, make_teacher, rel_err
 
 from fusedloss import reference
-from fusedloss.core import torch_backend
+from fusedloss.backends import torch as torch_backend
 from fusedloss.core.problem import (
     GradientNeeds,
     LogitTransform,
@@ -32,7 +32,7 @@ from fusedloss.core.problem import (
 )
 from fusedloss.core.statistics import dz_coefficients
 
-triton_backend = pytest.importorskip("fusedloss.triton.backend")
+triton_backend = pytest.importorskip("fusedloss.backends.triton.backend")
 if triton_backend.availability() != "available":  # pragma: no cover - depends on the machine
     pytest.skip(f"triton backend: {triton_backend.availability()}", allow_module_level=True)
 
@@ -487,8 +487,8 @@ def test_availability_reasons(monkeypatch):
 
 @pytest.mark.parametrize("version", ["installed", *triton_versions.PINNED])
 def test_kernels_compile_for_sm90(version):
-    """Every launch the backend makes for bf16, fp16 and fp32 (composable and eager paths, every autotuning
-    candidate, a lean, a heavy and a teacher epilogue, a lean distillation's eager student, D = 4096 and
+    """Every launch the backend makes for bf16, fp16 and fp32 (composable and grad-in-forward paths, every autotuning
+    candidate, a lean, a heavy and a teacher epilogue, a lean distillation's grad-in-forward student, D = 4096 and
     D = 1000), recorded on meta tensors and
     compiled for an H100/H200 (sm_90a) without a GPU: no spills, at most 227 KB of shared memory, the products
     on wgmma, the operands loaded 16 bytes at a time (tests/test_triton_compile.py). Once with this

@@ -105,7 +105,7 @@ def _install_stub_driver(arch: str = "sm_90a"):
     from triton import knobs
     from triton.runtime import driver
 
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend
 
     target = _gpu_target(arch)
     # meta tensors launch as the backend would on the target: its tiles and its fp32 precision
@@ -151,7 +151,7 @@ def _problem(dtype, n, d, v, scenario):
                             teacher_hidden=torch.empty(n, d, **meta), teacher_weight=torch.empty(v, d, **meta),
                             teacher_bias=torch.empty(v, **meta), teacher_transform=LogitTransform(1.5),
                             want_entropy=True, want_kl_rev=True, want_kl_fwd=True, jsd_beta=0.5)
-    if scenario == "distill":  # the lean student of a distillation (eager: the 128 x 128 forward reading ztm)
+    if scenario == "distill":  # the lean student of a distillation (grad-in-forward: the 128 x 128 forward reading ztm)
         return StatsProblem(hidden=h, weight=w, bias=None, targets=targets, transform=LogitTransform(),
                             teacher_hidden=torch.empty(n, d, **meta), teacher_weight=torch.empty(v, d, **meta),
                             teacher_bias=torch.empty(v, **meta), teacher_transform=LogitTransform(1.5, 1.0, 30.0),
@@ -169,8 +169,8 @@ def _problem(dtype, n, d, v, scenario):
 def _run_paths(p, cfg, paths):
     import torch
 
+    from fusedloss.backends.triton import backend
     from fusedloss.core.problem import GradientNeeds
-    from fusedloss.triton import backend
 
     needs = GradientNeeds(True, True, p.bias is not None)
     if "composable" in paths:
@@ -181,24 +181,24 @@ def _run_paths(p, cfg, paths):
             stats = stats[0]
             named = dict(column_dz=torch.empty(p.columns.shape, device="meta", dtype=p.acc_dtype))
         backend.backward_gradients(p, stats, coeffs, needs, tiles=cfg, **named)
-    if "eager" in paths:  # the eager path has its own tiles (tiles_for(p, "eager"))
+    if "grad_in_forward" in paths:  # the grad-in-forward path has its own tiles (tiles_for(p, "grad_in_forward"))
         def chunk_fn(stats, rows):
             m = rows.stop - rows.start
             return stats.lse.sum(), torch.empty(7, m, device="meta", dtype=p.acc_dtype)
 
-        backend.eager_gradients(p, chunk_fn, needs)
+        backend.grad_in_forward_gradients(p, chunk_fn, needs)
 
 
 def _count():
     import torch
 
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend
 
     _, launches = _install_stub_driver()
     ns = (1, 7, 300, 4096)
     variants = {}
-    for scenario, paths in (("cross_entropy", ("composable", "eager")), ("rich", ("composable",)),
-                            ("teacher", ("composable", "eager")), ("distill", ("eager",)),
+    for scenario, paths in (("cross_entropy", ("composable", "grad_in_forward")), ("rich", ("composable",)),
+                            ("teacher", ("composable", "grad_in_forward")), ("distill", ("grad_in_forward",)),
                             ("columns", ("composable",))):
         for path in paths:
             start = len(launches)
@@ -260,8 +260,8 @@ _JOBS: list = []
 
 def _launched_tiles(rec) -> str:
     """The tile configuration a recorded launch ran with (its ``Tiles`` constexpr, warps and stages): the
-    eager path's kernels run with tiles of their own, not the candidate the composable path was given."""
-    from fusedloss.triton.backend import TileConfig
+    grad-in-forward path's kernels run with tiles of their own, not the candidate the composable path was given."""
+    from fusedloss.backends.triton.backend import TileConfig
 
     tiles = next(v for v in rec["constants"].values() if type(v).__name__ == "Tiles")
     return repr(TileConfig(int(tiles.BLOCK_M), int(tiles.BLOCK_V), int(tiles.BLOCK_K), rec["num_warps"],
@@ -305,7 +305,7 @@ def _compile(dtypes=("bfloat16", "float16", "float32"), arch: str = "sm_90a", de
 
     import torch
 
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend, plan
 
     _, launches = _install_stub_driver(arch)
     seen = set()
@@ -318,8 +318,8 @@ def _compile(dtypes=("bfloat16", "float16", "float32"), arch: str = "sm_90a", de
                 start = len(launches)
                 # the lean distillation's composable launches are the teacher scenario's, with fewer flags; the
                 # named columns take the composable path only
-                paths = ("eager",) if scenario == "distill" else ("composable",) if scenario == "columns" else (
-                    "composable", "eager")
+                paths = (("grad_in_forward",) if scenario == "distill" else ("composable",) if scenario == "columns"
+                         else ("composable", "grad_in_forward"))
                 if scenario in ("distill", "columns") and i > 0:
                     continue
                 _run_paths(_problem(dtype, 300, 4096, 151936, scenario), cfg, paths)
@@ -328,7 +328,7 @@ def _compile(dtypes=("bfloat16", "float16", "float32"), arch: str = "sm_90a", de
                 for rec in launches[start:]:
                     if (rec["kernel"], rec["key"]) not in seen:
                         seen.add((rec["kernel"], rec["key"]))
-                        # the first candidate and the eager tiles are what the planner runs without tuning
+                        # the first candidate and the grad-in-forward tiles are what the planner runs without tuning
                         _JOBS.append(dict(rec, dtype=str(dtype).replace("torch.", ""), config=_launched_tiles(rec),
                                           arch=arch, default=i == 0))
     # Compiles are independent: two processes (forked, so they share the recorded launches).
@@ -336,7 +336,7 @@ def _compile(dtypes=("bfloat16", "float16", "float32"), arch: str = "sm_90a", de
         results = pool.map(_compile_one, range(len(_JOBS)))
     import triton
 
-    return dict(triton=triton.__version__, arch=arch, shared_limit=backend.SHARED_LIMITS[
+    return dict(triton=triton.__version__, arch=arch, shared_limit=plan.SHARED_LIMITS[
         backend.tile_family(_backend_target(arch))], compiled=len(results), results=results)
 
 

@@ -3,9 +3,9 @@
 A ``TorchDispatchMode`` logs every aten op of one forward and backward (the interpreter on CPU tensors, where
 the backend's Python is the GPU's), and the backend's own kernel launches are counted apart. Views and
 allocations (no kernel on a GPU) and the GEMM-sized products (priced apart) are left out, and so are the aten
-ops the interpreter itself runs inside a kernel. The eager path runs at two chunk counts (the difference is
+ops the interpreter itself runs inside a kernel. The grad-in-forward path runs at two chunk counts (the difference is
 what one more chunk costs, the rest what the call costs once); the composable one at two backward block
-counts. The model's figures (fusedloss/triton/backend.py, ``small_launches``) must cover what the trace counts
+counts. The model's figures (fusedloss/backends/triton/backend.py, ``small_launches``) must cover what the trace counts
 without overstating it by more than a third, so the model follows the code.
 """
 
@@ -16,7 +16,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedloss
-from fusedloss.triton import backend as tb
+from fusedloss.backends.triton import backend as tb
+from fusedloss.backends.triton import plan as tb_plan
 
 _PRODUCTS = {"mm", "addmm", "addmm_", "baddbmm", "bmm", "matmul"}
 _NO_KERNEL = {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "detach", "alias",
@@ -89,36 +90,36 @@ def _within(model: float, traced: float) -> bool:
     return traced <= model <= 1.34 * traced
 
 
-def _eager_row_mb(op: str, rows: int) -> float:
-    """A workspace of ``rows`` eager rows (the plan's ``eager_rows``)."""
-    return rows * tb.eager_row_bytes(V, "float32", op.startswith("distill")) / 2**20
+def _grad_in_forward_row_mb(op: str, rows: int) -> float:
+    """A workspace of ``rows`` grad-in-forward rows (the plan's ``grad_in_forward_rows``)."""
+    return rows * tb_plan.grad_in_forward_row_bytes(V, "float32", op.startswith("distill")) / 2**20
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo", "distill_reverse_kl", "distill_forward_kl", "distill_jsd"])
-def test_eager_small_launches_are_what_the_model_counts(trace, monkeypatch, op):
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
-    _count(trace, op, _eager_row_mb(op, 32))  # a first call's one-time work (probes, caches) is not per call
-    two, four = _count(trace, op, _eager_row_mb(op, 32)), _count(trace, op, _eager_row_mb(op, 16))
+def test_grad_in_forward_small_launches_are_what_the_model_counts(trace, monkeypatch, op):
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
+    _count(trace, op, _grad_in_forward_row_mb(op, 32))  # a first call's one-time work (probes, caches) is not per call
+    two, four = _count(trace, op, _grad_in_forward_row_mb(op, 32)), _count(trace, op, _grad_in_forward_row_mb(op, 16))
     per_chunk = (four - two) / 2
     per_call = two - 2 * per_chunk
     assert per_chunk > 0 and per_call > 0, (two, four)
     s = tb.small_launches(op)
     # a chunk: its statistics kernel (1) and merge, with a teacher the fold (its kernel and merge) and the
     # JSD's second sweep (its kernel and a stack), and the rest of the chunk
-    teacher = 1 + tb.TEACHER_FOLD_MERGE_LAUNCHES if op.startswith("distill") else 0
+    teacher = 1 + tb_plan.TEACHER_FOLD_MERGE_LAUNCHES if op.startswith("distill") else 0
     jsd = 2 if op == "distill_jsd" else 0
     assert _within(1 + s.merge + teacher + jsd + s.chunk, per_chunk), (op, per_chunk, s)
     assert _within(s.call, per_call), (op, per_call, s)
 
 
 def test_composable_small_launches_are_what_the_model_counts(trace, monkeypatch):
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "0")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "0")
     op = "token_logprobs_entropy"
     _count(trace, op, 1.0)
     one, eight = _count(trace, op, 1.0), _count(trace, op, 0.005)  # 1 and 8 backward blocks
     per_block = (eight - one) / 7
     per_call = one - per_block
     s = tb.small_launches(op)
-    assert _within(tb.BACKWARD_BLOCK_LAUNCHES, per_block), per_block
+    assert _within(tb_plan.BACKWARD_BLOCK_LAUNCHES, per_block), per_block
     # the forward's statistics kernel (1) and its merge, and the backward's own small ops
     assert _within(1 + s.merge + s.call, per_call), (per_call, s)

@@ -1,5 +1,5 @@
 """Numerical defects of the GPU kernels found by differential fuzzing (``shared/reviews/fuzz_findings.md``),
-as regressions on the Triton backend, and the eager path against the composable one.
+as regressions on the Triton backend, and the grad-in-forward path against the composable one.
 
 The per-element rules every backend follows at dz (docs/design.md, "The dz formula"):
 
@@ -24,7 +24,7 @@ import torch
 from conftest import make_head, make_teacher, rel_err
 
 import fusedloss
-from fusedloss.core import torch_backend
+from fusedloss.backends import torch as torch_backend
 from fusedloss.core.problem import (
     GradientNeeds,
     LogitTransform,
@@ -33,7 +33,8 @@ from fusedloss.core.problem import (
 )
 from fusedloss.core.statistics import dz_coefficients
 
-triton_backend = pytest.importorskip("fusedloss.triton.backend")
+triton_backend = pytest.importorskip("fusedloss.backends.triton.backend")
+triton_plan = pytest.importorskip("fusedloss.backends.triton.plan")
 if triton_backend.availability() != "available":  # pragma: no cover - depends on the machine
     pytest.skip(f"triton backend: {triton_backend.availability()}", allow_module_level=True)
 
@@ -46,10 +47,10 @@ def leaves(*tensors, dtype):
     return [torch.tensor(t, dtype=dtype, device=DEVICE).requires_grad_(True) for t in tensors]
 
 
-@pytest.fixture(params=["eager", "composable"])
+@pytest.fixture(params=["grad_in_forward", "composable"])
 def path(request, monkeypatch):
-    """Both gradient paths of the row-local losses: the 3-product eager one and the statistics op's."""
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1" if request.param == "eager" else "0")
+    """Both gradient paths of the row-local losses: the 3-product grad-in-forward one and the statistics op's."""
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if request.param == "grad_in_forward" else "0")
     return request.param
 
 
@@ -235,7 +236,7 @@ def test_a_rows_gradient_does_not_depend_on_which_other_rows_carry_gradient(dtyp
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The eager path against the float64 truth, across row chunks
+# The grad-in-forward path against the float64 truth, across row chunks
 
 
 def _problem(case: str, dtype) -> StatsProblem:
@@ -274,16 +275,16 @@ def _chunk_fn(p: StatsProblem, weights: torch.Tensor):
 
 @pytest.mark.parametrize("case", ["cross_entropy", "softcap_entropy", "teacher"])
 @pytest.mark.parametrize("workspace_mb", [None, 0.05])
-def test_eager_path_matches_the_composable_path_and_the_torch_backend(case, workspace_mb):
-    """eager_gradients (the forward keeps its tiles, the gradient reads them back) against the composable
-    backward of the same problem and against the torch backend's eager path, in float64, in one chunk and in
+def test_grad_in_forward_path_matches_the_composable_path_and_the_torch_backend(case, workspace_mb):
+    """grad_in_forward_gradients (the forward keeps its tiles, the gradient reads them back) against the composable
+    backward of the same problem and against the torch backend's grad-in-forward path, in float64, in one chunk and in
     several (a 50 KB workspace holds 16-row chunks of 37 rows here)."""
     p = _problem(case, F64)
     p = StatsProblem(**{**p.__dict__, "workspace_mb": workspace_mb})
     weights = _weights(p)
     needs = GradientNeeds(True, True, True)
-    loss, grads = triton_backend.eager_gradients(p, _chunk_fn(p, weights), needs)
-    t_loss, t_grads = torch_backend.eager_gradients(p, _chunk_fn(p, weights), needs)
+    loss, grads = triton_backend.grad_in_forward_gradients(p, _chunk_fn(p, weights), needs)
+    t_loss, t_grads = torch_backend.grad_in_forward_gradients(p, _chunk_fn(p, weights), needs)
     stats = triton_backend.forward_statistics(p)
     stacked = torch.stack(tuple(stats))
     coeffs = dz_coefficients(weights.to(stacked), stacked, p.jsd_beta, p.targets, p.weight.shape[0])
@@ -296,24 +297,24 @@ def test_eager_path_matches_the_composable_path_and_the_torch_backend(case, work
         assert rel_err(got, other) <= 1e-9, name
 
 
-def test_eager_path_rows_per_chunk_follow_the_workspace():
+def test_grad_in_forward_path_rows_per_chunk_follow_the_workspace():
     """The chunk rows come from the plan: whole row blocks within the workspace budget, and several chunks
     when the budget is small."""
     p = _problem("teacher", torch.float32)
-    cfg = triton_backend.tiles_for(p, "eager")
+    cfg = triton_backend.tiles_for(p, "grad_in_forward")
     small = StatsProblem(**{**p.__dict__, "workspace_mb": 0.05})
     needs = GradientNeeds(True, True, False)
-    rows = triton_backend._plan_of(small, needs, "eager").params["eager_rows"]
+    rows = triton_backend._plan_of(small, needs, "grad_in_forward").params["grad_in_forward_rows"]
     assert rows % cfg.block_m == 0 and rows < p.hidden.shape[0]
-    per_row = triton_backend.eager_row_bytes(131, "float32", True)
+    per_row = triton_plan.grad_in_forward_row_bytes(131, "float32", True)
     assert rows == cfg.block_m or rows * per_row <= 0.05 * 2**20
-    assert triton_backend._plan_of(p, needs, "eager").params["eager_rows"] >= p.hidden.shape[0]
+    assert triton_backend._plan_of(p, needs, "grad_in_forward").params["grad_in_forward_rows"] >= p.hidden.shape[0]
 
 
 @pytest.mark.parametrize("case", ["cross_entropy", "softcap_entropy", "teacher"])
 @pytest.mark.parametrize("workspace_mb", [None, 0.05])
-def test_eager_half_precision_dx_packed_over_its_tile(case, workspace_mb):
-    """fp16: the eager path writes dx over the fp32 tile it reads (``packed_gradient_kernel``, one program per
+def test_grad_in_forward_half_precision_dx_packed_over_its_tile(case, workspace_mb):
+    """fp16: the grad-in-forward path writes dx over the fp32 tile it reads (``packed_gradient_kernel``, one program per
     row block walking the columns in order). The gradients must be those of the composable path, whose dx
     has a buffer of its own and whose recomputed tiles are the forward's bit for bit: exactly equal in one
     chunk (the same products of the same dx), within fp32 rounding in several (d weight summed by chunk)."""
@@ -325,15 +326,16 @@ def test_eager_half_precision_dx_packed_over_its_tile(case, workspace_mb):
     real = triton_backend._packed_gradient
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(triton_backend, "_packed_gradient", lambda *a: launched.append(1) or real(*a))
-        _, grads = triton_backend.eager_gradients(p, _chunk_fn(p, weights), needs)
-    chunks = -(-p.hidden.shape[0] // triton_backend._plan_of(p, needs, "eager").params["eager_rows"])
+        _, grads = triton_backend.grad_in_forward_gradients(p, _chunk_fn(p, weights), needs)
+    chunks = -(-p.hidden.shape[0] // triton_backend._plan_of(p, needs,
+                                                             "grad_in_forward").params["grad_in_forward_rows"])
     assert len(launched) == chunks and (chunks > 1) == (workspace_mb is not None)
     stats = triton_backend.forward_statistics(p)
     stacked = torch.stack(tuple(stats))
     coeffs = dz_coefficients(weights.to(stacked), stacked, p.jsd_beta, p.targets, p.weight.shape[0])
     composable = triton_backend.backward_gradients(p, stats, coeffs, needs)
     for name, got, want in zip(("d hidden", "d weight", "d bias"), grads, composable):
-        got = got.to(want.dtype)  # the eager path returns its fp32 sums (the caller scales, then rounds)
+        got = got.to(want.dtype)  # the grad-in-forward path returns its fp32 sums (the caller scales, then rounds)
         if chunks == 1:
             assert torch.equal(got, want), name
         else:
@@ -341,7 +343,7 @@ def test_eager_half_precision_dx_packed_over_its_tile(case, workspace_mb):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The eager path's teacher: cuBLAS raw logits, the student's forward reading ztm, the teacher fold
+# The grad-in-forward path's teacher: cuBLAS raw logits, the student's forward reading ztm, the teacher fold
 
 
 # (statistics, student-masked columns, teacher-masked columns, teacher soft-cap, +inf reverse KL expected): 7 and
@@ -404,8 +406,8 @@ def _stacked(seen: dict) -> dict:
 @pytest.mark.parametrize("divergence", list(_DIVERGENCES))
 @pytest.mark.parametrize("dtype", [F64, torch.float32, torch.float16])
 @pytest.mark.parametrize("workspace_mb", [None, 0.05])
-def test_eager_teacher_fold_matches_float64_and_the_torch_backend(divergence, dtype, workspace_mb):
-    """The eager path with a teacher (its raw logits through a product into the workspace, ztm read by the
+def test_grad_in_forward_teacher_fold_matches_float64_and_the_torch_backend(divergence, dtype, workspace_mb):
+    """The grad-in-forward path with a teacher (its raw logits through a product into the workspace, ztm read by the
     student's forward, the teacher's statistics from the fold over the kept tiles): every teacher statistic
     and the three gradients against the torch backend on the same values in float64, and the float64 run
     against the torch backend's to 1e-9; in one chunk and in 16-row chunks (a 50 KB workspace)."""
@@ -415,8 +417,8 @@ def test_eager_teacher_fold_matches_float64_and_the_torch_backend(divergence, dt
     weights = _teacher_weights(p)
     needs = GradientNeeds(True, True, True)
     seen = {}
-    loss, grads = triton_backend.eager_gradients(p, _recording(_chunk_fn(p, weights), seen), needs)
-    t_loss, t_grads = torch_backend.eager_gradients(p64, _chunk_fn(p64, weights), needs)
+    loss, grads = triton_backend.grad_in_forward_gradients(p, _recording(_chunk_fn(p, weights), seen), needs)
+    t_loss, t_grads = torch_backend.grad_in_forward_gradients(p64, _chunk_fn(p64, weights), needs)
     chunks = len(seen["rows"])
     assert chunks == (1 if workspace_mb is None else 3)
     got, want = _stacked(seen), torch_backend.forward_statistics(p64)._asdict()

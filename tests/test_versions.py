@@ -15,7 +15,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fusedloss
-from fusedloss.core import backends, statistics
+from fusedloss.core import registry, statistics
 
 
 def test_fake_tensor_trace_counts_as_compiling():
@@ -37,27 +37,27 @@ def triton_version(monkeypatch):
 
 
 def test_old_triton_is_unavailable_with_the_reason(triton_version):
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend
 
     triton_version("3.1.0")
     state = fusedloss.backend_status()["triton"]
     assert state == "triton 3.1.0 is too old: fusedloss's Triton kernels need triton>=3.4,<3.10"
     assert backend.availability() == state
     with pytest.raises(ValueError, match="triton 3.1.0 is too old"):
-        backends.resolve("triton", torch.device("cpu"))
-    assert backends.resolve("auto", torch.device("cpu")) == "torch"
+        registry.resolve("triton", torch.device("cpu"))
+    assert registry.resolve("auto", torch.device("cpu")) == "torch"
 
 
 @pytest.mark.parametrize("version", ["3.4.0", "3.6.0", "3.9.0+git1234", "3.10.0"])
 def test_supported_triton_versions_are_not_refused_for_their_age(triton_version, version):
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend
 
     triton_version(version)
     assert backend._unsupported_triton() is None
 
 
 def test_double_precision_needs_triton_3_5(triton_version, monkeypatch):
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     if backend.availability() != "available":
@@ -90,7 +90,7 @@ class _Handle:
 def test_interpreter_index_patch_takes_both_signatures(monkeypatch, with_scope):
     np = pytest.importorskip("numpy")
     interpreter = pytest.importorskip("triton.runtime.interpreter")
-    from fusedloss.triton import backend
+    from fusedloss.backends.triton import backend
 
     seen = []
 

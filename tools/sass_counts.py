@@ -1,6 +1,6 @@
 """Instruction counts of the CUDA backend's elementwise kernels, read from their compiled SASS, for the cost model.
 
-    python tools/sass_counts.py            # compile csrc/kernels.cu for sm_90a, rewrite fusedloss/cuda/sass_counts.py
+    python tools/sass_counts.py            # compile csrc/kernels.cu for sm_90a, rewrite backends/cuda/sass_counts.py
     python tools/sass_counts.py --check    # the same, but fail (exit 1) if the checked-in table differs
 
 The cost model prices the fold, dx and JSD kernels at ``max(bytes / bandwidth, instructions / issue rate)``
@@ -31,7 +31,7 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-TABLE = ROOT / "fusedloss" / "cuda" / "sass_counts.py"
+TABLE = ROOT / "fusedloss" / "backends" / "cuda" / "sass_counts.py"
 ARCH = "sm_90a"
 # setup.py's nvcc flags for the device code (what changes the SASS), for one architecture
 NVCC_FLAGS = ["-O3", "-std=c++17", "-lineinfo"]

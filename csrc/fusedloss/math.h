@@ -4,7 +4,7 @@
 // Everything here is `FL_HD`: compiled for the device kernels (kernels.cu) AND for the host loops
 // (host.cpp), so the CPU test suite checks the very functions the GPU runs. Names mirror the Python:
 // the outputs lse, logp, entropy, kl_rev, kl_fwd, jsd, lse_t, kl_qm, the coefficients a, c0..c5, and the
-// partial statistics (m, s, e, mt, st, a, b, ...) of fusedloss/core/torch_backend.py.
+// partial statistics (m, s, e, mt, st, a, b, ...) of fusedloss/backends/torch.py.
 //
 // The math is fp32. Sums are kept relative to the running maxima (m for the student, mt for the teacher)
 // so that peaked rows with logits near 1e4 keep the digits of their entropy and KL; log s is formed as
@@ -118,7 +118,7 @@ FL_HD float fl_inf() { return bits_to_float(0x7f800000u); }
 
 // ---------------------------------------------------------------------------------------------------
 // Logits: z = softcap(logit_scale * (x + b)) / temperature, in the same operation order
-// as fusedloss/core/torch_backend.py::_transform.
+// as fusedloss/backends/torch.py::_transform.
 // ---------------------------------------------------------------------------------------------------
 struct Transform {
   float logit_scale = 1.0f;
@@ -228,7 +228,7 @@ FL_HD bool is_finite(float x) { return x - x == 0.0f; }  // x - x is NaN for inf
 // `ratio` of the two sides in their frames: 0 where the own logit is -inf (0 log 0), +inf where it is finite
 // and the other side's is -inf (mass where the other has none), whatever exp underflows to at the current
 // scale. So the KL does not depend on how the vocabulary was cut into lanes, tiles or ranks
-// (core/torch_backend.py::_kl_terms, docs/design.md "Numerical doctrine").
+// (backends/torch.py::_kl_terms, docs/design.md "Numerical doctrine").
 FL_HD float kl_term(float e_own, float ratio, float own, float other) {
   return (is_finite(own) && other == -fl_inf()) ? fl_inf() : xmul(e_own, ratio);
 }
@@ -370,7 +370,7 @@ FL_HD RowState state_merge(const RowState& r, const RowState& p) {
 }
 
 // Per-row outputs, in the order of the fields of problem.Statistics (the bindings export the names, and
-// fusedloss/cuda/backend.py refuses an extension whose list differs).
+// fusedloss/backends/cuda/backend.py refuses an extension whose list differs).
 #define FL_OUTPUTS(X)                                                                                     \
   X(kLse, "lse") X(kLogp, "logp") X(kEntropy, "entropy") X(kKlRev, "kl_rev") X(kKlFwd, "kl_fwd")          \
   X(kJsd, "jsd") X(kLseT, "lse_t") X(kKlQm, "kl_qm") X(kMeanLogit, "mean_logit")                          \

@@ -9,8 +9,8 @@ unless a pass says it overlaps the previous one; ``pass_breakdown`` says which l
 compares it with the *product-count bound* of the workload: the time of the fewest GEMM-sized products any
 exact method needs for that op at the GPU's dense peak (``product_bound``).
 
-The backends' own plan functions are what the model evaluates (``fusedloss.cuda.backend.plan``,
-``fusedloss.triton.backend.plan``), and the same functions drive their run-time choices (eager or
+The backends' own plan functions are what the model evaluates (``fusedloss.backends.cuda.backend.plan``,
+``fusedloss.backends.triton.backend.plan``), and the same functions drive their run-time choices (grad-in-forward or
 composable path, chunk rows, vocabulary tile), so the model and the code cannot drift apart.
 ``benchmarks/cost_model.py`` is the command line over this module, and the benchmark stores the modelled
 figures beside the measured ones. See docs/design.md, "Plans and the cost model".
@@ -359,7 +359,7 @@ class Plan:
     parameters the backend chose (chunk rows, vocabulary tile, workspace bytes, accumulators ...)."""
 
     backend: str
-    path: str  # "eager" (3 products for a row-local loss) or "composable" (statistics op + recompute)
+    path: str  # "grad_in_forward" (3 products for a row-local loss) or "composable" (statistics op + recompute)
     products: float
     passes: list = field(default_factory=list)
     params: dict = field(default_factory=dict)
@@ -496,7 +496,8 @@ def evaluate(plan: Plan, w: Workload, gpu: GPUSpec) -> Estimate:
 
 
 def unpriced(what: str, exc: Exception) -> None:
-    """Say that pricing ``what`` failed. A backend's choice between plans (eager or composable, chunk shapes) is
+    """Say that pricing ``what`` failed. A backend's choice between plans (grad-in-forward or composable, chunk shapes)
+    is
     a matter of speed, never of correctness: where the model cannot price a candidate, the backend takes the
     choice it makes without prices and the call runs (correct, perhaps slower); a defect of the model must not
     fail a loss. The warning names the exception, so that the shape can be reported."""

@@ -119,7 +119,7 @@ def merge(pieces: dict) -> dict:
 
 def merge_teacher_sweep(pieces: dict, m: torch.Tensor) -> dict:
     """The teacher's partials (``mt``, ``st``; ``a``, ``b`` and ``ztm`` where present) of pieces swept after
-    the student's statistics were final (the Triton eager path's teacher fold), stacked along dim 0: every
+    the student's statistics were final (the Triton grad-in-forward path's teacher fold), stacked along dim 0: every
     piece's a and b are relative to the same final (m, ztm), and every piece found the same ztm, so a adds as
     it is and b rebases with the teacher's maxima only (``merge``'s rules with every student shift 0); a is
     +inf where ztm is -inf (``reverse_kl_infinite``)."""

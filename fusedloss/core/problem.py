@@ -1,7 +1,7 @@
 """What every backend computes: the per-token statistics problem (docs/design.md, "The statistics problem").
 
-A backend implements ``core/backends.py::Backend``: ``forward_statistics(problem)`` and
-``backward_gradients(problem, saved, coeffs, needs)`` (the eager path and the JSD sweep are optional
+A backend implements ``core/registry.py::Backend``: ``forward_statistics(problem)`` and
+``backward_gradients(problem, saved, coeffs, needs)`` (the grad-in-forward path and the JSD sweep are optional
 protocols beside it). Nothing loss-specific ever reaches a backend: the losses (``fusedloss/losses``) only turn
 these per-row statistics into a loss, and their gradients into the per-row coefficients below. That is what lets one
 tuned kernel pair serve every loss, and keeps the loss math written once for all backends.
@@ -192,10 +192,10 @@ class GradientNeeds(NamedTuple):
 
 
 class DeferredProduct(NamedTuple):
-    """A gradient an eager forward leaves as the product ``lhs.T @ rhs`` for the backward (docs/design.md,
+    """A gradient a grad-in-forward forward leaves as the product ``lhs.T @ rhs`` for the backward (docs/design.md,
     "Deferred d weight"): the backward scales ``rhs`` by the incoming gradient (in fp32, rounded once to
     ``rhs``'s dtype), zeroes its rows outside ``rows`` (NaN padding must stay out, as 0 * NaN is not 0) and
-    forms the product once in ``rhs``'s dtype with ``product(lhs.T, scaled)``. The eager path's d weight when
+    forms the product once in ``rhs``'s dtype with ``product(lhs.T, scaled)``. The grad-in-forward path's d weight when
     keeping dx ([N, V]) costs no more memory than keeping d weight ([V, D]) would."""
     lhs: torch.Tensor  # dx [N, V]
     rhs: torch.Tensor  # hidden [N, D]

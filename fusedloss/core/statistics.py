@@ -16,7 +16,7 @@ from typing import NamedTuple, Optional, Union
 
 import torch
 
-from . import backends, columns
+from . import columns, registry
 from .problem import NUM_COEFFS, GradientNeeds, LogitTransform, Statistics, StatsProblem, accumulation_dtype
 
 _NUM_OUTPUTS = len(Statistics._fields)
@@ -53,7 +53,7 @@ def autocast_dtype(device: torch.device) -> Optional[torch.dtype]:
 
 
 def autocast_off(device: torch.device):
-    """Inside the op (statistics, gradients, the eager path) autocast is off: the inputs were already cast as
+    """Inside the op (statistics, gradients, the grad-in-forward path) autocast is off: the inputs were already cast as
     a linear layer would cast them (``losses/implicit_logits.py``), the logits are formed in fp32 from them,
     and the backward, which runs outside any autocast region, recomputes exactly the forward's logits."""
     if autocast_dtype(device) is None:
@@ -127,7 +127,7 @@ def _statistics_op(*args) -> torch.Tensor:
     *flat, backend = args
     problem = _unflatten(flat)
     with _on_device_of(problem.hidden), autocast_off(problem.hidden.device):
-        out = backends.get(backend).forward_statistics(problem)
+        out = registry.get(backend).forward_statistics(problem)
         if problem.columns is None:
             return torch.stack(tuple(out))
         stats, logits = out
@@ -153,7 +153,7 @@ def _statistics_backward_op(*args) -> tuple:
     needs = GradientNeeds(need_hidden, need_weight, need_bias and problem.bias is not None)
     named = {} if column_dz is None else {"column_dz": column_dz}
     with _on_device_of(problem.hidden), autocast_off(problem.hidden.device):
-        grads = backends.get(backend).backward_gradients(problem, Statistics(*stats[:_NUM_OUTPUTS].unbind(0)),
+        grads = registry.get(backend).backward_gradients(problem, Statistics(*stats[:_NUM_OUTPUTS].unbind(0)),
                                                          coeffs, needs, **named)
     # custom ops cannot return None: an unneeded gradient travels as an empty tensor.
     return tuple(g if g is not None else problem.hidden.new_empty(0) for g in grads)
@@ -171,7 +171,8 @@ def _(*args):
     )
 
 
-# An unused statistic's gradient is None (``core/eager.py`` takes it so from autograd): exactly 0.0 in every row,
+# An unused statistic's gradient is None (``core/grad_in_forward.py`` takes it so from autograd): exactly 0.0 in every
+# row,
 # and the arithmetic it would feed is done on Python floats instead. The rules below keep every coefficient the
 # bits the materialised zero rows gave (signed zeros included): -0.0 is the exact identity of +, while +0.0 is not
 # (-0.0 + 0.0 = +0.0), and 0.0 - x differs from -x where x is +0.0.

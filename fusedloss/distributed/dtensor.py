@@ -7,13 +7,16 @@ A ``Shard(0)`` weight looks the same under FSDP2 (each rank holds other tokens) 
   dimension ``Replicate`` for the weight): vocabulary-parallel over that dimension's group, starting at the
   DTensor's global offset. Both are used through their local tensors (``to_local`` is differentiable: the
   gradients come back as DTensors of the same placements).
-* ``hidden`` a plain tensor: FSDP2's sharded parameter, read outside its module's forward (``fsdp.py``).
+* ``hidden`` a plain tensor: FSDP2's sharded parameter, read outside its module's forward (``fsdp.py``;
+  ``head.py`` sends it there, and ``fsdp.py`` reads its rows with this module's helpers).
 
 Anything else (``_StridedShard`` from FSDP + TP read outside the forward, a weight sharded on its hidden
 dimension, a hidden state sharded on the vocabulary's mesh dimension) is a ValueError that says which.
 """
 
 from __future__ import annotations
+
+from .laid_out import vocab_parallel_head
 
 
 def is_dtensor(t) -> bool:
@@ -24,7 +27,7 @@ def is_dtensor(t) -> bool:
     return isinstance(t, DTensor)
 
 
-def _describe(t) -> str:
+def describe(t) -> str:
     return f"a DTensor with placements {tuple(t.placements)} on {t.device_mesh}"
 
 
@@ -35,7 +38,7 @@ def vocab_mesh_dim(weight, weight_name: str) -> int:
     dims = [i for i, pl in enumerate(weight.placements) if type(pl) is Shard and pl.dim == 0]
     others_ok = all(type(pl) is Replicate for i, pl in enumerate(weight.placements) if i not in dims)
     if len(dims) != 1 or not others_ok:
-        raise ValueError(f"{weight_name} is {_describe(weight)}: a sharded head must be Shard(0) on exactly one mesh "
+        raise ValueError(f"{weight_name} is {describe(weight)}: a sharded head must be Shard(0) on exactly one mesh "
                          "dimension and Replicate on the others (a _StridedShard is FSDP + TP read outside the "
                          "module's forward: call the loss inside it)")
     return dims[0]
@@ -57,7 +60,7 @@ def layout_of(weight, dim: int, vocab_size, weight_name: str):
     layout = layouts.from_chunks(weight.device_mesh.get_group(dim), weight.shape[0], vocab_size)
     mine = (global_offset(weight, dim), weight.to_local().shape[0])
     if mine != (layout.start, layout.rows[layout.rank]):
-        raise ValueError(f"{weight_name} is {_describe(weight)} holding rows [{mine[0]}, {mine[0] + mine[1]}) on this "
+        raise ValueError(f"{weight_name} is {describe(weight)} holding rows [{mine[0]}, {mine[0] + mine[1]}) on this "
                          "rank, not torch.chunk's split of its rows: pass its local tensor with process_group= and "
                          "vocab_start= instead")
     return layout
@@ -70,34 +73,24 @@ def local_bias(bias, weight, bias_name: str = "bias"):
                              "plain tensor")
         return None
     if bias.device_mesh != weight.device_mesh or tuple(bias.placements) != tuple(weight.placements):
-        raise ValueError(f"{bias_name} is {_describe(bias)} but the weight is {_describe(weight)}: shard them alike")
+        raise ValueError(f"{bias_name} is {describe(bias)} but the weight is {describe(weight)}: shard them alike")
     return bias.to_local()
 
 
 def prepare(hidden, weight, bias, *, process_group, reduce_hidden_grad, vocab_start, vocab_size, fsdp_vocab_parallel,
             weight_name):
-    from . import fsdp
-    from .head import vocab_parallel_head
-
     if not is_dtensor(weight):
-        raise ValueError(f"hidden is {_describe(hidden)} but {weight_name} is a plain tensor: pass DTensors for both "
+        raise ValueError(f"hidden is {describe(hidden)} but {weight_name} is a plain tensor: pass DTensors for both "
                          "(tensor parallelism) or plain tensors with process_group=")
     dim = vocab_mesh_dim(weight, weight_name)
     mesh = weight.device_mesh
-    if not is_dtensor(hidden):
-        if process_group is not None or vocab_start is not None:
-            raise ValueError(f"{weight_name} is {_describe(weight)} and hidden a plain tensor (FSDP2): it is gathered, "
-                             "or vocabulary-parallel over its mesh with fsdp_vocab_parallel=True; process_group and "
-                             "vocab_start do not apply")
-        return fsdp.prepare(hidden, weight, bias, dim=dim, vocab_size=vocab_size,
-                            fsdp_vocab_parallel=fsdp_vocab_parallel, weight_name=weight_name)
     if fsdp_vocab_parallel:
         raise ValueError("fsdp_vocab_parallel=True is for an FSDP2 head with plain per-rank hidden states; hidden is "
-                         f"{_describe(hidden)}")
+                         f"{describe(hidden)}")
     from torch.distributed.tensor import Replicate
 
     if hidden.device_mesh != mesh or type(hidden.placements[dim]) is not Replicate:
-        raise ValueError(f"{weight_name} is {_describe(weight)} but hidden is {_describe(hidden)}: for a "
+        raise ValueError(f"{weight_name} is {describe(weight)} but hidden is {describe(hidden)}: for a "
                          f"vocabulary-parallel head hidden must be Replicate on mesh dimension {dim}")
     group = mesh.get_group(dim)
     if process_group is not None and process_group.group_name != group.group_name:

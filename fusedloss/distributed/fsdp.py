@@ -29,7 +29,7 @@ from ..core import statistics as core
 from ..core.problem import Statistics
 from . import _comm, dtensor, vocab_parallel
 from . import layout as layouts
-from .head import LaidOutHead
+from .laid_out import LaidOutHead
 
 
 def prepare(hidden, weight, bias, *, dim: int, vocab_size, fsdp_vocab_parallel: bool, weight_name: str):

@@ -22,44 +22,15 @@ Outputs are plain tensors, the full head's, the same on every rank of a vocabula
 from __future__ import annotations
 
 from numbers import Integral
-from typing import Optional
 
 import torch
 
 from .. import _validation as v
-from ..core.problem import Statistics
+from . import dtensor, fsdp, zero3
 from . import layout as layouts
-from . import vocab_parallel
+from .laid_out import padded_prefix, vocab_parallel_head
 
-
-class LaidOutHead:
-    """A head whose rows are spread over ranks as ``layout`` says. ``ImplicitLogits.distributed`` holds one; it
-    computes the statistics (``statistics(logits, targets=, teacher=, transform=, **wants)``), and two heads of
-    one loss (student and teacher) must have the same kind and layout (``same_rows``)."""
-
-    def __init__(self, layout: layouts.VocabLayout):
-        self.layout = layout
-
-    @property
-    def vocab_size(self) -> int:
-        return self.layout.vocab_size
-
-    def same_rows(self, other) -> bool:
-        return type(other) is type(self) and other.layout == self.layout
-
-
-class VocabParallelHead(LaidOutHead):
-    """This rank's rows of a head sharded over a process group (``layout``)."""
-
-    def __init__(self, layout: layouts.VocabLayout, reduce_hidden_grad: bool):
-        super().__init__(layout)
-        self.reduce_hidden_grad = reduce_hidden_grad
-
-    def statistics(self, logits, *, targets=None, teacher=None, transform=None, **wants) -> Statistics:
-        return vocab_parallel.token_statistics(self.layout, logits.hidden, logits.weight, bias=logits.bias,
-                                               targets=targets, transform=transform, teacher=teacher,
-                                               backend=logits.backend, reduce_hidden_grad=self.reduce_hidden_grad,
-                                               **wants)
+_PLAIN = (torch.Tensor, torch.nn.Parameter, type(None))  # not DTensors nor other tensor subclasses
 
 
 def _check_options(reduce_hidden_grad, vocab_start, vocab_size, fsdp_vocab_parallel) -> None:
@@ -75,8 +46,17 @@ def prepare_head(hidden, weight, bias, *, process_group=None, reduce_hidden_grad
     """``(hidden, weight, bias, head)``: plain tensors for the loss's checks and, when the rows are spread over
     ranks, the distributed head that computes the statistics (else None)."""
     _check_options(reduce_hidden_grad, vocab_start, vocab_size, fsdp_vocab_parallel)
-    from . import dtensor, zero3
-
+    if (process_group is None and vocab_start is None and not fsdp_vocab_parallel
+            and all(type(t) in _PLAIN for t in (hidden, weight, bias)) and not zero3.is_partitioned(weight)):
+        return (hidden, *padded_prefix(weight, bias, vocab_size, weight_name), None)  # one device: no dispatch
+    if dtensor.is_dtensor(weight) and not dtensor.is_dtensor(hidden):  # FSDP2: each rank holds other tokens
+        dim = dtensor.vocab_mesh_dim(weight, weight_name)
+        if process_group is not None or vocab_start is not None:
+            raise ValueError(f"{weight_name} is {dtensor.describe(weight)} and hidden a plain tensor (FSDP2): it is "
+                             "gathered, or vocabulary-parallel over its mesh with fsdp_vocab_parallel=True; "
+                             "process_group and vocab_start do not apply")
+        return fsdp.prepare(hidden, weight, bias, dim=dim, vocab_size=vocab_size,
+                            fsdp_vocab_parallel=fsdp_vocab_parallel, weight_name=weight_name)
     if dtensor.is_dtensor(weight) or dtensor.is_dtensor(hidden) or dtensor.is_dtensor(bias):
         return dtensor.prepare(hidden, weight, bias, process_group=process_group,
                                reduce_hidden_grad=reduce_hidden_grad, vocab_start=vocab_start, vocab_size=vocab_size,
@@ -105,23 +85,6 @@ def prepare_head(hidden, weight, bias, *, process_group=None, reduce_hidden_grad
                          "vocabulary-parallel head)")
     weight, bias = padded_prefix(weight, bias, vocab_size, weight_name)
     return hidden, weight, bias, None
-
-
-def vocab_parallel_head(hidden, weight, bias, layout: layouts.VocabLayout, reduce_hidden_grad: bool):
-    """This rank's real rows (its padded tail dropped) and the head that merges the ranks' statistics."""
-    real = layout.local_real_rows
-    weight = weight[:real]
-    bias = None if bias is None else bias[:real]
-    return hidden, weight, bias, VocabParallelHead(layout, reduce_hidden_grad)
-
-
-def padded_prefix(weight, bias, vocab_size: Optional[int], weight_name: str = "weight"):
-    """The rows below ``vocab_size`` of a head on one device."""
-    if vocab_size is None:
-        return weight, bias
-    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and vocab_size > weight.shape[0]:
-        raise ValueError(f"vocab_size={vocab_size} but {weight_name} has only {weight.shape[0]} rows")
-    return weight[:vocab_size], (None if bias is None else bias[:vocab_size])
 
 
 def check_same_rows(student, teacher) -> None:

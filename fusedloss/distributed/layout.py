@@ -85,7 +85,7 @@ def from_chunks(group, total_rows: int, vocab_size: Optional[int]) -> VocabLayou
 @torch.compiler.assume_constant_result
 def _layout(group_name: str, local_rows: int, vocab_start: int, vocab_size: int, device_type: str) -> tuple:
     """``(rank, starts, rows, vocab_size)`` (-1: not given). Constant for a process and its arguments:
-    torch.compile takes it at trace time, as eager takes it from the cache. Only layouts that passed the
+    torch.compile takes it at trace time, as eager mode takes it from the cache. Only layouts that passed the
     checks are cached: after a misuse raised on every rank, no rank may skip the collective of the next call
     while another enters it."""
     key = (group_name, local_rows, vocab_start, vocab_size, device_type)

@@ -28,7 +28,7 @@ import dataclasses
 
 import torch
 
-from ..core import backends
+from ..core import registry
 from ..core import statistics as core
 from ..core.problem import GradientNeeds, Statistics, StatsProblem, accumulation_dtype
 from . import _comm, merge
@@ -66,14 +66,14 @@ def _forward(p: StatsProblem, backend: str, group, starts, rows, vocab_size: int
     local = _local(p, starts[rank], rows[rank])
     fields = merge.packed_fields(p)
     # The JSD's mixture needs the merged normalisers: its sweep comes after the merge, not inside the backend.
-    mine = backends.get(backend).forward_statistics(dataclasses.replace(local, jsd_beta=None)) if rows[rank] else None
+    mine = registry.get(backend).forward_statistics(dataclasses.replace(local, jsd_beta=None)) if rows[rank] else None
     gathered = _comm.all_gather(merge.pack(mine, fields, n, dev, acc), group)
     owner = None if p.targets is None else merge.owners(p.targets, starts, rows)
     out = {name: torch.zeros(n, device=dev, dtype=acc) for name in Statistics._fields}
     out.update(merge.merge(gathered, fields, p, rows, vocab_size, owner))
     if p.jsd_beta is not None:
         if rows[rank]:
-            sums = backends.jsd_sums(backend)(local, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]))
+            sums = registry.jsd_sums(backend)(local, (out["lse"], out["lse_lo"]), (out["lse_t"], out["lse_t_lo"]))
             sums = torch.stack(sums)
         else:
             sums = torch.zeros((2, n), device=dev, dtype=acc)
@@ -98,7 +98,7 @@ def _backward_op(*args) -> tuple:
     needs = GradientNeeds(need_h, need_w, need_b and p.bias is not None)
     with core._on_device_of(p.hidden):
         if rows[rank]:
-            dh, dw, db = backends.get(backend).backward_gradients(_local(p, starts[rank], rows[rank]),
+            dh, dw, db = registry.get(backend).backward_gradients(_local(p, starts[rank], rows[rank]),
                                                                   Statistics(*stats.unbind(0)), coeffs, needs)
         else:  # an empty shard: no columns, no share of d hidden, but the same all-reduce as every rank
             dh = torch.zeros_like(p.hidden) if needs.hidden else None

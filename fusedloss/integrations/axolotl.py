@@ -26,7 +26,7 @@ from typing import Optional
 
 from pydantic import BaseModel, model_validator
 
-from ..core import backends as _backends
+from ..core import registry as _backends
 from . import _switch
 from . import transformers as _hf
 

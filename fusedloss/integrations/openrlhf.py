@@ -27,7 +27,7 @@ import torch
 
 import fusedloss
 
-from ..core import backends as _backends
+from ..core import registry as _backends
 from . import _switch
 from . import transformers as _hf
 

@@ -1035,7 +1035,7 @@ def patch(model, *, backend: str = "auto"):
         model = fusedloss.integrations.transformers.patch(AutoModelForCausalLM.from_pretrained(name))
         loss = model(input_ids, attention_mask=attention_mask, labels=input_ids).loss
     """
-    from ..core import backends as _backends
+    from ..core import registry as _backends
 
     if backend not in _backends.BACKEND_NAMES:
         raise ValueError(f"backend must be one of {_backends.BACKEND_NAMES}, got {backend!r}")

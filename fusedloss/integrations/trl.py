@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 
 from ..core import LogitTransform, TeacherHead, token_statistics
-from ..core import backends as _backends
+from ..core import registry as _backends
 from ..core.statistics import autocast_dtype
 from ..distributed import zero3
 from . import _switch

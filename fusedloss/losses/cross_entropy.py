@@ -12,8 +12,8 @@ from .options import HEAD, RUN, SHARDING, shared_arguments, shared_options
 from .reductions import reduced_token_loss
 
 
-@shared_options(*RUN, "eager", *SHARDING)
-@shared_arguments(*HEAD, "ignore_index", "backend", *RUN, "eager", *SHARDING)
+@shared_options(*RUN, "grad_in_forward", *SHARDING)
+@shared_arguments(*HEAD, "ignore_index", "backend", *RUN, "grad_in_forward", *SHARDING)
 def cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *,
                   bias: Optional[torch.Tensor] = None, ignore_index: int = -100,
                   reduction: Literal["mean", "sum", "none"] = "mean", label_smoothing: float = 0.0,

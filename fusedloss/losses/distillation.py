@@ -25,8 +25,8 @@ from .options import RUN, SHARDING, shared_arguments, shared_options
 from .reductions import reduced_token_loss
 
 
-@shared_options(*RUN, "eager", *SHARDING)
-@shared_arguments("bias", "logit_scale", "softcap", "ignore_index", "backend", *RUN, "eager", *SHARDING)
+@shared_options(*RUN, "grad_in_forward", *SHARDING)
+@shared_arguments("bias", "logit_scale", "softcap", "ignore_index", "backend", *RUN, "grad_in_forward", *SHARDING)
 def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
                       teacher_weight: torch.Tensor, targets: Optional[torch.Tensor] = None, *, beta: float = 1.0,
                       temperature: float = 1.0, hard_weight: float = 0.0, soft_weight: float = 1.0,
@@ -127,7 +127,7 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden
         loss = soft_scale * soft
         if hard_weight != 0:
             loss = loss - hard_weight * (stats.logp if label_logp is None else label_logp[rows])
-        # without targets every row counts: no mask (ops once per eager row chunk)
+        # without targets every row counts: no mask (ops once per grad-in-forward row chunk)
         return loss if tgt is None else torch.where(valid[rows], loss, torch.zeros_like(loss))
 
     return reduced_token_loss(student, per_token, valid, reduction, num_items_in_batch, mean_name="batchmean",

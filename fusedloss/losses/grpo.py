@@ -8,7 +8,7 @@ a ``0 *`` on any branch.
 The per-token and per-sequence math is a few elementwise operations and masked sums on ``[B, C]``
 vectors: negligible beside the GEMM-sized products, so it is written once, here, in Python for every
 backend (docs/design.md, "Losses as per-token math"). Token-level losses whose terms depend on their own
-token only take the eager 3-product path (``ImplicitLogits.row_local_loss``); GSPO, VESPO, the
+token only take the grad-in-forward 3-product path (``ImplicitLogits.row_local_loss``); GSPO, VESPO, the
 off-policy and entropy masks, and ``return_details`` need the whole batch's statistics first.
 """
 
@@ -51,8 +51,8 @@ LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", 
 _VERL_CLIP_RATIO_C = 3.0
 
 
-@shared_options(*RUN, "eager", *SHARDING)
-@shared_arguments("backend", *RUN, "eager", *SHARDING)
+@shared_options(*RUN, "grad_in_forward", *SHARDING)
+@shared_arguments("backend", *RUN, "grad_in_forward", *SHARDING)
 def grpo_loss(hidden: torch.Tensor, weight: torch.Tensor, completion_ids: torch.Tensor, advantages: torch.Tensor,
               completion_mask: torch.Tensor, *, old_logprobs: Optional[torch.Tensor] = None,
               ref_logprobs: Optional[torch.Tensor] = None, bias: Optional[torch.Tensor] = None,
@@ -261,7 +261,7 @@ def _require_global_count(opts: "_Options", num_processes: int, num_items_in_bat
 
 
 def _row_loss(batch: "_Completions", token_weight: torch.Tensor, entropy_weight: torch.Tensor, opts: "_Options"):
-    """The same loss as a sum of row terms, for the eager path (``ImplicitLogits.row_local_loss``): the
+    """The same loss as a sum of row terms, for the grad-in-forward path (``ImplicitLogits.row_local_loss``): the
     token-level ratio, no sequence-level mask."""
 
     def row_loss(stats, rows):
@@ -366,7 +366,7 @@ class _Options:
 
     @property
     def row_local(self) -> bool:
-        """Every per-token term depends on its own token's statistics only (eager path eligible)."""
+        """Every per-token term depends on its own token's statistics only (grad-in-forward path eligible)."""
         return (self.importance_sampling_level == "token"
                 and self.loss_type not in ("vespo", "geo_mean") + COVARIANCE_LOSS_TYPES
                 and self.off_policy_mask_threshold is None and self.top_entropy_quantile == 1)
@@ -420,7 +420,7 @@ class _Completions(NamedTuple):
         return logp.detach() if self.old is None else self.old
 
     def rows(self, rows) -> "_Completions":
-        """The per-token inputs of ``rows`` of the flattened batch (for the eager path's row chunks)."""
+        """The per-token inputs of ``rows`` of the flattened batch (for the grad-in-forward path's row chunks)."""
         return _Completions(*(t if t is None or name in ("ids", "adv_seq") else t.reshape(-1)[rows]
                               for name, t in zip(self._fields, self)))
 

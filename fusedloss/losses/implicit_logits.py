@@ -16,7 +16,15 @@ import torch
 
 from .. import _validation as v
 from ..config import RunOptions
-from ..core import LogitTransform, Statistics, TeacherHead, backends, column_statistics, eager, token_statistics
+from ..core import (
+    LogitTransform,
+    Statistics,
+    TeacherHead,
+    column_statistics,
+    grad_in_forward,
+    registry,
+    token_statistics,
+)
 from ..core.statistics import autocast_dtype, build_problem
 from ..distributed.head import prepare_head
 
@@ -31,7 +39,7 @@ class ImplicitLogits:
     backend: str  # concrete: "torch", "triton" or "cuda"
     # Rows spread over ranks (fusedloss/distributed/head.py): it computes the statistics; None on one device.
     distributed: Optional[object] = None
-    # How to run (fusedloss/config.py): the caller's eager=, workspace_mb=, allow_tf32= (None: the default).
+    # How to run (fusedloss/config.py): the caller's grad_in_forward=, workspace_mb=, allow_tf32= (None: the default).
     run: RunOptions = RunOptions()
 
     @property
@@ -71,18 +79,19 @@ class ImplicitLogits:
         return column_statistics(self.hidden, self.weight, columns, bias=self.bias, targets=targets,
                                  transform=self.transform, backend=self.backend, **wants)
 
-    def row_local_loss(self, row_loss: eager.RowLoss, *, targets=None, teacher: Optional[TeacherHead] = None,
+    def row_local_loss(self, row_loss: grad_in_forward.RowLoss, *, targets=None, teacher: Optional[TeacherHead] = None,
                        **wants) -> torch.Tensor:
         """``row_loss(stats[rows], rows)`` summed over all rows, for a loss that is a weighted sum of
-        per-row terms. On the eager 3-product path when it applies (core/eager.py), else on the
+        per-row terms. On the grad-in-forward 3-product path when it applies (core/grad_in_forward.py), else on the
         composable statistics op; both evaluate the same ``row_loss``."""
-        # A head spread over ranks takes the composable op: an eager chunk would need its merged statistics.
-        if self.distributed is None and eager.want_eager(self.backend, self.hidden, self.weight, self.bias,
-                                                         self.run.eager):
+        # A head spread over ranks takes the composable op: a grad-in-forward chunk would need its merged statistics.
+        if self.distributed is None and grad_in_forward.want_grad_in_forward(self.backend, self.hidden, self.weight,
+                                                                             self.bias,
+                                                         self.run.grad_in_forward):
             problem = build_problem(self.hidden, self.weight, bias=self.bias, targets=targets,
                                     transform=self.transform, teacher=teacher, **wants, **self.run.problem_fields())
-            if eager.pays(self.backend, problem, self.run.eager):
-                return eager.eager_loss(problem, self.backend, row_loss)
+            if grad_in_forward.pays(self.backend, problem, self.run.grad_in_forward):
+                return grad_in_forward.grad_in_forward_loss(problem, self.backend, row_loss)
         return row_loss(self.statistics(targets=targets, teacher=teacher, **wants), slice(None))
 
     def unflatten(self, per_row: torch.Tensor) -> torch.Tensor:
@@ -91,12 +100,12 @@ class ImplicitLogits:
 
 def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, softcap=None, backend="auto",
             hidden_name="hidden", weight_name="weight", bias_name="bias", min_dims=1, process_group=None,
-            reduce_hidden_grad=True, vocab_start=None, vocab_size=None, fsdp_vocab_parallel=False, eager=None,
+            reduce_hidden_grad=True, vocab_start=None, vocab_size=None, fsdp_vocab_parallel=False, grad_in_forward=None,
             workspace_mb=None, allow_tf32=None) -> ImplicitLogits:
     """Check ``hidden [..., D]``, ``weight [V, D]``, ``bias [V]`` and the logit transform; pick the backend.
     ``process_group``, ..., ``fsdp_vocab_parallel``: where the rows of the head live (fusedloss/distributed);
-    ``eager``, ``workspace_mb``, ``allow_tf32``: how to run (fusedloss/config.py)."""
-    run = RunOptions.checked(eager=eager, workspace_mb=workspace_mb, allow_tf32=allow_tf32)
+    ``grad_in_forward``, ``workspace_mb``, ``allow_tf32``: how to run (fusedloss/config.py)."""
+    run = RunOptions.checked(grad_in_forward=grad_in_forward, workspace_mb=workspace_mb, allow_tf32=allow_tf32)
     v.require_tensor(hidden_name, hidden, floating=True)
     v.require_tensor(weight_name, weight, floating=True)
     hidden, weight, bias, spread = prepare_head(
@@ -143,8 +152,8 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
     v.require_real("logit_scale", logit_scale)
     v.require_real("softcap", softcap, positive=True, allow_none=True)
     if not isinstance(backend, str):
-        raise TypeError(f"backend must be a string, one of {backends.BACKEND_NAMES}, got {backend!r}")
-    name = backends.resolve(backend, device)
+        raise TypeError(f"backend must be a string, one of {registry.BACKEND_NAMES}, got {backend!r}")
+    name = registry.resolve(backend, device)
     lead = tuple(hidden.shape[:-1])
     return ImplicitLogits(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])),
                           weight=_rows_contiguous(weight), bias=None if bias is None else bias.contiguous(),

@@ -5,7 +5,7 @@ A loss's docstring lists its own arguments and ends its ``Args:`` section with a
 ``shared_arguments(*names)`` replaces that line with the entries below, so that an option means the same
 thing, in the same words, everywhere (``help(fusedloss.grpo_loss)`` shows the whole list).
 
-``shared_options(*names)`` also adds the trailing keyword-only options (``RUN``, ``SHARDING``, ``eager``) to
+``shared_options(*names)`` also adds the trailing keyword-only options (``RUN``, ``SHARDING``, ``grad_in_forward``) to
 a loss that collects them in ``**head``: its signature (``inspect.signature``, ``help``, the generated
 ``fusedloss.nn`` modules) lists each with its default, a call with an unknown keyword raises ``TypeError`` as
 Python would, and the loss passes ``**head`` on to ``implicit_logits`` untouched.
@@ -28,9 +28,9 @@ SHARED = {
     "ignore_index": "the target value of tokens that are not scored: they give 0 and no gradient.",
     "backend": '``"auto"`` (the fastest available here: ``cuda``, else ``triton`` on a GPU; ``torch`` elsewhere), '
                '``"torch"``, ``"triton"`` or ``"cuda"``; ``fusedloss.backend_status()`` says which run here.',
-    "eager": "True: finish each row chunk in the forward (3 GEMM-sized products, gradients held until the "
+    "grad_in_forward": "True: finish each row chunk in the forward (3 GEMM-sized products, gradients held until the "
              "backward); False: the composable 4-product path; None: the backend's plan decides "
-             "(``FUSEDLOSS_EAGER`` overrides the default).",
+             "(``FUSEDLOSS_GRAD_IN_FORWARD`` overrides the default).",
     "workspace_mb": "logits workspace of the GPU backends in MiB; None: sized from the free device memory "
                     "(``FUSEDLOSS_WORKSPACE_MB`` overrides the default).",
     "allow_tf32": "True lets fp32 inputs use TF32 products (faster, ~1e-4 relative error); None/False: fp32 stays "
@@ -57,7 +57,7 @@ SHARDING = ("process_group", "reduce_hidden_grad", "vocab_start", "vocab_size", 
 
 # The trailing keyword-only options: (default, annotation).
 DEFAULTS = {
-    "eager": (None, Optional[bool]),
+    "grad_in_forward": (None, Optional[bool]),
     "workspace_mb": (None, Optional[float]),
     "allow_tf32": (None, Optional[bool]),
     "process_group": (None, None),

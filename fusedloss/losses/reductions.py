@@ -14,13 +14,13 @@ def reduced_token_loss(logits: ImplicitLogits, per_token, valid: torch.Tensor, r
     ``mean_name`` ("mean" or "batchmean"): sum / max(1, valid tokens); "sum"; "none": the per-token tensor
     with the leading shape of hidden. With ``num_items_in_batch`` a reduced loss is sum / num_items_in_batch
     (gradient accumulation over micro-batches, as transformers passes it and divides by it); it must be > 0.
-    A reduced loss is a weighted sum of per-row terms, so it may take the eager 3-product path unless
+    A reduced loss is a weighted sum of per-row terms, so it may take the grad-in-forward 3-product path unless
     ``row_local`` is False (a per-token term that also depends on another statistics pass)."""
     if reduction == "none":  # reduction was checked by the caller, before any work
         return logits.unflatten(per_token(logits.statistics(**wants), slice(None)))
     scale = _scale(valid, reduction, num_items_in_batch, mean_name)
 
-    scales = {}  # the scale in the loss's dtype, converted once per call, not once per eager row chunk
+    scales = {}  # the scale in the loss's dtype, converted once per call, not once per grad-in-forward row chunk
 
     def row_loss(stats, rows):
         total = per_token(stats, rows).sum()

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 
 from .. import _validation as v
-from ..core.torch_backend import ROW_CHUNK, VOCAB_TILE, Scratch, _logits_tile
+from ..backends.torch import ROW_CHUNK, VOCAB_TILE, Scratch, _logits_tile
 from ..distributed import _comm
 from ..types import TopK
 from .implicit_logits import implicit_logits

@@ -82,12 +82,13 @@ class Flags(NamedTuple):
     HAS_KL_FWD: bool = False
     HAS_JSD: bool = False
     HAS_MEAN_LOGIT: bool = False
-    # eager path: the forward stores the capped logits c in a workspace beside the teacher's raw product x_t
+    # grad-in-forward path: the forward stores the capped logits c in a workspace beside the teacher's raw product x_t
     # (cuBLAS); the teacher fold, the JSD pass and the gradient read both back instead of forming the products
     # again, and apply the teacher's bias, scale, soft-cap and temperature to x_t as they load it
     STORE_LOGITS: bool = False
     LOAD_LOGITS: bool = False
-    # eager forward of a reverse KL: no teacher in the tile, but where the teacher's logit at the student's first
+    # grad-in-forward forward of a reverse KL: no teacher in the tile, but where the teacher's logit at the student's
+    # first
     # maximum column (ztm) is to be read: the first column of the tile holding that maximum, in ztm's slot
     TEACHER_AT_MAX: bool = False
     # named columns (core/columns.py): the forward stores the logits at them, the gradient writes their given dz
@@ -247,7 +248,7 @@ def logits_tile(head: Head, D, params_ptr, rows, row_mask, cols, col_mask, P_OFF
 
 @triton.jit
 def teacher_of_raw(x, teacher: Head, params_ptr, cols, col_mask, F: tl.constexpr):
-    """z_t of a tile from the teacher's raw product x_t (the eager workspace's cuBLAS product): its bias,
+    """z_t of a tile from the teacher's raw product x_t (the grad-in-forward workspace's cuBLAS product): its bias,
     logit_scale, soft-cap and temperature, -inf on padded columns (``logits_tile``'s formula)."""
     c = capped(x, teacher, params_ptr, cols, col_mask, P_T_SCALE, F.HAS_TEACHER_BIAS, F.HAS_TEACHER_SOFTCAP)
     return tempered(c, params_ptr, col_mask, P_T_SCALE)
@@ -282,7 +283,7 @@ def both_tiles(student: Head, teacher: Head, ws: Head, D, DT, params_ptr, rows, 
 
 @triton.jit
 def store_tiles(c, ws: Head, rows, row_mask, cols, col_mask):
-    """Keep a tile for the eager path: c in ``ws.hidden`` (row stride ``ws.stride_h``). c rather than z:
+    """Keep a tile for the grad-in-forward path: c in ``ws.hidden`` (row stride ``ws.stride_h``). c rather than z:
     z = c / temperature is recomputed bit for bit, and the soft-cap's chain rule needs c."""
     offs = rows.to(tl.int64)[:, None] * ws.stride_h + cols[None, :]
     mask = row_mask[:, None] & col_mask[None, :]  # (without the column mask the 128 x 128 tile spills)
@@ -347,7 +348,7 @@ def teacher_step(mt, st, b, zt, z, zc, dm, WANT_B: tl.constexpr):
     """The teacher's running statistics over one more tile: (mt, st) online in its own maximum and, with
     ``WANT_B``, b = sum e^(z_t - mt) ((z_t - mt) - (z - m)), +inf where z_t is finite and z is -inf. ``zc`` =
     z - m in the student's frame of this tile, ``dm`` the shift of that frame from the previous tile's (0 where
-    the student's maximum is final: the eager teacher fold). Returns (mt, st, b)."""
+    the student's maximum is final: the grad-in-forward teacher fold). Returns (mt, st, b)."""
     mt_new, g, dmt, mt_sub = rebase(mt, tl.max(zt, axis=1))
     ztc = zt - mt_sub[:, None]
     ezt = tl.exp(ztc)
@@ -368,7 +369,7 @@ def online_update(state, z, zt, tgt, v0, cols, col_mask, F: tl.constexpr):
         s = sum e^(z-m)        e = sum e^(z-m) (z-m)        s2 = sum e^(2(z-m))       sz = sum z
         st = sum e^(zt-mt)     a = sum e^(z-m) ((z-m) - (zt-ztm))     b = sum e^(zt-mt) ((zt-mt) - (z-m))
         t = s - 1, the sum without the running maximum column's own e^0 = 1 (log s = log1p(t))
-        ztm = zt at the (first) maximum column of z (with ``F.TEACHER_AT_MAX``, the eager forward's, where the
+        ztm = zt at the (first) maximum column of z (with ``F.TEACHER_AT_MAX``, the grad-in-forward forward's, where the
               teacher fold is to read it: the first column of the tile holding that column)
         zy = z at the target        mb = max of z over the columns before the target
 
@@ -411,7 +412,7 @@ def online_update(state, z, zt, tgt, v0, cols, col_mask, F: tl.constexpr):
         a = tl.where((ztm_new == float("-inf")) & finite(m_new), float("inf"), a)
         ztm = ztm_new
     if F.TEACHER_AT_MAX:
-        # the eager forward's ztm slot: the first column of the tile holding the first maximum (exact in ACC:
+        # the grad-in-forward forward's ztm slot: the first column of the tile holding the first maximum (exact in ACC:
         # V < 2**24); the teacher fold finds the column in that tile and reads the teacher's logit there
         ztm = tl.where(moved, v0.to(ztm.dtype), ztm)
     if F.HAS_TARGETS:

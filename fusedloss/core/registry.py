@@ -40,15 +40,15 @@ class Backend(Protocol):
         ``needs`` says so), recomputing the logits exactly as ``forward_statistics`` formed them."""
 
 
-class EagerBackend(Protocol):
-    """Optional: the 3-product path for losses known in the forward (``core/eager.py``)."""
+class GradInForwardBackend(Protocol):
+    """Optional: the 3-product path for losses known in the forward (``core/grad_in_forward.py``)."""
 
-    def eager_gradients(self, problem: StatsProblem, chunk_fn: Callable, needs: GradientNeeds) -> tuple:
+    def grad_in_forward_gradients(self, problem: StatsProblem, chunk_fn: Callable, needs: GradientNeeds) -> tuple:
         """``(loss, (d hidden, d weight, d bias))``: each row chunk's logits are formed once, folded into its
         statistics, and ``chunk_fn(stats, rows) -> (chunk loss, coefficients)`` gives its dz right away."""
 
-    def eager_pays(self, problem: StatsProblem) -> bool:
-        """Whether the eager path is the faster one for this problem, by this backend's own plan."""
+    def grad_in_forward_pays(self, problem: StatsProblem) -> bool:
+        """Whether the grad-in-forward path is the faster one for this problem, by this backend's own plan."""
 
 
 class JsdBackend(Protocol):
@@ -65,18 +65,18 @@ def jsd_sums(name: str) -> Callable:
     return getattr(get(name), "jsd_sums", None) or get("torch").jsd_sums
 
 
-def has_eager_path(name: str) -> bool:
-    return callable(getattr(get(name), "eager_gradients", None))
+def has_grad_in_forward_path(name: str) -> bool:
+    return callable(getattr(get(name), "grad_in_forward_gradients", None))
 
 
-def eager_policy(name: str) -> Optional[Callable[[StatsProblem], bool]]:
-    return getattr(get(name), "eager_pays", None)
+def grad_in_forward_policy(name: str) -> Optional[Callable[[StatsProblem], bool]]:
+    return getattr(get(name), "grad_in_forward_pays", None)
 
 
 BACKEND_MODULES = {
-    "torch": "fusedloss.core.torch_backend",
-    "triton": "fusedloss.triton.backend",
-    "cuda": "fusedloss.cuda.backend",
+    "torch": "fusedloss.backends.torch",
+    "triton": "fusedloss.backends.triton.backend",
+    "cuda": "fusedloss.backends.cuda.backend",
 }
 BACKEND_NAMES = ("auto",) + tuple(BACKEND_MODULES)
 
@@ -85,7 +85,7 @@ BACKEND_NAMES = ("auto",) + tuple(BACKEND_MODULES)
 def _module(name: str):
     module = importlib.import_module(BACKEND_MODULES[name])
     if not isinstance(module, Backend):
-        raise TypeError(f"{module.__name__} does not implement the Backend protocol (core/backends.py)")
+        raise TypeError(f"{module.__name__} does not implement the Backend protocol (core/registry.py)")
     return module
 
 
@@ -122,7 +122,7 @@ def status() -> dict:
 def resolve(backend: str, device: torch.device) -> str:
     """Map the user's ``backend`` argument to a concrete backend for tensors on ``device``.
 
-    ``"auto"``: on a CUDA device, the CUDA backend when it is built (cuBLAS products, 3-product eager
+    ``"auto"``: on a CUDA device, the CUDA backend when it is built (cuBLAS products, 3-product grad-in-forward
     path), else Triton, else torch; on any other device, torch (the Triton interpreter is a correctness
     tool, orders of magnitude slower than the tiled torch path on a CPU)."""
     if backend not in BACKEND_NAMES:
@@ -177,26 +177,6 @@ def _first_frame_outside_fusedloss() -> int:
 
 def _interpreting() -> bool:
     return config.interpreting_triton()
-
-
-# The memory a GPU backend sizes its workspace from, fixed for the process once a backend first runs on a
-# device, so that a backward recomputes in the chunks its forward used whatever the allocator does in between.
-_DEVICE_FREE: dict = {}
-
-
-def free_bytes(device: torch.device) -> Optional[int]:
-    """Memory free for torch on a CUDA device (the driver's free memory plus what torch's caching allocator
-    holds unused) the first time a backend runs there; None for other devices, and during a CUDA graph capture
-    before any (the plan then takes its default workspace)."""
-    if device.type != "cuda":
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _DEVICE_FREE:
-        if torch.cuda.is_current_stream_capturing():
-            return None
-        free, _ = torch.cuda.mem_get_info(index)
-        _DEVICE_FREE[index] = free + torch.cuda.memory_reserved(index) - torch.cuda.memory_allocated(index)
-    return _DEVICE_FREE[index]
 
 
 def device_gpu(device: torch.device) -> cost.GPUSpec:

@@ -1,4 +1,5 @@
-"""core/eager.py::scaled_gradient, the eager path's backward: the stored gradient times the incoming scalar,
+"""core/grad_in_forward.py::scaled_gradient, the grad-in-forward path's backward: the stored gradient times the incoming
+scalar,
 rounded once, the scalar never rounded to the gradient's half precision."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedloss.core.eager import scaled_gradient
+from fusedloss.core.grad_in_forward import scaled_gradient
 
 
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16, torch.float16])

@@ -15,8 +15,8 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from . import columns, partials
-from .problem import (
+from ..core import columns, partials
+from ..core.problem import (
     COEF_CONST,
     COEF_KL_REV,
     COEF_LOGM,
@@ -136,7 +136,7 @@ def _guarded_row_sum(prob, log_ratio, careful):
 
 def _student_partials(z: torch.Tensor, zc_out: torch.Tensor, scratch: Scratch):
     """The student's side of a tile's partials: ``(part, first_max, zc, ez)``, with zc = z - m written into
-    ``zc_out`` (``z`` itself on the eager fast route, which consumes its tile) and ez = e^zc in
+    ``zc_out`` (``z`` itself on the grad-in-forward fast route, which consumes its tile) and ez = e^zc in
     ``scratch("ez")``. The other fields of ``part`` are their empty values."""
     rows, cols = z.shape
     zero = torch.zeros(rows, device=z.device, dtype=z.dtype)
@@ -338,7 +338,7 @@ def jsd_sums(p: StatsProblem, lse: tuple, lse_t: tuple) -> tuple:
 
 
 class ExpFrame(NamedTuple):
-    """What the eager path's forward leaves of a whole-row tile for its gradient: ``ez`` = exp(z - m) with the
+    """What the grad-in-forward path's forward leaves of a whole-row tile for its gradient: ``ez`` = exp(z - m) with the
     first maximum's column set to 0 (``_tile_partials``'s buffer, consumed), that column ``first_max``
     ([rows, 1]) and ``inv_s`` = 1 / s ([rows]), so that q = ez / s is one multiply away."""
 
@@ -349,7 +349,8 @@ class ExpFrame(NamedTuple):
 
 
 def _fast_route(p: StatsProblem) -> bool:
-    """Whether an eager chunk takes the fast route on this problem (``_eager_partials``, ``_dz_from_frame``):
+    """Whether a grad-in-forward chunk takes the fast route on this problem (``_grad_in_forward_partials``,
+    ``_dz_from_frame``):
     on a CPU, for the statistics and terms it forms. Log q per column (entropy, the JSD's mixture), the
     teacher's probabilities (forward KL), the forward-only metrics, the mean logit and the soft-cap's chain
     rule (which needs the capped logits) take the general route, and so do other devices: the fast route's
@@ -359,7 +360,7 @@ def _fast_route(p: StatsProblem) -> bool:
         or p.transform.softcap is not None)
 
 
-def _eager_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem, tgt, scratch: Scratch):
+def _grad_in_forward_partials(z: torch.Tensor, zt: Optional[torch.Tensor], p: StatsProblem, tgt, scratch: Scratch):
     """(partials, ``ExpFrame``, kl_ratio) of a whole-row tile on the fast route, consuming ``z`` and ``zt``
     (the tiles' own buffers become z - m and z_t - z_t[first max]): the statistics ``_tile_partials`` gives,
     in fewer passes over the tile. The teacher's sum is taken relative to its logit at the student's first
@@ -399,12 +400,12 @@ def _dz_from_frame(p: StatsProblem, coeffs, norms: RowNorms, tgt, frame: ExpFram
     passes over the tile with a reverse KL (r - KL; times c2 / s; plus (c0 - a) / s; times ez), 1 without,
     against 7 and 4. The scaling by 1 / s is per row and comes after the difference r - KL is formed, so inner
     keeps the digits the general route keeps (docs/design.md, "The dz formula"). ``kl_ratio`` (the reverse
-    KL's, from ``_eager_partials``) is consumed. A row this cannot form exactly (an infinite or NaN column:
+    KL's, from ``_grad_in_forward_partials``) is consumed. A row this cannot form exactly (an infinite or NaN column:
     0 x inf) comes back non-finite, and the caller forms it again on the general route."""
     a = coeffs[COEF_ONEHOT]
     base = coeffs[COEF_CONST] - a  # off the target, a ([j=y] - q_j) is -a q_j
     inv_s = frame.inv_s
-    if tgt is not None:  # every column is in the tile, and an eager chunk's rows all have a target >= 0
+    if tgt is not None:  # every column is in the tile, and a grad-in-forward chunk's rows all have a target >= 0
         idx = tgt[:, None]
         logq_y = (frame.target_logit - norms.lse) - norms.lse_lo
         q_y = torch.exp(logq_y)
@@ -456,11 +457,11 @@ def logits_gradient_tile(p: StatsProblem, z, c, zt, coeffs, norms: RowNorms, tgt
                          scratch: Optional[Scratch] = None, kl_ratio: Optional[torch.Tensor] = None,
                          named: Optional[Named] = None):
     """dx for one tile: the generic dz of problem.py, then the chain rule through temperature, soft-cap and
-    logit_scale. Shared by the eager and the recompute paths. ``norms``: the tile's rows' ``RowNorms``.
+    logit_scale. Shared by the grad-in-forward and the recompute paths. ``norms``: the tile's rows' ``RowNorms``.
     Terms whose coefficients the problem cannot produce are not formed (a cross-entropy tile is exp, one
     multiply and the target column), and the passes run in place, on ``z`` (the caller's tile, consumed) and
     on the call's ``scratch`` buffers: on a CPU these elementwise passes, not the products, set the time.
-    ``kl_ratio``: (z - row_max) - (z_t - teacher_at_max) of this tile if the caller formed it (the eager
+    ``kl_ratio``: (z - row_max) - (z_t - teacher_at_max) of this tile if the caller formed it (the grad-in-forward
     path's forward did), used on the rows where both maxima are finite (the same operations, so the same
     bits). ``named``: the rows' named columns, whose dz is given (core/columns.py) and written in place of the
     formula's before the teacher and uniform terms."""
@@ -623,38 +624,39 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     return dh, dw, db
 
 
-# The eager path holds every logits row of a chunk at once; about six [rows, V] fp32 temporaries are
+# The grad-in-forward path holds every logits row of a chunk at once; about six [rows, V] fp32 temporaries are
 # alive while dz is formed. 256 MiB bounds them whatever N is.
-EAGER_WORKSPACE_BYTES = 256 * 2**20
+GRAD_IN_FORWARD_WORKSPACE_BYTES = 256 * 2**20
 
 
-def eager_pays(p: StatsProblem) -> bool:
+def grad_in_forward_pays(p: StatsProblem) -> bool:
     """Always, now that the tile passes run in place: measured on a shared 2-core CPU (fp32, N=2048,
     V=32768, D=512, forward+backward, fastest of 3, ``benchmarks/portable_ratio.py``), cross-entropy took
-    1.16x its 3 products on the eager path against 1.65x on the composable one (with a teacher the eager path
+    1.16x its 3 products on the grad-in-forward path against 1.65x on the composable one (with a teacher the
+    grad-in-forward path
     also saves the recompute of both heads). On a GPU the products set the time, so the path that needs
     fewer of them is taken there too."""
     return True
 
 
-def eager_rows(p: StatsProblem) -> int:
-    """Rows per eager chunk: within the workspace budget, and at most an eighth of the batch, so that a
+def grad_in_forward_rows(p: StatsProblem) -> int:
+    """Rows per grad-in-forward chunk: within the workspace budget, and at most an eighth of the batch, so that a
     small batch never holds more than the materialised logits would (measured: at N=512, V=32003 one
     full-budget chunk took 255 MiB against the reference's 156 MiB)."""
     per_row = 6 * p.weight.shape[0] * torch.finfo(p.acc_dtype).bits // 8 * (2 if p.has_teacher else 1)
     by_batch = max(32, -(-p.hidden.shape[0] // 8))
-    return max(1, min(ROW_CHUNK, by_batch, EAGER_WORKSPACE_BYTES // per_row))
+    return max(1, min(ROW_CHUNK, by_batch, GRAD_IN_FORWARD_WORKSPACE_BYTES // per_row))
 
 
-def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
-    """3-product path (fusedloss/core/eager.py): for each chunk of rows, the full [rows, V] logits are
+def grad_in_forward_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
+    """3-product path (fusedloss/core/grad_in_forward.py): for each chunk of rows, the full [rows, V] logits are
     formed once, give the statistics, the loss's coefficients and the gradients, and are dropped.
     Returns the loss and the gradients in the accumulation dtype (cast after the backward's scaling)."""
     acc = p.acc_dtype
     n, v = p.hidden.shape[0], p.weight.shape[0]
     dev = p.hidden.device
     # Ignored rows (prompt tokens, padding) cost nothing: the valid rows are gathered once and chunked (the
-    # eager path hands over only valid rows already, core/eager.py; a direct caller may not).
+    # grad-in-forward path hands over only valid rows already, core/grad_in_forward.py; a direct caller may not).
     active = valid_rows(p)
     q = p if active is None else gathered_rows(p, active)
     count = q.hidden.shape[0]
@@ -665,7 +667,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
     db = torch.zeros(v, device=p.weight.device, dtype=acc) if needs.bias else None
     w_acc = p.weight.to(acc)
     loss = torch.zeros((), device=dev, dtype=acc)
-    step = eager_rows(p)
+    step = grad_in_forward_rows(p)
     scratch = Scratch(dev, acc)
     fast = _fast_route(q)
     for r0 in range(0, count, step):
@@ -678,7 +680,7 @@ def eager_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
         out = dict(zip(Statistics._fields, torch.zeros((len(Statistics._fields), m), device=dev,
                                                        dtype=acc).unbind(0)))
         if fast:
-            part, frame, kl_ratio = _eager_partials(z, zt, q, tgt, scratch)
+            part, frame, kl_ratio = _grad_in_forward_partials(z, zt, q, tgt, scratch)
         else:
             part = _tile_partials(z, zt, q, tgt, 0, v, scratch)
             kl_ratio = scratch("d", m, v) if q.want_kl_rev else None  # left there by _tile_partials

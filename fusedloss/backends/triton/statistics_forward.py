@@ -8,12 +8,12 @@ programs fill whole waves of the GPU whatever the number of tokens (``backend.fo
 program writes its partial statistics, relative to its own maxima, to ``part[field, k, row]`` in the order
 of ``core/partials.FIELDS``, and ``core/partials.merge`` combines the splits exactly.
 
-With ``F.STORE_LOGITS`` (the eager path) the tile is also kept in a workspace: c (the capped logits), for the
-teacher fold and the gradient pass that follow without forming the product again. The eager path's teacher is
+With ``F.STORE_LOGITS`` (the grad-in-forward path) the tile is also kept in a workspace: c (the capped logits), for the
+teacher fold and the gradient pass that follow without forming the product again. The grad-in-forward path's teacher is
 no product here: cuBLAS wrote its raw logits x_t beside c, and with ``F.TEACHER_AT_MAX`` (a reverse KL) the
 kernel keeps in ztm's slot only where the teacher's logit at its rows' first maximum column is to be read (the
 first column of the tile holding that maximum, ``tile_math.online_update``); ``teacher_fold`` reads it there and
-forms the teacher's statistics once the student's are final (docs/design.md, "The Triton teacher on the eager
+forms the teacher's statistics once the student's are final (docs/design.md, "The Triton teacher on the grad-in-forward
 path").
 
 With ``F.HAS_COLUMNS`` the kernel also stores the logits at the rows' named columns (``named``; core/columns.py)

@@ -9,9 +9,10 @@ of the chunk's loss with respect to them (autograd on the loss module's own per-
 is still written once), forms dz and accumulates d hidden, d weight, d bias right away: 3 products, no
 recompute. The backward then only scales the stored gradients by the incoming scalar gradient.
 
-Backends opt in with ``eager_gradients(problem, chunk_fn, needs)``; the loss modules call
-``eager_loss`` only through ``fusedloss.losses.implicit_logits.ImplicitLogits.row_local_loss``, which falls back to the
-composable op when the backend has no eager path, when no gradient is needed, or under torch.compile
+Backends opt in with ``grad_in_forward_gradients(problem, chunk_fn, needs)``; the loss modules call
+``grad_in_forward_loss`` only through ``fusedloss.losses.implicit_logits.ImplicitLogits.row_local_loss``, which falls
+back to the
+composable op when the backend has no grad-in-forward path, when no gradient is needed, or under torch.compile
 (a Python callback cannot live inside a compiled graph; the custom op can).
 """
 
@@ -23,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from .. import config
-from . import backends
+from . import registry
 from .problem import DeferredProduct, GradientNeeds, Statistics, StatsProblem, gathered_rows, valid_rows
 from .statistics import SECOND_ORDER_MESSAGE, autocast_off, dz_coefficients
 
@@ -64,7 +65,7 @@ def _chunk_function(row_loss: RowLoss, problem: StatsProblem, rows_of: Optional[
     return chunk_fn
 
 
-class _EagerLoss(torch.autograd.Function):
+class _GradInForwardLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, problem: StatsProblem, backend_name: str, row_loss: RowLoss,
                 needs: GradientNeeds):
@@ -75,7 +76,7 @@ class _EagerLoss(torch.autograd.Function):
         active = valid_rows(problem)
         kept = problem if active is None else gathered_rows(problem, active)
         with device, autocast_off(hidden.device):
-            loss, grads = backends.get(backend_name).eager_gradients(
+            loss, grads = registry.get(backend_name).grad_in_forward_gradients(
                 kept, _chunk_function(row_loss, kept, active), needs)
         # Saved (not kept on ctx) so that autograd frees them after the backward, and a second backward
         # without retain_graph=True raises as it does for any PyTorch graph. A deferred d weight saves its
@@ -107,7 +108,7 @@ class _EagerLoss(torch.autograd.Function):
 
 
 def scaled_gradient(g: torch.Tensor, grad_loss: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``g * grad_loss`` rounded once to ``dtype``, for a gradient ``g`` the eager path stored (fp32, float64,
+    """``g * grad_loss`` rounded once to ``dtype``, for a gradient ``g`` the grad-in-forward path stored (fp32, float64,
     or already in a half dtype when one product wrote it): one kernel that reads ``g`` once and writes the
     result once, no full-size intermediate. The scalar is expanded (a stride-0 view, not a 0-dim tensor), so
     that type promotion forms the product in fp32 (float64 for a float64 ``g``) and the incoming gradient is
@@ -128,44 +129,47 @@ def deferred_gradient(lhs: torch.Tensor, rhs: torch.Tensor, rows: torch.Tensor, 
 
 
 def formed(grads: tuple) -> tuple:
-    """A backend's ``eager_gradients`` gradients with a ``DeferredProduct`` formed at an incoming gradient of
+    """A backend's ``grad_in_forward_gradients`` gradients with a ``DeferredProduct`` formed at an incoming gradient of
     1 (what the backward computes for ``loss.backward()``): for callers that check the gradients themselves."""
     return tuple(deferred_gradient(g.lhs, g.rhs, g.rows, g.product, torch.ones((), device=g.rhs.device))
                  if isinstance(g, DeferredProduct) else g for g in grads)
 
 
-def supports_eager(backend_name: str) -> bool:
-    return backends.has_eager_path(backend_name)
+def supports_grad_in_forward(backend_name: str) -> bool:
+    return registry.has_grad_in_forward_path(backend_name)
 
 
-def eager_loss(problem: StatsProblem, backend_name: str, row_loss: RowLoss) -> torch.Tensor:
+def grad_in_forward_loss(problem: StatsProblem, backend_name: str, row_loss: RowLoss) -> torch.Tensor:
     """The scalar ``sum over row chunks of row_loss``, with gradients for hidden, weight and bias computed
     in the forward. The teacher (if any) is frozen."""
     needs = GradientNeeds(problem.hidden.requires_grad, problem.weight.requires_grad,
                           problem.bias is not None and problem.bias.requires_grad)
-    return _EagerLoss.apply(problem.hidden, problem.weight, problem.bias, problem, backend_name, row_loss, needs)
+    return _GradInForwardLoss.apply(problem.hidden, problem.weight, problem.bias, problem, backend_name, row_loss,
+                                    needs)
 
 
-def _forced(eager: Optional[bool]) -> Optional[bool]:
-    """The caller's ``eager=`` argument, else ``FUSEDLOSS_EAGER`` (fusedloss/config.py), else None."""
-    return config.from_environment().eager if eager is None else eager
+def _forced(grad_in_forward: Optional[bool]) -> Optional[bool]:
+    """The caller's ``grad_in_forward=`` argument, else ``FUSEDLOSS_GRAD_IN_FORWARD`` (fusedloss/config.py), else
+    None."""
+    return config.from_environment().grad_in_forward if grad_in_forward is None else grad_in_forward
 
 
-def pays(backend_name: str, problem: StatsProblem, eager: Optional[bool] = None) -> bool:
-    """The backend's own plan (``eager_pays(problem)``), if it has one; else yes. ``eager=True`` (or
-    ``FUSEDLOSS_EAGER=1``) forces the eager path, ``False`` (``0``) turns it off, None follows the plan."""
-    if _forced(eager):
+def pays(backend_name: str, problem: StatsProblem, grad_in_forward: Optional[bool] = None) -> bool:
+    """The backend's own plan (``grad_in_forward_pays(problem)``), if it has one; else yes. ``grad_in_forward=True`` (or
+    ``FUSEDLOSS_GRAD_IN_FORWARD=1``) forces the grad-in-forward path, ``False`` (``0``) turns it off, None follows the
+    plan."""
+    if _forced(grad_in_forward):
         return True
-    policy = backends.eager_policy(backend_name)
+    policy = registry.grad_in_forward_policy(backend_name)
     return True if policy is None else bool(policy(problem))
 
 
-def want_eager(backend_name: str, hidden: torch.Tensor, weight: torch.Tensor, bias,
-               eager: Optional[bool] = None) -> bool:
-    """The eager path can apply: a gradient will be asked for and the backend has one (``pays`` decides)."""
-    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or _forced(eager) is False:
+def want_grad_in_forward(backend_name: str, hidden: torch.Tensor, weight: torch.Tensor, bias,
+               grad_in_forward: Optional[bool] = None) -> bool:
+    """The grad-in-forward path can apply: a gradient will be asked for and the backend has one (``pays`` decides)."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled() or _forced(grad_in_forward) is False:
         return False
     if hidden.device.type == "meta":  # no data to compute on: the composable op's fake gives the shapes
         return False
     wants_grad = hidden.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
-    return wants_grad and supports_eager(backend_name)
+    return wants_grad and supports_grad_in_forward(backend_name)

@@ -1,6 +1,7 @@
-"""The eager path's dz coefficients, bit for bit as the materialised form gives them.
+"""The grad-in-forward path's dz coefficients, bit for bit as the materialised form gives them.
 
-``core/eager.py`` gives each statistic its own leaf, so autograd returns None for the statistics a loss does not
+``core/grad_in_forward.py`` gives each statistic its own leaf, so autograd returns None for the statistics a loss does
+not
 use, and ``dz_coefficients`` skips the arithmetic they would feed. The reference here is that form written out:
 one stacked leaf, ``materialize_grads=True`` (zero rows for the unused statistics) and the coefficients formed
 from every row. Both must agree in every bit, signed zeros included (-(0.0) is -0.0 in c1 and c3 where the
@@ -17,11 +18,12 @@ import pytest
 import torch
 
 import fusedloss
-from fusedloss.core import backends, eager, torch_backend
+from fusedloss.backends import torch as torch_backend
+from fusedloss.backends.cuda import backend as cuda
+from fusedloss.backends.triton import plan as tb_plan
+from fusedloss.core import grad_in_forward, registry
 from fusedloss.core.problem import Statistics
 from fusedloss.core.statistics import dz_coefficients
-from fusedloss.cuda import backend as cuda
-from fusedloss.triton import backend as tb
 
 FIELDS = Statistics._fields
 # the statistics whose gradients enter the coefficients
@@ -197,21 +199,22 @@ CASES = ["cross_entropy", "grpo_entropy", "reverse_kl_hard", "forward_kl", "jsd"
 
 
 def _row_losses(case: str, monkeypatch):
-    """The (row_loss, problem) pairs the loss hands the eager path (torch backend, eager forced)."""
+    """The (row_loss, problem) pairs the loss hands the grad-in-forward path (torch backend, grad-in-forward forced)."""
     seen = []
-    real = eager._chunk_function
+    real = grad_in_forward._chunk_function
 
     def recording(row_loss, problem, rows_of=None):
         seen.append((row_loss, problem))
         return real(row_loss, problem, rows_of)
 
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
-    # the whole batch, ignored rows included, reaches the chunk function (tests/test_eager_ignored_rows.py pins
-    # that the eager path gathers them away first)
-    monkeypatch.setattr(eager, "valid_rows", lambda problem: None)
-    monkeypatch.setattr(eager, "_chunk_function", recording)
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
+    # the whole batch, ignored rows included, reaches the chunk function (tests/test_grad_in_forward_ignored_rows.py
+    # pins
+    # that the grad-in-forward path gathers them away first)
+    monkeypatch.setattr(grad_in_forward, "valid_rows", lambda problem: None)
+    monkeypatch.setattr(grad_in_forward, "_chunk_function", recording)
     _loss(case, "torch", _inputs()).backward()
-    monkeypatch.setattr(eager, "_chunk_function", real)
+    monkeypatch.setattr(grad_in_forward, "_chunk_function", real)
     assert len(seen) == 1, case
     return seen[0]
 
@@ -219,7 +222,7 @@ def _row_losses(case: str, monkeypatch):
 @pytest.mark.parametrize("case", CASES)
 def test_the_losses_chunk_coefficients_are_the_materialised_bits(case, monkeypatch):
     row_loss, problem = _row_losses(case, monkeypatch)
-    new, old = eager._chunk_function(row_loss, problem), _old_chunk_function(row_loss, problem)
+    new, old = grad_in_forward._chunk_function(row_loss, problem), _old_chunk_function(row_loss, problem)
     n, dtype = problem.hidden.shape[0], problem.hidden.dtype
     gen = torch.Generator().manual_seed(7)
     ordinary = Statistics(*(torch.randn(n, generator=gen, dtype=dtype) for _ in FIELDS))
@@ -264,20 +267,20 @@ def _backend_names():
 
 @pytest.mark.parametrize("backend_name", _backend_names())
 @pytest.mark.parametrize("case", ["cross_entropy", "reverse_kl_hard"])
-def test_eager_gradients_are_the_materialised_bits(backend_name, case, monkeypatch):
+def test_grad_in_forward_gradients_are_the_materialised_bits(backend_name, case, monkeypatch):
     """Whole calls in three row chunks: the loss and every gradient equal bit for bit."""
-    monkeypatch.setenv("FUSEDLOSS_EAGER", "1")
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
     kw = {}
     if backend_name == "cuda":  # the CUDA backend's code on CPU tensors (its host twins)
-        real = backends.resolve
-        monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
+        real = registry.resolve
+        monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
     elif backend_name == "torch":
-        monkeypatch.setattr(torch_backend, "eager_rows", lambda p: 8)
+        monkeypatch.setattr(torch_backend, "grad_in_forward_rows", lambda p: 8)
     else:
-        kw["workspace_mb"] = 8 * tb.eager_row_bytes(V, "float32", case != "cross_entropy") / 2**20
+        kw["workspace_mb"] = 8 * tb_plan.grad_in_forward_row_bytes(V, "float32", case != "cross_entropy") / 2**20
     results = {}
-    for label, fn in (("new", eager._chunk_function), ("old", _old_chunk_function)):
-        monkeypatch.setattr(eager, "_chunk_function", fn)
+    for label, fn in (("new", grad_in_forward._chunk_function), ("old", _old_chunk_function)):
+        monkeypatch.setattr(grad_in_forward, "_chunk_function", fn)
         calls = []
         real_fn = fn
 
@@ -292,9 +295,9 @@ def test_eager_gradients_are_the_materialised_bits(backend_name, case, monkeypat
 
             return counted
 
-        monkeypatch.setattr(eager, "_chunk_function", counting)
+        monkeypatch.setattr(grad_in_forward, "_chunk_function", counting)
         inputs = _inputs(3)
-        with cuda.override_plan(eager_rows=8):
+        with cuda.override_plan(grad_in_forward_rows=8):
             loss = _loss(case, backend_name, inputs, **kw)
             loss.backward()
         results[label] = (loss.detach(), inputs[1].grad, inputs[2].grad)

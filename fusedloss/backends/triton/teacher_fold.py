@@ -1,6 +1,6 @@
-"""Eager path: the teacher's statistics from the kept tiles, once the student's are final.
+"""Grad-in-forward path: the teacher's statistics from the kept tiles, once the student's are final.
 
-On the eager path the teacher's raw logits x_t come from cuBLAS (one fp32-output product per row chunk) into
+On the grad-in-forward path the teacher's raw logits x_t come from cuBLAS (one fp32-output product per row chunk) into
 the workspace beside the student's capped logits c, which the student's forward kept. This elementwise kernel
 sweeps both, a grouped (row block, vocabulary split) grid over the tiles of the gradient pass's layout, and
 forms per row the teacher's partial statistics of ``core/partials.py``::

@@ -1,7 +1,7 @@
 """Backward kernel: d loss / d x for one [rows, vocabulary chunk] block of the logits, into a workspace.
 
 A 1-D grid over the (row block, vocabulary tile) pairs of the block, in grouped order. Each program forms
-its ``[BLOCK_M, BLOCK_V]`` tile of logits again (or, with ``F.LOAD_LOGITS``, reads the tile the eager
+its ``[BLOCK_M, BLOCK_V]`` tile of logits again (or, with ``F.LOAD_LOGITS``, reads the tile the grad-in-forward
 forward kept), turns it into dx with the per-row coefficients (``tile_math.logits_gradient``) and stores
 it: in the input dtype for bf16/fp16 (the rounding the naive path applies to its logits gradient), in the
 accumulation dtype otherwise. The backend then multiplies the workspace with cuBLAS,
@@ -17,7 +17,7 @@ teacher's (lse_t, lse_t_lo, teacher_at_max, kl_rev_rel) (``[4, N]``; the last tw
 column, the reverse KL's frame). Row blocks without any row that carries gradient write zeros and skip the
 product. ``named`` (``F.HAS_COLUMNS``): the named columns and their given dz (core/columns.py). ``F.HAS_DB``:
 each program also stores its tile's column sums of dx before the cast (``db_ptr``, ``[row blocks, columns]``),
-which the backend adds up in a fixed order for d bias. ``packed_gradient_kernel``: the eager path's
+which the backend adds up in a fixed order for d bias. ``packed_gradient_kernel``: the grad-in-forward path's
 half-precision dx written over the kept fp32 tile.
 """
 
@@ -117,7 +117,7 @@ def packed_gradient_kernel(
     named: Named, db_ptr, N, v_end, D, DT, stride_dx, stride_db,
     F: tl.constexpr, T: tl.constexpr, ACC: tl.constexpr,
 ):
-    """The eager path's dx in half precision written over the fp32 logits tile it is read from
+    """The grad-in-forward path's dx in half precision written over the fp32 logits tile it is read from
     (docs/design.md, "The logits workspace"): ``dx_ptr`` is the kept tile ``ws.hidden`` viewed as 16-bit
     elements with row stride ``stride_dx`` = 2 x its fp32 stride, so dx(r, j) overwrites bytes of fp32 column
     j / 2 of the same row. One program per row block walks its rows' columns in order, a tile at a time; the

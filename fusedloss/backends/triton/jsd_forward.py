@@ -2,7 +2,7 @@
 
 The mixture m = (1 - beta) q + beta p needs both normalisers, known only after the first pass
 (``statistics_forward``), so the JSD takes a second sweep over the same grouped (row block, vocabulary
-split) grid: it forms the products again, or (``F.LOAD_LOGITS``, the eager path) reads the tiles the first
+split) grid: it forms the products again, or (``F.LOAD_LOGITS``, the grad-in-forward path) reads the tiles the first
 pass kept. log m is formed in the log domain (no underflow for tiny q and p); terms with zero
 probability are dropped (0 * log 0 = 0). Plain sums: the splits merge by addition.
 """

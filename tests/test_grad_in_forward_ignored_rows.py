@@ -2,7 +2,8 @@
 
 A padded GRPO batch (a quarter or more of its completion positions masked) or a cross-entropy batch with prompt
 tokens ignored spends the ignored rows' share of all three GEMM-sized products for nothing unless the backend
-only sees the valid rows. These tests pin both halves: every backend's ``eager_gradients`` is handed only the valid
+only sees the valid rows. These tests pin both halves: every backend's ``grad_in_forward_gradients`` is handed only the
+valid
 rows, and the loss and every gradient equal those of the same loss on materialised float64 logits (ignored rows:
 exactly zero gradient).
 """
@@ -15,20 +16,20 @@ from conftest import rel_err
 
 import fusedloss
 from fusedloss import reference
-from fusedloss.core import backends
+from fusedloss.core import registry
 
 
 def _recording(monkeypatch, backend):
-    """Record the row count of every problem the backend's eager path is handed."""
+    """Record the row count of every problem the backend's grad-in-forward path is handed."""
     seen = []
-    module = backends.get(backend)
-    original = module.eager_gradients
+    module = registry.get(backend)
+    original = module.grad_in_forward_gradients
 
-    def eager_gradients(p, chunk_fn, needs):
+    def grad_in_forward_gradients(p, chunk_fn, needs):
         seen.append(p.hidden.shape[0])
         return original(p, chunk_fn, needs)
 
-    monkeypatch.setattr(module, "eager_gradients", eager_gradients)
+    monkeypatch.setattr(module, "grad_in_forward_gradients", grad_in_forward_gradients)
     return seen
 
 
@@ -53,7 +54,7 @@ def test_cross_entropy_sees_only_valid_rows(backend, device, dtype, monkeypatch)
     y = torch.randint(0, v, (n,), generator=torch.Generator().manual_seed(1)).to(device)
     y[[0, 4, 5, 11]] = -100
     seen = _recording(monkeypatch, backend)
-    loss = fusedloss.cross_entropy(h, w, y, backend=backend, eager=True)
+    loss = fusedloss.cross_entropy(h, w, y, backend=backend, grad_in_forward=True)
     loss.backward()
     assert seen == [n - 4]
 
@@ -77,7 +78,7 @@ def test_grpo_masked_positions_skip_the_products(backend, device, monkeypatch):
     mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], dtype=torch.bool, device=device)
     adv = torch.randn(b, generator=g).to(device)
     seen = _recording(monkeypatch, backend)
-    loss = fusedloss.grpo_loss(hidden, w, ids, adv, mask, backend=backend, eager=True)
+    loss = fusedloss.grpo_loss(hidden, w, ids, adv, mask, backend=backend, grad_in_forward=True)
     loss.backward()
     assert seen == [int(mask.sum())]
 
@@ -95,7 +96,7 @@ def test_every_row_ignored(backend, device):
     n, v, d = 7, 37, 19
     h, w = _head(n, v, d, torch.float32, device)
     y = torch.full((n,), -100, device=device)
-    loss = fusedloss.cross_entropy(h, w, y, backend=backend, eager=True)
+    loss = fusedloss.cross_entropy(h, w, y, backend=backend, grad_in_forward=True)
     loss.backward()
     assert loss.item() == 0.0
     assert torch.count_nonzero(h.grad).item() == 0
