@@ -115,22 +115,32 @@ def availability(name: str) -> str:
     return module.availability()
 
 
+@torch.compiler.assume_constant_result
+def _runs_dtype(name: str, dtype: Optional[torch.dtype]) -> bool:
+    """Whether backend ``name`` computes in ``dtype`` here (None: any); constant for a process like
+    ``availability``."""
+    refusal = getattr(_module(name), "dtype_refusal", None)
+    return dtype is None or refusal is None or refusal(dtype) is None
+
+
 def status() -> dict:
     return {name: availability(name) for name in BACKEND_MODULES}
 
 
-def resolve(backend: str, device: torch.device) -> str:
+def resolve(backend: str, device: torch.device, dtype: Optional[torch.dtype] = None) -> str:
     """Map the user's ``backend`` argument to a concrete backend for tensors on ``device``.
 
     ``"auto"``: on a CUDA device, the CUDA backend when it is built (cuBLAS products, 3-product grad-in-forward
     path), else Triton, else torch; on any other device, torch (the Triton interpreter is a correctness
-    tool, orders of magnitude slower than the tiled torch path on a CPU)."""
+    tool, orders of magnitude slower than the tiled torch path on a CPU). A backend that refuses the inputs'
+    ``dtype`` (the Triton backend's float64 before Triton 3.5) is passed over."""
     if backend not in BACKEND_NAMES:
         raise ValueError(f"backend must be one of {BACKEND_NAMES}, got {backend!r}")
     if backend == "auto":
         if device.type != "cuda":
             return "torch"
-        chosen = next((name for name in ("cuda", "triton") if availability(name) == "available"), "torch")
+        chosen = next((name for name in ("cuda", "triton")
+                       if availability(name) == "available" and _runs_dtype(name, dtype)), "torch")
         if chosen != "cuda":
             _warn_cuda_skipped(chosen)
         return chosen

@@ -173,7 +173,7 @@ class FusedChunkedLogProbFunction:
               logit_scale=1.0, outputs=_OPTIONAL_OUTPUTS):
         dtype = _compute_dtype(hidden)
         want = set(outputs)
-        backend = _backends.resolve(_state["backend"], hidden.device)
+        backend = _backends.resolve(_state["backend"], hidden.device, dtype)
         with torch.autocast(hidden.device.type, enabled=False):
             stats = _statistics(
                 hidden.to(dtype), weight, bias=bias,
@@ -208,7 +208,7 @@ class FusedChunkedDivergenceFunction:
               teacher_logit_scale=1.0, teacher_final_logit_softcapping=None):
         s_dtype, t_dtype = _compute_dtype(student_hidden), _compute_dtype(teacher_hidden)
         beta = float(beta)
-        backend = _backends.resolve(_state["backend"], student_hidden.device)
+        backend = _backends.resolve(_state["backend"], student_hidden.device, s_dtype)
         teacher = TeacherHead(teacher_hidden.to(t_dtype), _cast(teacher_weight, t_dtype), _cast(teacher_bias, t_dtype),
                               float(temperature), float(teacher_logit_scale),
                               None if teacher_final_logit_softcapping is None

@@ -153,7 +153,7 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
     v.require_real("softcap", softcap, positive=True, allow_none=True)
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string, one of {registry.BACKEND_NAMES}, got {backend!r}")
-    name = registry.resolve(backend, device)
+    name = registry.resolve(backend, device, hidden.dtype)
     lead = tuple(hidden.shape[:-1])
     return ImplicitLogits(hidden=_rows_contiguous(hidden.reshape(-1, hidden.shape[-1])),
                           weight=_rows_contiguous(weight), bias=None if bias is None else bias.contiguous(),

@@ -472,12 +472,21 @@ def _gradient_flags(p: StatsProblem, load: bool, column_sums: bool = False):
                     LOAD_LOGITS=load, HAS_COLUMNS=p.columns is not None, HAS_DB=column_sums)
 
 
-def _check_inputs(p: StatsProblem) -> None:
-    if p.hidden.dtype == torch.float64:
+def dtype_refusal(dtype: torch.dtype) -> Optional[str]:
+    """Why the installed Triton cannot compute in ``dtype``, or None (``backend="auto"`` then passes this
+    backend over)."""
+    if dtype == torch.float64:
         version, parts = _triton_version()
         if parts < TRITON_FLOAT64:
-            raise TypeError(f"triton backend: float64 hidden needs triton>={TRITON_FLOAT64[0]}.{TRITON_FLOAT64[1]} "
-                            f"(its float64 tl.dot), installed {version}; use backend='torch' for float64")
+            return (f"triton backend: float64 hidden needs triton>={TRITON_FLOAT64[0]}.{TRITON_FLOAT64[1]} "
+                    f"(its float64 tl.dot), installed {version}; use backend='torch' for float64")
+    return None
+
+
+def _check_inputs(p: StatsProblem) -> None:
+    refusal = dtype_refusal(p.hidden.dtype)
+    if refusal:
+        raise TypeError(refusal)
     for name in ("hidden", "weight", "teacher_hidden", "teacher_weight"):
         t = getattr(p, name)
         if t is not None and t.dim() == 2 and t.shape[1] > 1 and t.stride(1) != 1:
