@@ -70,7 +70,8 @@ for _site in (os.environ.get("FUSEDLOSS_PEER_SITE"), str(ROOT / ".carry" / "peer
 FUSED_BACKENDS = ("torch", "triton", "cuda", "auto")
 ALL_IMPLS = ("reference", "reference+compile") + tuple(f"fusedloss:{b}" for b in FUSED_BACKENDS) + (
     "torch-lce", "trl", "liger", "cce")
-OP_ORDER = ("token_logprobs", "cross_entropy", "grpo_loss", "dpo_loss", "distillation_loss")
+OP_ORDER = ("token_logprobs", "cross_entropy", "grpo_loss", "dpo_loss", "distillation_loss", "topk_logprobs",
+            "multi_teacher_distillation")
 # relative cost of one call of an op (a teacher doubles the products): the progress estimate's weights
 OP_WEIGHT = {"distillation_loss": 2.0}
 # seconds past --budget-s after which a worker is stopped (its case in flight recorded as skipped)
@@ -187,10 +188,9 @@ def make_impl(name: str, op: str, device, compile_mode: str = "default"):
 
     if name == "reference" or name == "reference+compile":
         try:
-            from fusedloss import reference as R
+            fn = cases.reference_function(op)
         except Exception as exc:
             return None, f"fusedloss.reference not importable: {exc}"
-        fn = getattr(R, op)
         if name == "reference+compile":
             import torch
 
@@ -201,7 +201,7 @@ def make_impl(name: str, op: str, device, compile_mode: str = "default"):
         try:
             import fusedloss
 
-            fn = getattr(fusedloss, op)
+            fn = getattr(fusedloss, cases.FUNCTION.get(op, op))
             status = fusedloss.backend_status()
         except Exception as exc:
             return None, f"fusedloss public API not importable: {type(exc).__name__}: {exc}"
@@ -265,7 +265,8 @@ def _one_run(impl, p, device, mem=None) -> Run:
         e0.record()
         loss, outs = impl(p, h, w)
         e1.record()
-        loss.backward()
+        if loss.requires_grad:  # the teacher top-k has no backward
+            loss.backward()
         e2.record()
         clock = sm_clock_mhz(device)
         torch.cuda.synchronize()
@@ -274,7 +275,8 @@ def _one_run(impl, p, device, mem=None) -> Run:
         t0 = time.perf_counter()
         loss, outs = impl(p, h, w)
         t1 = time.perf_counter()
-        loss.backward()
+        if loss.requires_grad:
+            loss.backward()
         fwd, bwd = (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3
     extra = None
     grads = {"hidden": h.grad, "weight": w.grad}
@@ -1252,7 +1254,8 @@ def parse_args(argv=None):
                                      f"{k}: N={v['N']}, V={v['V']}, D={v['D']}"
                                      for k, v in _presets().items() if k != "acceptance"))
     ap.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
-    ap.add_argument("--ops", nargs="+", default=None, help=f"default: all of {', '.join(OP_ORDER)}")
+    ap.add_argument("--ops", nargs="+", default=None,
+                    help=f"default: all of {', '.join(OP_ORDER[:5])}; also {', '.join(OP_ORDER[5:])}")
     ap.add_argument("--impls", nargs="+", default=None,
                     help=f"subset of {', '.join(ALL_IMPLS)} (default: every one that can run here, with "
                          "fusedloss:auto folded into the backend it picks; reference+compile with --compile)")
@@ -1413,8 +1416,8 @@ def main(argv=None) -> int:
     dtype = args.dtype or ("bfloat16" if gpu else "float32")
     ops = args.ops or list(cases.OPS)
     for op in ops:
-        if op not in cases.OPS:
-            print(f"unknown op {op!r}; expected some of {cases.OPS}", file=sys.stderr)
+        if op not in cases.ALL_OPS:
+            print(f"unknown op {op!r}; expected some of {cases.ALL_OPS}", file=sys.stderr)
             return 2
     explicit = args.impls is not None
     impls = list(args.impls) if explicit else [i for i in ALL_IMPLS if i != "reference+compile"]

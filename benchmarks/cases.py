@@ -21,6 +21,11 @@ from typing import Callable, Dict, Optional
 import torch
 
 OPS = ("token_logprobs", "cross_entropy", "grpo_loss", "dpo_loss", "distillation_loss")
+# Run when named (--ops): a teacher's top-k log-probs from its hidden states (no gradient), and distillation from
+# three teachers of different widths, one per block of rows. Not in the default run.
+EXTRA_OPS = ("topk_logprobs", "multi_teacher_distillation")
+ALL_OPS = OPS + EXTRA_OPS
+FUNCTION = {"multi_teacher_distillation": "distillation_loss"}  # the public function of an op, where named otherwise
 
 # (N list, V, D) per preset. V values are deliberately not multiples of any tile size on CPU.
 PRESETS = {
@@ -39,6 +44,9 @@ PRESETS["acceptance"] = PRESETS["headline"]  # the name earlier result files and
 GRPO_BETA = 0.04
 DPO_BETA = 0.1
 DISTILL_BETA = 1.0
+TOPK_K = 20
+# (width as a fraction of D, logit transforms) of the multi-teacher op's three teachers
+TEACHERS = ((1.0, {}), (0.5, {"softcap": 30.0}), (1.5, {"temperature": 2.0}))
 IGNORE = -100
 LOGIT_STD = 2.0  # std of the logits: moderately peaked softmax, like a trained head
 
@@ -81,12 +89,12 @@ def _gen(seed: int, device: torch.device) -> torch.Generator:
 def make_problem(op: str, n: int, v: int, d: int, dtype: torch.dtype, device, seed: int = 0) -> Problem:
     """Deterministic inputs: generated in fp32 on ``device`` from ``seed`` (so values differ between a CPU
     and a GPU run, never between two runs on one device), then rounded to ``dtype``."""
-    if op not in OPS:
-        raise ValueError(f"unknown op {op!r}; expected one of {OPS}")
+    if op not in ALL_OPS:
+        raise ValueError(f"unknown op {op!r}; expected one of {ALL_OPS}")
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    g = _gen(seed * 7919 + OPS.index(op), device)
+    g = _gen(seed * 7919 + ALL_OPS.index(op), device)
     p = Problem(op, n, v, d, dtype, device)
     _randn, _randint, _rand = torch.randn, torch.randint, torch.rand
 
@@ -123,6 +131,19 @@ def make_problem(op: str, n: int, v: int, d: int, dtype: torch.dtype, device, se
         put("weight", weight)
         put("teacher_hidden", 0.8 * hidden + 0.6 * randn(n, d, generator=g))
         put("teacher_weight", weight + 0.5 * (LOGIT_STD / math.sqrt(d)) * randn(v, d, generator=g))
+    elif op == "topk_logprobs":
+        put("hidden", hidden)
+        put("weight", weight)
+    elif op == "multi_teacher_distillation":
+        put("hidden", hidden)
+        put("weight", weight)
+        # contiguous blocks of rows (prompts routed to their expert); each teacher ships only its rows
+        index = (arange(n) * len(TEACHERS)) // n
+        p.t["teacher_index"] = index
+        for i, (frac, _) in enumerate(TEACHERS):
+            d_t, rows = max(1, int(frac * d)), int((index == i).sum())
+            put(f"teacher{i}_hidden", randn(rows, d_t, generator=g))
+            put(f"teacher{i}_weight", (LOGIT_STD / math.sqrt(d_t)) * randn(v, d_t, generator=g))
     elif op == "grpo_loss":
         c = seq_len(n)
         b = max(1, n // c)
@@ -201,7 +222,60 @@ def call_op(fn: Callable, p: Problem, h: torch.Tensor, w: torch.Tensor, **extra)
     if p.op == "distillation_loss":
         loss = fn(h, w, t["teacher_hidden"], t["teacher_weight"], beta=DISTILL_BETA, **extra)
         return loss, {"loss": loss}
+    if p.op == "topk_logprobs":
+        top = fn(h, w, TOPK_K, **extra)
+        # no gradient: the "loss" is a constant (the harness skips its backward)
+        return top.logprobs.sum(), {"logprobs": top.logprobs}
+    if p.op == "multi_teacher_distillation":
+        loss = fn(h, w, teachers=teachers(p), teacher_index=t["teacher_index"], beta=DISTILL_BETA, **extra)
+        return loss, {"loss": loss}
     raise ValueError(p.op)
+
+
+def teachers(p: Problem, dtype=None) -> list:
+    from fusedloss import Teacher
+
+    def cast(x):
+        return x if dtype is None else x.to(dtype)
+
+    return [Teacher(cast(p.t[f"teacher{i}_hidden"]), cast(p.t[f"teacher{i}_weight"]), **kw)
+            for i, (_, kw) in enumerate(TEACHERS)]
+
+
+def naive_topk_logprobs(h, w, k, **_):
+    """The materialised pipeline a teacher server runs without fusedloss: log_softmax of the logits, then
+    ``torch.topk``."""
+    from fusedloss.types import TopK
+
+    with torch.no_grad():
+        lp = torch.log_softmax((h @ w.T).float(), dim=-1)
+        values, ids = lp.topk(k, dim=-1)
+    return TopK(ids=ids, logprobs=values)
+
+
+def loop_over_teachers(h, w, *, teachers, teacher_index, beta, **_):
+    """Multi-teacher distillation without fusedloss: per teacher, its rows' student and teacher logits
+    materialised (``fusedloss.reference.distillation_loss``), the per-teacher sums added."""
+    from fusedloss import reference
+
+    flat = teacher_index.reshape(-1)
+    total = h.new_zeros((), dtype=torch.float32 if h.dtype != torch.float64 else h.dtype)
+    for i, t in enumerate(teachers):
+        rows = (flat == i).nonzero().squeeze(1)
+        total = total + reference.distillation_loss(
+            h.index_select(0, rows), w, t.hidden, t.weight, beta=beta, teacher_bias=t.bias,
+            teacher_logit_scale=t.logit_scale, teacher_softcap=t.softcap,
+            temperature=1.0 if t.temperature is None else t.temperature, reduction="sum")
+    return total / flat.numel()
+
+
+def reference_function(op: str) -> Callable:
+    """What the benchmark's "reference" implementation calls for ``op``: ``fusedloss.reference``'s function,
+    except the materialised pipelines users run for the teacher top-k and for several teachers."""
+    from fusedloss import reference
+
+    return {"topk_logprobs": naive_topk_logprobs,
+            "multi_teacher_distillation": loop_over_teachers}.get(op) or getattr(reference, op)
 
 
 def reference64(p: Problem, progress: Optional[Callable[[int, int], None]] = None):
@@ -255,6 +329,29 @@ def reference64(p: Problem, progress: Optional[Callable[[int, int], None]] = Non
             run(slice(r0, r0 + rows),
                 lambda hc, sl: (R.distillation_loss(hc, w64, th64[sl], tw64, beta=DISTILL_BETA, reduction="sum")
                                 / p.N, {}))
+        outputs = {"loss": total}
+    elif p.op == "topk_logprobs":
+        w64.requires_grad_(False)
+        lps = []
+        for r0 in range(0, p.N, rows):
+            lps.append(R.topk_logprobs(h_all[r0:r0 + rows], w64, TOPK_K).logprobs)
+            tick()
+        return {"logprobs": torch.cat(lps)}, {}
+    elif p.op == "multi_teacher_distillation":
+        flat = t["teacher_index"]
+        for i, teacher in enumerate(teachers(p, torch.float64)):
+            ids = (flat == i).nonzero().squeeze(1)
+            for r0 in range(0, ids.numel(), rows):
+                sl = ids[r0:r0 + rows]
+                hc = h_all.index_select(0, sl).detach().requires_grad_(True)
+                loss = R.distillation_loss(hc, w64, teacher.hidden[r0:r0 + rows], teacher.weight,
+                                           teacher_softcap=teacher.softcap, beta=DISTILL_BETA, reduction="sum",
+                                           temperature=1.0 if teacher.temperature is None else teacher.temperature
+                                           ) / p.N
+                loss.backward()
+                dh.index_copy_(0, sl, hc.grad)
+                total = total + loss.detach()
+                tick()
         outputs = {"loss": total}
     elif p.op == "grpo_loss":
         b, c = t["completion_ids"].shape

@@ -14,8 +14,9 @@ Three ways in, from the least code to the most control:
 3. The functional API, from the hidden states and the head's weight: ``token_logprobs``, ``cross_entropy``,
    ``distillation_loss``, ``sparse_distillation_loss``, ``grpo_loss``, ``dpo_loss``, ``kto_loss``,
    ``orpo_loss``, ``cpo_loss``; ``group_advantages`` for GRPO's advantages; ``topk_logprobs`` for a
-   teacher's top-k log-probs (the input of ``sparse_distillation_loss``). ``fusedloss.nn`` wraps each loss
-   as a ``torch.nn.Module``.
+   teacher's top-k log-probs (the input of ``sparse_distillation_loss``), ``multi_teacher_topk_logprobs`` and
+   ``distillation_loss(..., teachers=[Teacher(...), ...], teacher_index=...)`` for several teachers.
+   ``fusedloss.nn`` wraps each loss as a ``torch.nn.Module``.
 
 ``backend_status()`` says which backends (torch, Triton, CUDA) run here and why not; ``release_workspace()``
 frees the workspace the CUDA backend keeps between calls; ``estimate`` says what
@@ -32,13 +33,14 @@ from .losses import (
     group_advantages,
     grpo_loss,
     kto_loss,
+    multi_teacher_topk_logprobs,
     orpo_loss,
     sparse_distillation_loss,
     token_logprobs,
     topk_logprobs,
 )
 from .sizing import estimate
-from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails, TopK
+from .types import CPODetails, DPODetails, GroupAdvantages, GRPODetails, KTODetails, ORPODetails, Teacher, TopK
 
 __version__ = "0.1.0"
 
@@ -84,6 +86,7 @@ __all__ = [
     "GroupAdvantages",
     "KTODetails",
     "ORPODetails",
+    "Teacher",
     "TopK",
     "backend_status",
     "cpo_loss",
@@ -94,6 +97,7 @@ __all__ = [
     "group_advantages",
     "grpo_loss",
     "kto_loss",
+    "multi_teacher_topk_logprobs",
     "orpo_loss",
     "release_workspace",
     "sparse_distillation_loss",

@@ -198,33 +198,62 @@ def cross_entropy(hidden, weight, targets, *, bias=None, ignore_index=-100, redu
 # distillation_loss
 
 
-def distillation_loss(hidden, weight, teacher_hidden, teacher_weight, targets=None, *, beta=1.0,
-                      temperature=1.0, hard_weight=0.0, soft_weight=1.0, t_squared=False, bias=None,
-                      teacher_bias=None, logit_scale=1.0, softcap=None, teacher_logit_scale=1.0,
-                      teacher_softcap=None, ignore_index=-100, reduction="batchmean", num_items_in_batch=None):
+def distillation_loss(hidden, weight, teacher_hidden=None, teacher_weight=None, targets=None, *, teachers=None,
+                      teacher_index=None, beta=1.0, temperature=1.0, hard_weight=0.0, soft_weight=1.0,
+                      t_squared=False, bias=None, teacher_bias=None, logit_scale=1.0, softcap=None,
+                      teacher_logit_scale=1.0, teacher_softcap=None, ignore_index=-100, reduction="batchmean",
+                      num_items_in_batch=None):
     """TRL's ``generalized_jsd_loss`` between the student q = softmax(z_s / T) and the frozen teacher
     p = softmax(z_t / T), plus ``hard_weight`` times the cross-entropy of the student at T = 1; each model's
     z is ``softcap(logit_scale * (h @ W.T + b))`` with its own scale and cap.
 
     beta == 0: KL(p || q); beta == 1: KL(q || p); else beta KL(p || m) + (1 - beta) KL(q || m) with
-    m = (1 - beta) q + beta p."""
+    m = (1 - beta) q + beta p.
+
+    With ``teachers`` and ``teacher_index``: the teachers' logits of every position are materialised, each
+    row from its own teacher's head (with that teacher's temperature, the call's when None), -1 rows unscored."""
     z_s = logits(hidden, weight, bias, logit_scale=logit_scale, softcap=softcap)
+    routed = torch.ones(z_s.shape[:-1], dtype=torch.bool, device=z_s.device)
+    temp = col = temperature
     with torch.no_grad():
-        z_t = logits(teacher_hidden, teacher_weight, teacher_bias, logit_scale=teacher_logit_scale,
-                     softcap=teacher_softcap).to(z_s.dtype)
-    logq = torch.log_softmax(z_s / temperature, dim=-1)
-    logp = torch.log_softmax(z_t / temperature, dim=-1)
+        if teachers is None:
+            z_t = logits(teacher_hidden, teacher_weight, teacher_bias, logit_scale=teacher_logit_scale,
+                         softcap=teacher_softcap).to(z_s.dtype)
+        else:
+            z_t, routed, temp = _teachers_logits(teachers, teacher_index, z_s, float(temperature))
+            col = temp.unsqueeze(-1)
+    logq = torch.log_softmax(z_s / col, dim=-1)
+    logp = torch.log_softmax(z_t / col, dim=-1)
     soft = _generalized_jsd(logq, logp, beta)
-    per_token = soft_weight * soft * (temperature ** 2 if t_squared else 1.0)
+    per_token = soft_weight * soft * (temp ** 2 if t_squared else 1.0)
     if targets is None:
-        valid = torch.ones(per_token.shape, dtype=torch.bool, device=per_token.device)
+        valid = routed
     else:
         valid = targets != ignore_index
         if hard_weight:
             ce = -_gather(torch.log_softmax(z_s, dim=-1), targets, valid)
             per_token = per_token + hard_weight * ce
+        valid = valid & routed
     per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
     return _reduce(per_token, valid, reduction, num_items_in_batch, "batchmean")
+
+
+def _teachers_logits(teachers, teacher_index, z_s, temperature):
+    """Every position's teacher logits ``[..., V]`` (0 where no teacher), whether it has one, and its
+    temperature; a teacher's ``hidden`` covers every position or only its own rows, in position order."""
+    lead = z_s.shape[:-1]
+    flat = teacher_index.reshape(-1)
+    z_t = torch.zeros(flat.numel(), z_s.shape[-1], dtype=z_s.dtype, device=z_s.device)
+    temp = torch.full((flat.numel(),), temperature, dtype=z_s.dtype, device=z_s.device)
+    for i, t in enumerate(teachers):
+        rows = (flat == i).nonzero().squeeze(1)
+        h = t.hidden.reshape(-1, t.hidden.shape[-1])
+        if h.shape[0] != rows.numel() or tuple(t.hidden.shape[:-1]) == tuple(lead):
+            h = h[rows]
+        z_t[rows] = logits(h, t.weight, t.bias, logit_scale=t.logit_scale, softcap=t.softcap).to(z_s.dtype)
+        if t.temperature is not None:
+            temp[rows] = float(t.temperature)
+    return z_t.reshape(*lead, -1), (flat >= 0).reshape(lead), temp.reshape(lead)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -72,3 +72,24 @@ class TopK(NamedTuple):
     logprobs: torch.Tensor  # [..., k] fp32 (float64 for float64 inputs)
     lse: Optional[torch.Tensor] = None  # [...] the logits' log-normaliser, when asked for
     entropy: Optional[torch.Tensor] = None  # [...] the distribution's entropy, when asked for
+
+
+class Teacher(NamedTuple):
+    """One teacher of a multi-teacher distillation (``distillation_loss(..., teachers=, teacher_index=)``,
+    ``multi_teacher_topk_logprobs``): its lm_head and its hidden states, with its own logit processing.
+
+    ``hidden`` holds either every position (the student's leading shape, ``[..., D_t]``: only this teacher's
+    rows are read) or only this teacher's rows, ``[n_t, D_t]`` in position order (``n_t`` the number of
+    positions whose ``teacher_index`` is this teacher's). ``D_t`` may differ from the student's width and from
+    the other teachers'. ``weight`` ``[V, D_t]`` (the student's vocabulary; this rank's rows under vocabulary
+    parallelism), ``bias`` ``[V]`` or None, ``logit_scale`` and ``softcap`` as the student's (its config's
+    ``logit_scale`` / ``final_logit_softcapping``). ``temperature``: the distillation temperature on this
+    teacher's rows, applied to the student and to this teacher as the single-teacher ``temperature`` is;
+    None: the call's. A teacher is frozen: none of its tensors receives a gradient."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: Optional[torch.Tensor] = None
+    logit_scale: float = 1.0
+    softcap: Optional[float] = None
+    temperature: Optional[float] = None

@@ -209,6 +209,105 @@ def test_distillation_matches_trl(beta, tokenizer, tmp_path, monkeypatch):
     _assert_runs_match(make, monkeypatch)
 
 
+
+def _gkd_collator(rows):
+    """Prompt and completion token ids, right-padded: GKD's collated fields, labels -100 on prompt and padding."""
+    width = max(len(r["prompt"]) + len(r["completion"]) for r in rows)
+    prompt_width = max(len(r["prompt"]) for r in rows)
+    batch = {k: [] for k in ("input_ids", "attention_mask", "labels", "prompts", "prompt_attention_mask")}
+    for r in rows:
+        ids = r["prompt"] + r["completion"]
+        pad = width - len(ids)
+        batch["input_ids"].append(ids + [0] * pad)
+        batch["attention_mask"].append([1] * len(ids) + [0] * pad)
+        batch["labels"].append([-100] * len(r["prompt"]) + r["completion"] + [-100] * pad)
+        ppad = prompt_width - len(r["prompt"])
+        batch["prompts"].append([0] * ppad + r["prompt"])
+        batch["prompt_attention_mask"].append([0] * ppad + [1] * len(r["prompt"]))
+    return {k: torch.tensor(v) for k, v in batch.items()}
+
+
+def tiny_gemma2(vocab_size, seed=1, hidden=40):
+    """A soft-capped teacher (Gemma 2's final_logit_softcapping) of another width than the student."""
+    from transformers import Gemma2Config
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, vocab_size=vocab_size, max_position_embeddings=128,
+                       pad_token_id=0, eos_token_id=1, bos_token_id=None, final_logit_softcapping=2.0,
+                       tie_word_embeddings=False)
+    return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+
+
+@pytest.mark.parametrize("beta, teacher", [(0.0, "qwen2"), (0.5, "gemma2"), (1.0, "qwen2")])
+@pytest.mark.parametrize("num_items", [False, True])
+def test_gkd_matches_trl(beta, teacher, num_items, tokenizer, tmp_path, monkeypatch):
+    """GKDTrainer (off-policy, lmbda=0): fusedloss's compute_loss against TRL's on materialised logits, 3 steps:
+    logs, gradients and parameters; with ``average_tokens_across_devices`` the loss is sum / num_items_in_batch.
+    The teacher is wider than the student, and soft-capped (Gemma 2) in one case."""
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    calls = []
+    original = fl_trl._gkd_fused_loss
+    monkeypatch.setattr(fl_trl, "_gkd_fused_loss", lambda *a: calls.append(1) or original(*a))
+    g = torch.Generator().manual_seed(5)
+    rows = [{"prompt": torch.randint(3, len(tokenizer), (int(p),), generator=g).tolist(),
+             "completion": torch.randint(3, len(tokenizer), (int(c),), generator=g).tolist()}
+            for p, c in ((3, 5), (5, 2), (2, 6), (4, 4), (6, 3), (3, 3), (2, 5), (4, 2))]
+    dataset = Dataset.from_list(rows)
+    args = GKDConfig(**_common_args(tmp_path), per_device_train_batch_size=4, lmbda=0.0, beta=beta,
+                     seq_kd=False, max_length=32, average_tokens_across_devices=num_items)
+
+    def make():
+        teacher_model = tiny_model(len(tokenizer), 1, 48) if teacher == "qwen2" else tiny_gemma2(len(tokenizer))
+        return GKDTrainer(model=tiny_model(len(tokenizer)), teacher_model=teacher_model,
+                          args=args, train_dataset=dataset, processing_class=tokenizer, data_collator=_gkd_collator)
+
+    fused_logs, fused_grads, fused_params = _run(make, fused=True)
+    assert len(calls) == 3, "fusedloss was not called once per step"
+    trl_logs, trl_grads, trl_params = _run(make, fused=False)
+    assert len(calls) == 3, "fusedloss was called while disabled"
+    assert len(fused_logs) == len(trl_logs) == 4
+    for step, (a, b) in enumerate(zip(fused_logs, trl_logs)):
+        assert a.keys() == b.keys(), step
+        for key in a:
+            if isinstance(a[key], float):
+                assert a[key] == pytest.approx(b[key], rel=RTOL, abs=ATOL), (step, key, a[key], b[key])
+    assert fused_logs[0]["loss"] > 0 and fused_logs[0]["grad_norm"] > 0
+    for ga, gb in zip(fused_grads, trl_grads):
+        assert ga.keys() == gb.keys()
+        total = torch.cat([x.flatten() for x in gb.values()]).norm()
+        assert torch.cat([(ga[n] - gb[n]).flatten() for n in gb]).norm() / total < RTOL
+    for pa, pb in zip(fused_params, trl_params):
+        for name in pa:
+            if name.endswith("k_proj.bias"):
+                # Its gradient is 0 in exact arithmetic (softmax shift invariance): from its zero start the
+                # parameter holds rounding noise only, in both runs; checked to stay noise.
+                assert pa[name].norm() < 1e-5 and pb[name].norm() < 1e-5, name
+                continue
+            assert (pa[name] - pb[name]).norm() / pb[name].norm().clamp(min=1e-12) < RTOL, name
+
+
+def test_gkd_keeps_trls_method_where_its_logits_are_needed(tokenizer, tmp_path):
+    """return_outputs=True (evaluation) returns TRL's (loss, outputs with logits), and disable() restores the
+    very function TRL defined."""
+    from trl.experimental.gkd import GKDConfig, GKDTrainer
+
+    before = GKDTrainer.__dict__["compute_loss"]
+    rows = [{"prompt": [5, 6, 7], "completion": [8, 9]}] * 2
+    args = GKDConfig(**_common_args(tmp_path), per_device_train_batch_size=2, lmbda=0.0, seq_kd=False)
+    with fl_trl.enabled(backend="torch"):
+        assert GKDTrainer.__dict__["compute_loss"] is fl_trl._gkd_compute_loss
+        trainer = GKDTrainer(model=tiny_model(len(tokenizer)), teacher_model=tiny_model(len(tokenizer), 1),
+                             args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer,
+                             data_collator=_gkd_collator)
+        inputs = _gkd_collator(rows)
+        loss, outputs = trainer.compute_loss(trainer.model, inputs, return_outputs=True)
+        assert outputs.logits.shape[-1] == len(tokenizer)
+        fused = trainer.compute_loss(trainer.model, inputs)
+        assert fused.item() == pytest.approx(loss.item(), rel=1e-5)
+    assert GKDTrainer.__dict__["compute_loss"] is before
+
 def test_enable_is_idempotent_and_disable_restores_trl():
     import trl.kernels
     import trl.kernels.chunked_divergence

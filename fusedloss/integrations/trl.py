@@ -12,6 +12,20 @@ at call time:
   JSD and student entropy), patched at ``trl.trainer.distillation_trainer.ChunkedDivergenceFunction`` and
   ``trl.kernels.chunked_divergence.ChunkedDivergenceFunction``.
 
+- ``GKDTrainer.compute_loss`` (``trl.experimental.gkd``), which has no fused path of its own: it runs both
+  models to their full ``[B, T, V]`` logits and calls its ``generalized_jsd_loss``. ``enable()`` replaces the
+  method (on the class) with one that runs both models' forwards up to their LM heads
+  (``integrations.transformers``: each head's bias, logit scale and soft-cap observed on its forward) and
+  calls ``fusedloss.distillation_loss`` with GKD's ``beta``, its temperature 1 (GKD's ``self.temperature``
+  only sets the sampling), its shifted ``labels != -100`` mask, its ``batchmean`` and ``num_items_in_batch``.
+  TRL's method is kept where its logits are needed or the models are not plain modules: ``return_outputs=True``
+  (evaluation), a subclass that overrides ``generalized_jsd_loss`` or ``compute_loss``, DeepSpeed or FSDP.
+
+Not routed, for want of a hook: the GOLD, IW-OPD and server-distillation trainers of ``trl.experimental``
+(their losses are written on logits inside the trainer), and verl 0.9's distillation loss
+(``trainer/distillation/fsdp/losses.py``: top-k forward KL on logits the actor already materialised); use
+``fusedloss.distillation_loss`` / ``topk_logprobs`` + ``sparse_distillation_loss`` in a custom loss there.
+
 Everything around them stays TRL's: the backbone call, label shifting and masking, losses, metrics, the
 FSDP2 ``full_tensor()`` gather. Models patched by ``add_fused_lm_head`` before ``enable()`` switch too.
 Under FSDP2 with the head in the root's unit (accelerate's default) the head reaches these functions as the
@@ -39,6 +53,8 @@ from typing import Optional
 
 import torch
 
+import fusedloss
+
 from ..core import LogitTransform, TeacherHead, token_statistics
 from ..core import registry as _backends
 from ..core.statistics import autocast_dtype
@@ -63,6 +79,7 @@ _DIVERGENCE_SITES = (
 )
 
 _originals: dict = {}  # (module, attribute) -> TRL's object, filled by the first enable()
+_method_originals: dict = {}  # (class, method name) -> TRL's function, filled by the first enable()
 _state = {"backend": "auto", "enabled": False}
 
 
@@ -109,11 +126,17 @@ def enable(backend: str = "auto") -> None:
         replacement = (FusedChunkedLogProbFunction if (module_name, attr) in _LOGPROB_SITES
                        else FusedChunkedDivergenceFunction)
         setattr(module, attr, replacement)
+    gkd = _gkd_trainer()
+    if gkd is not None:
+        _method_originals.setdefault((gkd, "compute_loss"), gkd.__dict__["compute_loss"])
+        gkd.compute_loss = _gkd_compute_loss
     _state.update(backend=backend, enabled=True)
 
 
 def disable() -> None:
     """Put TRL's own functions back, exactly the objects that were there before ``enable()``."""
+    for (owner, attr), original in _method_originals.items():
+        setattr(owner, attr, original)
     _switch.restore_originals(_originals, _state)
 
 
@@ -224,3 +247,57 @@ class FusedChunkedDivergenceFunction:
             )
         divergence = stats.kl_fwd if beta == 0.0 else stats.kl_rev if beta == 1.0 else stats.jsd
         return divergence.float(), stats.entropy.detach().float()
+
+
+def _gkd_trainer():
+    """TRL's GKDTrainer class, or None where this TRL has none (it lives in ``trl.experimental``)."""
+    try:
+        module = importlib.import_module("trl.experimental.gkd.gkd_trainer")
+    except ImportError:
+        return None
+    return getattr(module, "GKDTrainer", None)
+
+
+def _gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+    """GKDTrainer.compute_loss through ``fusedloss.distillation_loss``: the same loss (GKD's generalized JSD of
+    the shifted student and teacher next-token distributions at temperature 1 on the ``labels != -100``
+    positions, ``batchmean`` or ``sum / num_items_in_batch``), without either model's ``[B, T, V]`` logits."""
+    gkd = _gkd_trainer()
+    original = _method_originals[(gkd, "compute_loss")]
+    cls = type(self)
+    overridden = (cls.generalized_jsd_loss is not gkd.__dict__["generalized_jsd_loss"].__func__
+                  or any("compute_loss" in k.__dict__ for k in cls.__mro__[:cls.__mro__.index(gkd)]))
+    if (return_outputs or overridden or getattr(self, "is_deepspeed_enabled", False)
+            or getattr(self, "is_fsdp_enabled", False)):
+        return original(self, model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+    from trl.models.utils import _ForwardRedirection
+
+    unwrapped = self.accelerator.unwrap_model(model)
+    # Through the wrapper's forward (as TRL's DistillationTrainer does), so that DDP prepares its backward.
+    return _ForwardRedirection()(model, unwrapped, _gkd_fused_loss, self, unwrapped, inputs, num_items_in_batch)
+
+
+def _gkd_fused_loss(trainer, student, inputs, num_items_in_batch):
+    from . import transformers as _hf
+
+    input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+    h_s, head_s = _hf._hidden_and_head(student, input_ids, attention_mask, {})
+    trainer.teacher_model.eval()
+    teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
+    with torch.no_grad():
+        h_t, head_t = _hf._hidden_and_head(teacher, input_ids, attention_mask, {})
+    dtype = _compute_dtype(h_s)
+    device = head_s.weight.device
+    backend = _backends.resolve(_state["backend"], device)
+    labels = inputs["labels"][:, 1:].to(device)
+    with torch.autocast(device.type, enabled=False):
+        # GKD's compute_loss calls generalized_jsd_loss at its default temperature, 1.
+        return fusedloss.distillation_loss(
+            h_s[:, :-1].to(device=device, dtype=dtype), head_s.weight.to(dtype), h_t[:, :-1].to(device=device,
+                                                                                               dtype=dtype),
+            head_t.weight.to(device=device, dtype=dtype), labels, beta=float(trainer.beta), temperature=1.0,
+            bias=_cast(head_s.bias, dtype),
+            teacher_bias=None if head_t.bias is None else head_t.bias.to(device=device, dtype=dtype),
+            logit_scale=head_s.logit_scale, softcap=head_s.softcap, teacher_logit_scale=head_t.logit_scale,
+            teacher_softcap=head_t.softcap, vocab_size=head_s.vocab_size, ignore_index=-100,
+            reduction="batchmean", num_items_in_batch=num_items_in_batch, backend=backend)

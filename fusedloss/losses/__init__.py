@@ -11,8 +11,8 @@ from .kto import kto_loss
 from .orpo import orpo_loss
 from .sparse_distillation import sparse_distillation_loss
 from .token_logprobs import token_logprobs
-from .topk import topk_logprobs
+from .topk import multi_teacher_topk_logprobs, topk_logprobs
 
 __all__ = ["cpo_loss", "cross_entropy", "distillation_loss", "dpo_loss", "grpo_loss", "group_advantages",
-           "kto_loss", "orpo_loss", "sparse_distillation_loss", "token_logprobs",
+           "kto_loss", "multi_teacher_topk_logprobs", "orpo_loss", "sparse_distillation_loss", "token_logprobs",
            "topk_logprobs"]

@@ -13,22 +13,26 @@ Cohere teacher's ``logit_scale``: leaving them out distils towards a different d
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal, Optional, Sequence
 
 import torch
 
 from .. import _validation as v
 from ..core import LogitTransform, TeacherHead
 from ..distributed.head import check_same_rows
+from ..types import Teacher
 from .implicit_logits import implicit_logits
+from .multi_teacher import multi_teacher_distillation
 from .options import RUN, SHARDING, shared_arguments, shared_options
 from .reductions import reduced_token_loss
 
 
 @shared_options(*RUN, "grad_in_forward", *SHARDING)
 @shared_arguments("bias", "logit_scale", "softcap", "ignore_index", "backend", *RUN, "grad_in_forward", *SHARDING)
-def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: torch.Tensor,
-                      teacher_weight: torch.Tensor, targets: Optional[torch.Tensor] = None, *, beta: float = 1.0,
+def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden: Optional[torch.Tensor] = None,
+                      teacher_weight: Optional[torch.Tensor] = None, targets: Optional[torch.Tensor] = None, *,
+                      teachers: Optional[Sequence[Teacher]] = None, teacher_index: Optional[torch.Tensor] = None,
+                      beta: float = 1.0,
                       temperature: float = 1.0, hard_weight: float = 0.0, soft_weight: float = 1.0,
                       t_squared: bool = False, bias: Optional[torch.Tensor] = None,
                       teacher_bias: Optional[torch.Tensor] = None, logit_scale: float = 1.0,
@@ -49,13 +53,26 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden
 
     Hinton et al. with mixing weight lam: ``beta=0, hard_weight=1-lam, soft_weight=lam, t_squared=True``.
 
+    Several teachers (multi-teacher distillation, one expert per prompt): leave ``teacher_hidden`` and
+    ``teacher_weight`` out and pass ``teachers=[fusedloss.Teacher(hidden, weight, bias=, logit_scale=,
+    softcap=, temperature=), ...]`` with ``teacher_index`` (integer ``[...]``, the leading shape of hidden):
+    position i is distilled from ``teachers[teacher_index[i]]`` (its own head, width, bias, scale, soft-cap and
+    temperature; each teacher's hidden states for every position or only for its own rows, see
+    ``fusedloss.Teacher``), -1: from none (the position is not scored, in either term). The loss is the
+    single-teacher loss of each position with its teacher, reduced over all positions as above (batchmean
+    divides by the scored positions of every teacher together). Each teacher's head is read only on its rows;
+    the teachers are frozen (no gradient reaches any of their tensors). One single-teacher pass per teacher
+    that has rows, so every backend and option applies; ``teacher_index`` is read on the host once.
+
     Args:
         hidden: ``[..., D]`` student hidden states. weight: ``[V, D]`` student lm_head weight.
         teacher_hidden: ``[..., D_t]`` teacher hidden states (the student's leading shape and dtype).
         teacher_weight: ``[V, D_t]`` teacher lm_head weight (the same vocabulary). The teacher is frozen: it
-            never gets a gradient.
+            never gets a gradient. Both None with ``teachers``.
         targets: integer ``[...]`` labels: positions whose label is ignore_index count in neither term;
             None scores every position (``hard_weight`` must then be 0).
+        teachers: several teachers (``fusedloss.Teacher``), with ``teacher_index``; see above.
+        teacher_index: integer ``[...]``, which of ``teachers`` each position is distilled from (-1: none).
         beta: in ``[0, 1]``, see above. temperature: T, applied to both models.
         hard_weight, soft_weight, t_squared: the mixture above.
         teacher_bias: ``[V]`` teacher lm_head bias, or None.
@@ -74,7 +91,29 @@ def distillation_loss(hidden: torch.Tensor, weight: torch.Tensor, teacher_hidden
 
         loss = fusedloss.distillation_loss(h_student, student.lm_head.weight, h_teacher,
                                            teacher.lm_head.weight, beta=1.0)   # reverse KL
+        loss = fusedloss.distillation_loss(h_student, student.lm_head.weight, teachers=[
+            fusedloss.Teacher(h_math, math_model.lm_head.weight),
+            fusedloss.Teacher(h_code, code_model.lm_head.weight, softcap=30.0)], teacher_index=expert_of_position)
     """
+    if teachers is not None or teacher_index is not None:
+        if teachers is None or teacher_index is None:
+            raise ValueError("teachers and teacher_index go together: pass both (several teachers) or neither")
+        single_only = dict(teacher_hidden=teacher_hidden, teacher_weight=teacher_weight, teacher_bias=teacher_bias,
+                           teacher_softcap=teacher_softcap)
+        given = [name for name, value in single_only.items() if value is not None]
+        given += ["teacher_logit_scale"] if teacher_logit_scale != 1.0 else []
+        if given:
+            raise ValueError(f"{', '.join(given)} belong to a single teacher: with teachers=, each Teacher carries "
+                             "its own hidden states, weight, bias, logit_scale and softcap")
+        v.require_choice("reduction", reduction, ("batchmean", "sum", "none"))
+        return multi_teacher_distillation(
+            distillation_loss, hidden, weight, targets, teachers, teacher_index, temperature=temperature,
+            ignore_index=ignore_index, reduction=reduction, num_items_in_batch=num_items_in_batch, beta=beta,
+            hard_weight=hard_weight, soft_weight=soft_weight, t_squared=t_squared, bias=bias,
+            logit_scale=logit_scale, softcap=softcap, backend=backend, **head)
+    if teacher_hidden is None or teacher_weight is None:
+        raise TypeError("distillation_loss needs teacher_hidden and teacher_weight (one teacher), or teachers= and "
+                        "teacher_index= (several)")
     v.require_real("beta", beta)
     if not 0.0 <= beta <= 1.0:
         raise ValueError(f"beta must be in [0, 1], got {beta!r}")

@@ -233,3 +233,65 @@ def _merge_ranks(values, ids, partial, k: int, group_name: str):
     # Ranks in order: the real candidates (id >= 0) stay in id order, whatever empty slots lie between them.
     top_v, top_i = _select(cand_v, cand_i, k)
     return top_v, top_i, _merge_partials(all_p.permute(1, 0, 2), None)
+
+
+def multi_teacher_topk_logprobs(teachers, teacher_index: torch.Tensor, k: int, *, temperature: float = 1.0,
+                                mask: Optional[torch.Tensor] = None, return_lse: bool = False,
+                                return_entropy: bool = False, backend: str = "auto", process_group=None,
+                                vocab_start: Optional[int] = None, vocab_size: Optional[int] = None) -> TopK:
+    """``topk_logprobs`` with a teacher per position: position i's top-k from ``teachers[teacher_index[i]]``
+    (``fusedloss.Teacher``: its own hidden states, head, bias, logit_scale, softcap and temperature, the
+    call's ``temperature`` when None), one ``topk_logprobs`` call per teacher over its own rows. The result
+    feeds ``sparse_distillation_loss`` as a single teacher's does.
+
+    Args:
+        teachers: a non-empty list of ``fusedloss.Teacher``; each one's ``hidden`` holds every position
+            (``teacher_index``'s shape + ``[D_t]``) or only its own rows ``[n_t, D_t]`` in position order.
+            All teachers' hidden states share one dtype.
+        teacher_index: integer ``[...]``: which teacher each position's top-k comes from; -1: none (as masked).
+        k, mask, return_lse, return_entropy, backend, process_group, vocab_start, vocab_size: as in
+            ``topk_logprobs`` (``process_group``: every teacher's head is sharded over it the same way).
+
+    Returns:
+        ``TopK`` with the leading shape of ``teacher_index``; ids -1, log-probs -inf, lse and entropy 0 at
+        masked positions and positions without a teacher.
+    """
+    from .multi_teacher import teacher_groups
+
+    if isinstance(teachers, (list, tuple)) and teachers and hasattr(teachers[0], "hidden"):
+        dtype = teachers[0].hidden.dtype if isinstance(teachers[0].hidden, torch.Tensor) else None
+    else:
+        dtype = None
+    device = teacher_index.device if isinstance(teacher_index, torch.Tensor) else torch.device("cpu")
+    lead = tuple(teacher_index.shape) if isinstance(teacher_index, torch.Tensor) else ()
+    groups, _ = teacher_groups(teachers, teacher_index, lead, device, dtype)
+    v.require_real("temperature", temperature, positive=True)
+    n = teacher_index.numel()
+    flat_mask = None
+    if mask is not None:
+        v.require_mask("mask", mask, lead)
+        flat_mask = mask.reshape(n).to(torch.bool)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    if isinstance(k, bool) or not isinstance(k, Integral) or k < 1:
+        raise ValueError(f"k must be an int in [1, V] (the vocabulary size), got {k!r}")
+    ids = torch.full((n, k), -1, dtype=torch.int64, device=device)
+    logprobs = torch.full((n, k), -math.inf, dtype=acc, device=device)
+    lse = torch.zeros(n, dtype=acc, device=device)
+    entropy = torch.zeros(n, dtype=acc, device=device)
+    for g in groups:
+        t = g.teacher
+        part = topk_logprobs(g.hidden, t.weight, k, bias=t.bias,
+                             temperature=temperature if t.temperature is None else t.temperature,
+                             logit_scale=t.logit_scale, softcap=t.softcap,
+                             mask=None if flat_mask is None else flat_mask.index_select(0, g.rows),
+                             return_lse=return_lse, return_entropy=return_entropy, backend=backend,
+                             process_group=process_group, vocab_start=vocab_start, vocab_size=vocab_size)
+        ids.index_copy_(0, g.rows, part.ids)
+        logprobs.index_copy_(0, g.rows, part.logprobs)
+        if return_lse:
+            lse.index_copy_(0, g.rows, part.lse)
+        if return_entropy:
+            entropy.index_copy_(0, g.rows, part.entropy)
+    return TopK(ids=ids.reshape(*lead, k), logprobs=logprobs.reshape(*lead, k),
+                lse=lse.reshape(lead) if return_lse else None,
+                entropy=entropy.reshape(lead) if return_entropy else None)

@@ -30,6 +30,12 @@ verl trains in Ray worker processes, so ``enable()`` has to run there, before th
 ``fusedloss.integrations.verl.auto`` in every worker, which calls ``enable()`` (backend and vocab_size from the
 environment variables ``FUSEDLOSS_VERL_BACKEND`` and ``FUSEDLOSS_VERL_VOCAB_SIZE`` when set).
 
+Distillation is not routed: verl 0.9's distillation losses (``verl/trainer/distillation/``, forward KL on the
+teacher's top-k) take the student's logits, which the actor has already formed when they are called, so there
+is no hidden-state site to swap. A custom loss can call ``fusedloss.topk_logprobs`` (teacher side) and
+``fusedloss.sparse_distillation_loss`` or ``fusedloss.distillation_loss`` (student side, vocabulary-parallel
+with the tensor-parallel group) instead; ``examples/onpolicy_distillation.py`` shows both.
+
 Supported: ``verl>=0.9,<0.10``; ``enable()`` raises ``RuntimeError`` naming the version otherwise.
 """
 
