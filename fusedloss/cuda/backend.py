@@ -78,6 +78,7 @@ from .. import config
 from ..core import backends, columns, cost, torch_backend
 from ..core import problem as coef  # coef.COEF_*: the dz formula's coefficient rows (docs/design.md)
 from ..core.problem import NUM_COEFFS, DeferredProduct, GradientNeeds, Statistics, StatsProblem
+from . import epilogue as _epilogue
 from . import sass_counts
 
 _NUM_OUTPUTS = len(Statistics._fields)
@@ -991,6 +992,8 @@ def eager_pays(p: StatsProblem) -> bool:
     cost model says its chunks are big enough to beat the composable path."""
     if p.acc_dtype == torch.float64:
         return torch_backend.eager_pays(p)
+    if _epilogue.wanted(p):  # FUSEDLOSS_CUDA_EPILOGUE=1: the composable path on the epilogue kernels
+        return False
     needs = GradientNeeds(p.hidden.requires_grad, p.weight.requires_grad, False)
     if not (needs.hidden or needs.weight):
         return False
@@ -1440,6 +1443,8 @@ def forward_statistics(p: StatsProblem):
     if p.acc_dtype == torch.float64:
         return torch_backend.forward_statistics(p)
     p = _contiguous_problem(p)
+    if _epilogue.wanted(p):  # FUSEDLOSS_CUDA_EPILOGUE=1: the sm_90 epilogue kernels (cuda/epilogue.py)
+        return _epilogue.forward_statistics(p)
     ex = _Exec(p.hidden.device)
     n, v = p.hidden.shape[0], p.weight.shape[0]
     dev = p.hidden.device
@@ -1549,6 +1554,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     p = _contiguous_problem(p)
     if column_dz is None:  # no given dz: the formula at every column
         p = dataclasses.replace(p, columns=None)
+    if _epilogue.wanted(p):  # FUSEDLOSS_CUDA_EPILOGUE=1: the sm_90 epilogue kernels (cuda/epilogue.py)
+        return _epilogue.backward_gradients(p, saved, coeffs, needs, column_dz=column_dz)
     ex = _Exec(p.hidden.device)
     h_all, w = p.hidden, p.weight
     n, v = h_all.shape[0], w.shape[0]
