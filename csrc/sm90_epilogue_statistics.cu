@@ -80,3 +80,14 @@ void statistics_info(int dtype, bool entropy, int* out) {
 }
 
 }  // namespace fl_epilogue
+
+// The kernels' launch constants (kInfoFields) for tools/epilogue_kernels.py, which compiles these sources into a
+// shared object of its own: kernel 0 the statistics, 1 the statistics with the entropy, 2 the d logits; dtype 1
+// bf16, 2 fp16. Host constants only: no device is touched.
+extern "C" void fusedloss_epilogue_kernel_info(int kernel, int dtype, int* out) {
+  if (kernel == 2) {
+    fl_epilogue::dlogits_info(dtype, out);
+  } else {
+    fl_epilogue::statistics_info(dtype, kernel == 1, out);
+  }
+}

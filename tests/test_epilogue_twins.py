@@ -431,3 +431,38 @@ def test_coefficient_rows_make_inactive_rows_exactly_zero(twins):
     twins.fl_epilogue_dlogits(_ptr(acc), n, 2, 0, _ptr(torch.tensor([0, 1, -1])), _ptr(rows), 1.0, 1.0, 1.0, 1, 1,
                               _ptr(out))
     assert torch.count_nonzero(out[1]) == 0 and not out.isnan().any()
+
+
+@pytest.mark.skipif(not getattr(cuda._C, "EPILOGUE_KERNELS", False), reason="extension built without the epilogue "
+                    "kernels")
+def test_glue_fills_every_field_of_the_extensions_launch_structs(monkeypatch):
+    """What fusedloss/cuda/epilogue.py hands the extension (its launch structs, the binding's names) on a CPU: the
+    launchers are replaced by recorders, so every field the glue sets must exist in the extension it was built
+    with, and the values are the problem's."""
+    seen = {}
+    for name in ("epilogue_statistics", "epilogue_merge", "epilogue_dlogits"):
+        monkeypatch.setattr(cuda._C, name, lambda a, _n=name: seen.__setitem__(_n, a))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: type("S", (), {"cuda_stream": 7})())
+    assert list(cuda._C.EPILOGUE_TILE) == [epilogue.TILE_M, epilogue.TILE_N] and cuda._C.EPILOGUE_COEFF_ROWS == 5
+    h = torch.randn(300, 16, dtype=torch.bfloat16)
+    w = torch.randn(700, 16, dtype=torch.bfloat16)
+    y = torch.randint(0, 700, (300,))
+    p = StatsProblem(hidden=h, weight=w, bias=None, targets=y, transform=LogitTransform(temperature=0.5),
+                     want_entropy=True)
+    k = epilogue._Kernels()
+    part = torch.zeros(3, 3, 384)
+    k.statistics(p, part, y, torch.zeros(300), epilogue._scale(p))
+    a = seen["epilogue_statistics"]
+    assert (a.n, a.v, a.d, a.dtype, a.entropy, a.stream) == (300, 700, 16, 1, True, 7)
+    assert (a.hidden, a.part_e, a.target) == (h.data_ptr(), part[2].data_ptr(), y.data_ptr())
+    assert a.inv_temperature == 2.0
+    out = torch.zeros(len(fusedloss.core.problem.Statistics._fields), 300)
+    k.merge(part, torch.zeros(300), out, True, y)
+    m = seen["epilogue_merge"]
+    assert (m.n, m.tiles, m.stride, m.target, m.entropy) == (300, 3, 384, y.data_ptr(), True)
+    dz = torch.empty(300, 264, dtype=torch.bfloat16)[:, :257]
+    rows = torch.zeros(5, 300)
+    k.dlogits(h, w[256:513], dz, y, 256, rows, (1.0, 2.0), 2.0, True)
+    d = seen["epilogue_dlogits"]
+    assert (d.n, d.v, d.ld_out, d.target_offset, d.coeff_stride, d.chain, d.log_q) == (300, 257, 264, 256, 300, 2.0,
+                                                                                         True)
