@@ -21,11 +21,11 @@ CPU tensors, the host twins of ``csrc/epilogue_host.cpp``.
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 
+from .. import config
 from ..core import columns
 from ..core import problem as coef
 from ..core.problem import GradientNeeds, Statistics, StatsProblem
@@ -38,11 +38,10 @@ _NAMED_ELEMENTS = 1 << 24  # fp32 elements of one gathered block of named-column
 
 
 def mode() -> str:
-    """``"auto"``, ``"0"`` or ``"1"`` from FUSEDLOSS_CUDA_EPILOGUE; a ValueError naming it otherwise."""
-    value = os.environ.get(ENV, "").strip().lower() or "auto"
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"{ENV} must be auto, 0 or 1, got {os.environ[ENV]!r}")
-    return value
+    """``"auto"``, ``"0"`` or ``"1"`` from FUSEDLOSS_CUDA_EPILOGUE (fusedloss/config.py reads it; a ValueError
+    naming it for anything else)."""
+    flag = config.from_environment().cuda_epilogue
+    return "auto" if flag is None else ("1" if flag else "0")
 
 
 def unserved(p: StatsProblem) -> Optional[str]:
