@@ -466,3 +466,20 @@ def test_glue_fills_every_field_of_the_extensions_launch_structs(monkeypatch):
     d = seen["epilogue_dlogits"]
     assert (d.n, d.v, d.ld_out, d.target_offset, d.coeff_stride, d.chain, d.log_q) == (300, 257, 264, 256, 300, 2.0,
                                                                                          True)
+
+
+@needs_extension
+def test_k_targets_forward_and_backward_through_the_epilogue_path(epilogue_on):
+    """token_logprobs with K ids per position (named columns): the log-probs at the K columns and the gradients,
+    whose dz at the named columns is given and written over the d logits tile, against float64 and no worse
+    than today's path."""
+    n, v, d, k = 7, 389, 16, 3
+    h, w, _ = _inputs(n, v, d, torch.bfloat16, seed=9)
+    ids = torch.randint(0, v, (n, k), generator=torch.Generator().manual_seed(3))
+    ids[2, 1] = -100
+    fn = lambda a, b, backend: fusedloss.token_logprobs(a, b, ids, return_entropy=True, backend=backend)
+    got = _grads(lambda a, b: fn(a, b, "cuda"), h, w)
+    assert epilogue_on["forward"] >= 1 and epilogue_on["backward"] >= 1, epilogue_on
+    ref = _grads(lambda a, b: fn(a, b, "torch"), h.to(F64), w.to(F64))
+    for g, r in zip([*got[0], got[1], got[2]], [*ref[0], ref[1], ref[2]]):
+        assert _rel(g, r) < 1e-2, _rel(g, r)
