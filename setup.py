@@ -14,6 +14,12 @@ boundary as integers), so one wheel works with any torch version. Never imports 
 The outcome is recorded in a generated ``fusedloss/_build_info.py`` so that
 ``fusedloss.backend_status()["cuda"]`` can say why the CUDA backend is missing.
 
+The sm_90 epilogue kernels (csrc/sm90_epilogue*.cu: the statistics and the d logits in the GEMM epilogue,
+docs/design.md "The statistics in the GEMM epilogue") join the extension when sm_90a is a target and the CUTLASS
+headers are found: the ``nvidia-cutlass`` wheel (pinned in pyproject.toml's [build-system].requires, a build-only
+dependency) or FUSEDLOSS_CUTLASS_DIR (a CUTLASS checkout). Without them the build goes on and says the epilogue
+kernels are not built; FUSEDLOSS_CUDA_EPILOGUE_BUILD=0 leaves them out on purpose.
+
 Environment knobs: FUSEDLOSS_CUDA_ARCHS (default "80;90a;100a", without 100a before CUDA 12.8),
 FUSEDLOSS_NVCC_THREADS (default 2),
 CXX (host compiler, default c++), MAX_JOBS (ninja parallelism).
@@ -34,6 +40,9 @@ from setuptools.command.build_py import build_py
 ROOT = Path(__file__).resolve().parent
 CSRC = ROOT / "csrc"
 CUDA_SOURCES = ["kernels.cu"]
+# The sm_90a-only epilogue kernels, one translation unit per kernel so that ninja compiles them side by side.
+EPILOGUE_SOURCES = ["sm90_epilogue_statistics.cu", "sm90_epilogue_dlogits.cu"]
+EPILOGUE_ARCH = "90a"
 CXX_SOURCES = ["host.cpp", "bindings.cpp"]
 BUILD_INFO = Path("fusedloss") / "_build_info.py"
 
@@ -135,6 +144,44 @@ def ptx_isa(nvcc: str) -> str | None:
         return m.group(1) if m else None
 
 
+def find_cutlass() -> tuple[list[Path] | None, str]:
+    """(CUTLASS include dirs, where they came from), or (None, why not): FUSEDLOSS_CUTLASS_DIR, else the
+    ``nvidia-cutlass`` wheel's headers, found through its installed files (never imported)."""
+    root = os.environ.get("FUSEDLOSS_CUTLASS_DIR", "").strip()
+    if root:
+        dirs = [Path(root) / "include", Path(root) / "tools" / "util" / "include"]
+        origin = f"FUSEDLOSS_CUTLASS_DIR={root}"
+    else:
+        import importlib.metadata
+
+        try:
+            dist = importlib.metadata.distribution("nvidia-cutlass")
+        except importlib.metadata.PackageNotFoundError:
+            return None, "the CUTLASS headers were not found (pip install nvidia-cutlass, or FUSEDLOSS_CUTLASS_DIR)"
+        source = Path(dist.locate_file("cutlass_library")) / "source"
+        dirs, origin = [source / "include", source / "tools" / "util" / "include"], f"nvidia-cutlass {dist.version}"
+    if not all((d / m).exists() for d, m in zip(dirs, ("cutlass/cutlass.h", "cutlass/util/packed_stride.hpp"))):
+        return None, f"{origin} lacks the CUTLASS headers"
+    return dirs, origin
+
+
+def epilogue_plan() -> tuple[list[Path] | None, str]:
+    """(CUTLASS include dirs or None, the status line recorded for the epilogue kernels)."""
+    if NVCC is None:
+        return None, "not built: the CUDA extension is not built"
+    if os.environ.get("FUSEDLOSS_CUDA_EPILOGUE_BUILD", "").strip() == "0":
+        return None, "not built: FUSEDLOSS_CUDA_EPILOGUE_BUILD=0"
+    if EPILOGUE_ARCH not in archs():
+        return None, f"not built: sm_{EPILOGUE_ARCH} is not among the targets ({', '.join(archs())})"
+    dirs, origin = find_cutlass()
+    if dirs is None:
+        return None, f"not built: {origin}"
+    return dirs, f"built for sm_{EPILOGUE_ARCH} with {origin}"
+
+
+CUTLASS_INCLUDES, EPILOGUE_STATUS = epilogue_plan()
+
+
 def write_build_info(package_dir: Path) -> None:
     runtime = runtime_version(NVCC) if NVCC else None
     major = int(runtime.split(".")[0]) if runtime else None
@@ -151,6 +198,8 @@ def write_build_info(package_dir: Path) -> None:
         "# cudaDriverGetVersion() must report at least CUDA_MIN_DRIVER_API (major * 1000), which Linux",
         "# drivers CUDA_MIN_DRIVER_LINUX and newer do.",
         f"CUDA_RUNTIME_VERSION = {runtime!r}",
+        "# The sm_90 epilogue kernels (statistics and d logits in the GEMM epilogue): built, or why not.",
+        f"CUDA_EPILOGUE = {EPILOGUE_STATUS!r}",
         f"CUDA_RUNTIME_LINKAGE = {'static' if NVCC else None!r}",
         f"CUDA_MIN_DRIVER_API = {major * 1000 if major else None!r}",
         f"CUDA_MIN_DRIVER_LINUX = {MIN_DRIVER_LINUX.get(major) if major else None!r}",
@@ -201,6 +250,14 @@ class BuildExt(build_ext):
         cuda_flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
                       f"--threads={threads}", "-lineinfo", f"-I{CSRC}"] + gencode
         cxx_flags = ["-O2", "-std=c++17", "-fPIC", "-fvisibility=hidden"] + includes
+        # The epilogue kernels: sm_90a only (wgmma, TMA and setmaxnreg exist nowhere else), CUTLASS's flags;
+        # -DNDEBUG: CUTLASS's device asserts are calls, and a call between WGMMAs makes ptxas serialise them.
+        epilogue_flags = ["-O3", "-std=c++17", "-Xcompiler", "-fPIC", "-Xcompiler", "-fvisibility=hidden",
+                          f"--threads={threads}", "--expt-relaxed-constexpr", "-DNDEBUG", f"-I{CSRC}",
+                          f"-gencode=arch=compute_{EPILOGUE_ARCH},code=sm_{EPILOGUE_ARCH}"]
+        if CUTLASS_INCLUDES:
+            epilogue_flags += [f"-I{d}" for d in CUTLASS_INCLUDES]
+            cxx_flags.append("-DFUSEDLOSS_EPILOGUE")
         # libstdc++ stays dynamic: statically linked (gcc 12) it pulls in glibc 2.35/2.36 symbols
         # (_dl_find_object, arc4random) and the wheel's manylinux tag would rise from 2_34 to 2_36.
         link_flags = ["-shared", "-cudart=static", "-Xcompiler", "-fvisibility=hidden"]
@@ -210,6 +267,10 @@ class BuildExt(build_ext):
             obj = tmp / (src + ".o")
             objects.append(obj)
             steps.append(("nvcc", CSRC / src, obj))
+        for src in EPILOGUE_SOURCES if CUTLASS_INCLUDES else []:
+            obj = tmp / (src + ".o")
+            objects.append(obj)
+            steps.append(("nvcc_epilogue", CSRC / src, obj))
         for src in CXX_SOURCES:
             obj = tmp / (src + ".o")
             objects.append(obj)
@@ -218,6 +279,7 @@ class BuildExt(build_ext):
         print(f"fusedloss: compiling the CUDA extension fusedloss._C with {NVCC} ({nvcc_version(NVCC)}) for "
               f"{', '.join('sm_' + a for a in archs())}; this takes a few minutes. Set FUSEDLOSS_CUDA=0 to skip it "
               "(the torch and Triton backends need no compiled code).", flush=True)
+        print(f"fusedloss: the sm_90 epilogue kernels are {EPILOGUE_STATUS}", flush=True)
         ninja = _ninja()
         q = lambda items: " ".join(str(i) for i in items)  # noqa: E731 (paths have no spaces here)
         if ninja:
@@ -226,6 +288,7 @@ class BuildExt(build_ext):
                 f"nvcc = {NVCC}",
                 f"cxx = {cxx}",
                 f"cuda_flags = {q(cuda_flags)}",
+                f"epilogue_flags = {q(epilogue_flags)}",
                 f"cxx_flags = {q(cxx_flags)}",
                 f"link_flags = {q(link_flags)}",
                 "rule nvcc",
@@ -233,6 +296,11 @@ class BuildExt(build_ext):
                 "  depfile = $out.d",
                 "  deps = gcc",
                 "  description = nvcc $in",
+                "rule nvcc_epilogue",
+                "  command = $nvcc $epilogue_flags -MD -MF $out.d -c $in -o $out",
+                "  depfile = $out.d",
+                "  deps = gcc",
+                "  description = nvcc (sm_90 epilogue) $in",
                 "rule cxx",
                 "  command = $cxx $cxx_flags -MMD -MF $out.d -c $in -o $out",
                 "  depfile = $out.d",
@@ -252,8 +320,9 @@ class BuildExt(build_ext):
             subprocess.run(cmd, check=True)
         else:  # no ninja: the same commands, one after the other
             for rule, src, obj in steps:
-                if rule == "nvcc":
-                    subprocess.run([NVCC, *cuda_flags, "-c", str(src), "-o", str(obj)], check=True)
+                if rule in ("nvcc", "nvcc_epilogue"):
+                    flags = cuda_flags if rule == "nvcc" else epilogue_flags
+                    subprocess.run([NVCC, *flags, "-c", str(src), "-o", str(obj)], check=True)
                 else:
                     subprocess.run([cxx, *cxx_flags, "-c", str(src), "-o", str(obj)], check=True)
             subprocess.run([NVCC, *link_flags, *map(str, objects), "-o", str(target)], check=True)
@@ -261,6 +330,7 @@ class BuildExt(build_ext):
 
 ext_modules = []
 if NVCC is not None:
-    ext_modules.append(Extension("fusedloss._C", sources=[str(Path("csrc") / s) for s in CUDA_SOURCES + CXX_SOURCES]))
+    sources = CUDA_SOURCES + (EPILOGUE_SOURCES if CUTLASS_INCLUDES else []) + CXX_SOURCES
+    ext_modules.append(Extension("fusedloss._C", sources=[str(Path("csrc") / s) for s in sources]))
 
 setup(ext_modules=ext_modules, cmdclass={"build_py": BuildPy, "build_ext": BuildExt})

@@ -11,6 +11,9 @@
 
 #include "fusedloss/args.h"
 #include "fusedloss/device_guard.h"
+#ifdef FUSEDLOSS_EPILOGUE
+#include "sm90_epilogue.h"
+#endif
 
 namespace py = pybind11;
 using namespace fl;
@@ -54,6 +57,16 @@ std::vector<int> device_guard_trace(int current, int target, bool throw_inside) 
   FakeDeviceOps::trace = nullptr;
   return out;
 }
+
+#ifdef FUSEDLOSS_EPILOGUE
+// The sm_90 epilogue launchers: a failed launch raises RuntimeError with CUTLASS's status and the CUDA error.
+template <class Launch, int (*kFn)(const Launch&, char*, size_t)>
+void epilogue_call(const Launch& a) {
+  char error[512] = "";
+  if (kFn(a, error, sizeof(error)) != 0) throw std::runtime_error(std::string("sm_90 epilogue kernel: ") + error);
+}
+
+#endif
 
 #define FL_OUTPUT_NAME(id, name) name,
 const std::vector<std::string> kOutputNames{FL_OUTPUTS(FL_OUTPUT_NAME)};
@@ -108,6 +121,50 @@ PYBIND11_MODULE(_C, m) {
   m.def("host_fold_tile", &host_fold_tile, py::arg("args"));
   m.def("host_jsd_tile", &host_jsd_tile, py::arg("args"));
   m.def("host_dx_tile", &host_dx_tile, py::arg("args"));
+
+  // The sm_90 epilogue kernels (csrc/sm90_epilogue.cuh), when the build found the CUTLASS headers.
+#ifdef FUSEDLOSS_EPILOGUE
+  m.attr("EPILOGUE_KERNELS") = true;
+  m.attr("EPILOGUE_TILE") = std::vector<int>{fl_epilogue::kTileM, fl_epilogue::kTileN};
+  m.attr("EPILOGUE_COEFF_ROWS") = int(fl_epilogue::kCoeffRows);
+  using fl_epilogue::DlogitsLaunch;
+  using fl_epilogue::MergeLaunch;
+  using fl_epilogue::StatisticsLaunch;
+#define FL_RW(cls, name) .def_readwrite(#name, &cls::name)
+  py::class_<StatisticsLaunch>(m, "EpilogueStatistics")
+      .def(py::init<>()) FL_RW(StatisticsLaunch, hidden) FL_RW(StatisticsLaunch, weight) FL_RW(StatisticsLaunch, n)
+      FL_RW(StatisticsLaunch, v) FL_RW(StatisticsLaunch, d) FL_RW(StatisticsLaunch, dtype)
+      FL_RW(StatisticsLaunch, entropy) FL_RW(StatisticsLaunch, part_m) FL_RW(StatisticsLaunch, part_t)
+      FL_RW(StatisticsLaunch, part_e) FL_RW(StatisticsLaunch, target) FL_RW(StatisticsLaunch, target_logit)
+      FL_RW(StatisticsLaunch, logit_scale) FL_RW(StatisticsLaunch, inv_temperature) FL_RW(StatisticsLaunch, stream);
+  py::class_<MergeLaunch>(m, "EpilogueMerge")
+      .def(py::init<>()) FL_RW(MergeLaunch, part_m) FL_RW(MergeLaunch, part_t) FL_RW(MergeLaunch, part_e)
+      FL_RW(MergeLaunch, target_logit) FL_RW(MergeLaunch, out) FL_RW(MergeLaunch, n) FL_RW(MergeLaunch, tiles)
+      FL_RW(MergeLaunch, stride) FL_RW(MergeLaunch, entropy) FL_RW(MergeLaunch, target) FL_RW(MergeLaunch, stream);
+  py::class_<DlogitsLaunch>(m, "EpilogueDlogits")
+      .def(py::init<>()) FL_RW(DlogitsLaunch, hidden) FL_RW(DlogitsLaunch, weight) FL_RW(DlogitsLaunch, n)
+      FL_RW(DlogitsLaunch, v) FL_RW(DlogitsLaunch, d) FL_RW(DlogitsLaunch, dtype) FL_RW(DlogitsLaunch, out)
+      FL_RW(DlogitsLaunch, ld_out) FL_RW(DlogitsLaunch, target) FL_RW(DlogitsLaunch, target_offset)
+      FL_RW(DlogitsLaunch, coeffs) FL_RW(DlogitsLaunch, coeff_stride) FL_RW(DlogitsLaunch, logit_scale)
+      FL_RW(DlogitsLaunch, inv_temperature) FL_RW(DlogitsLaunch, chain) FL_RW(DlogitsLaunch, log_q)
+      FL_RW(DlogitsLaunch, stream);
+#undef FL_RW
+  m.def("epilogue_statistics", &epilogue_call<StatisticsLaunch, fl_epilogue::statistics>, py::arg("args"));
+  m.def("epilogue_merge", &epilogue_call<MergeLaunch, fl_epilogue::merge>, py::arg("args"));
+  m.def("epilogue_dlogits", &epilogue_call<DlogitsLaunch, fl_epilogue::dlogits>, py::arg("args"));
+  m.def("epilogue_statistics_info", [](int dtype, bool entropy) {
+    std::vector<int> out(fl_epilogue::kInfoFields);
+    fl_epilogue::statistics_info(dtype, entropy, out.data());
+    return out;
+  }, py::arg("dtype"), py::arg("entropy"));
+  m.def("epilogue_dlogits_info", [](int dtype) {
+    std::vector<int> out(fl_epilogue::kInfoFields);
+    fl_epilogue::dlogits_info(dtype, out.data());
+    return out;
+  }, py::arg("dtype"));
+#else
+  m.attr("EPILOGUE_KERNELS") = false;
+#endif
 
   // Test hook: DeviceGuard's restore logic on a fake device state (see device_guard_trace above).
   m.def("_device_guard_trace", &device_guard_trace, py::arg("current"), py::arg("target"),

@@ -21,6 +21,9 @@ variable                           default      effect
                                                 ``tf32x3``, ``tf32``); a tuning override for experiments
 ``FUSEDLOSS_DETERMINISTIC``        ``0``        ``1``: the same as ``torch.use_deterministic_algorithms``
                                                 for fusedloss's kernels
+``FUSEDLOSS_CUDA_EPILOGUE``        ``auto``     ``1``: the CUDA backend's sm_90 epilogue kernels for the
+                                                problems they serve (fusedloss/cuda/epilogue.py); ``auto``
+                                                and ``0``: today's path until a GPU run says otherwise
 =================================  ===========  ========================================================
 
 ``TRITON_INTERPRET=1`` is Triton's own switch (run the kernels on CPU tensors in its interpreter); fusedloss
@@ -82,6 +85,16 @@ class Environment:
     allow_tf32: Optional[bool]
     triton_fp32_precision: Optional[str]
     deterministic: Optional[bool]
+    cuda_epilogue: Optional[bool] = None  # FUSEDLOSS_CUDA_EPILOGUE: None for auto
+
+
+def _auto_flag(name: str) -> Optional[bool]:
+    value = os.environ.get(name, "").strip().lower()
+    if value in ("", "auto"):
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"environment variable {name} must be auto, 0 or 1, got {os.environ[name]!r}")
+    return value == "1"
 
 
 def from_environment() -> Environment:
@@ -94,7 +107,8 @@ def from_environment() -> Environment:
     workspace = _megabytes("FUSEDLOSS_WORKSPACE_MB")
     return Environment(grad_in_forward=_flag("FUSEDLOSS_GRAD_IN_FORWARD"), workspace_mb=workspace,
                        allow_tf32=_flag("FUSEDLOSS_ALLOW_TF32"),
-                       triton_fp32_precision=precision, deterministic=_flag("FUSEDLOSS_DETERMINISTIC"))
+                       triton_fp32_precision=precision, deterministic=_flag("FUSEDLOSS_DETERMINISTIC"),
+                       cuda_epilogue=_auto_flag("FUSEDLOSS_CUDA_EPILOGUE"))
 
 
 class RunOptions(NamedTuple):

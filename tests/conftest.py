@@ -53,7 +53,7 @@ TOOLING_MODULES = {
     "test_bench_worker.py", "test_bench_model.py", "test_cost_model.py", "test_cost_model_launches.py",
     "test_sass_counts.py", "test_triton_compile.py", "test_cutlass_prototype.py", "test_cutlass_prototype_device.py",
     "test_cuda_device_scripts.py", "test_frameworks_env.py", "test_transformers_zoo.py", "test_skip_summary.py",
-    "test_triton_launches.py",
+    "test_triton_launches.py", "test_epilogue_kernels_compile.py", "test_epilogue_device_check.py",
 }
 TOOLING_TESTS = ("test_kernels_compile_for_sm90",)
 

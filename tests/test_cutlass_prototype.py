@@ -137,8 +137,9 @@ def test_the_prototype_is_not_part_of_the_library_or_its_build():
         text = path.read_text()
         assert "prototypes" not in text and "fusedloss_proto" not in text, path
     assert re.search(r"^prune csrc/prototypes$", (ROOT / "MANIFEST.in").read_text(), re.M)
-    deps = (ROOT / "pyproject.toml").read_text().split("[project.optional-dependencies]")[0]
-    assert "cutlass" not in deps  # only the test extra has it
+    project = (ROOT / "pyproject.toml").read_text().split("[project]")[1]
+    deps = project.split("[project.optional-dependencies]")[0]
+    assert "cutlass" not in deps  # never a runtime dependency: the build (the epilogue kernels' headers) and tests
 
 
 def test_parsers_on_hand_written_tool_output():

@@ -83,15 +83,15 @@ def test_auto_passes_over_a_triton_that_refuses_float64(triton_version, monkeypa
     (no float64 tl.dot): the torch backend computes it instead of the call raising."""
     pytest.importorskip("triton")
     states = {"cuda": "not built: FUSEDLOSS_CUDA=0", "triton": "available", "torch": "available"}
-    monkeypatch.setattr(backends, "availability", states.__getitem__)
-    monkeypatch.setattr(backends, "_warn_cuda_skipped", lambda chosen: None)  # the process's one warning stays
+    monkeypatch.setattr(registry, "availability", states.__getitem__)
+    monkeypatch.setattr(registry, "_warn_cuda_skipped", lambda chosen: None)  # the process's one warning stays
     triton_version(version)
     cuda = torch.device("cuda")
-    assert backends.resolve("auto", cuda, torch.float64) == float64
+    assert registry.resolve("auto", cuda, torch.float64) == float64
     for dtype in (torch.float32, torch.bfloat16, torch.float16, None):
-        assert backends.resolve("auto", cuda, dtype) == "triton"
-    assert backends.resolve("auto", torch.device("cpu"), torch.float64) == "torch"
-    refusal = backends.get("triton").dtype_refusal(torch.float64)
+        assert registry.resolve("auto", cuda, dtype) == "triton"
+    assert registry.resolve("auto", torch.device("cpu"), torch.float64) == "torch"
+    refusal = registry.get("triton").dtype_refusal(torch.float64)
     if float64 == "torch":
         assert refusal == (f"triton backend: float64 hidden needs triton>=3.5 (its float64 tl.dot), installed "
                            f"{version}; use backend='torch' for float64")

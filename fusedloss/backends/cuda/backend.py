@@ -51,6 +51,7 @@ from ...core import problem as coef  # coef.COEF_*: the dz formula's coefficient
 from ...core.problem import NUM_COEFFS, DeferredProduct, GradientNeeds, Statistics, StatsProblem
 from .. import gpu
 from .. import torch as torch_backend
+from . import epilogue as _epilogue
 from .plan import (  # noqa: F401 - the plan's public names are the backend's too (override_plan, grad_in_forward_pays, ...)
     STATE_FIELDS,
     _call_options,
@@ -493,6 +494,8 @@ def forward_statistics(p: StatsProblem):
     if p.acc_dtype == torch.float64:
         return torch_backend.forward_statistics(p)
     p = _contiguous_problem(p)
+    if _epilogue.wanted(p):  # FUSEDLOSS_CUDA_EPILOGUE=1: the sm_90 epilogue kernels (backends/cuda/epilogue.py)
+        return _epilogue.forward_statistics(p)
     ex = _Exec(p.hidden.device)
     n, v = p.hidden.shape[0], p.weight.shape[0]
     dev = p.hidden.device
@@ -602,6 +605,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     p = _contiguous_problem(p)
     if column_dz is None:  # no given dz: the formula at every column
         p = dataclasses.replace(p, columns=None)
+    if _epilogue.wanted(p):  # FUSEDLOSS_CUDA_EPILOGUE=1: the sm_90 epilogue kernels (backends/cuda/epilogue.py)
+        return _epilogue.backward_gradients(p, saved, coeffs, needs, column_dz=column_dz)
     ex = _Exec(p.hidden.device)
     h_all, w = p.hidden, p.weight
     n, v = h_all.shape[0], w.shape[0]

@@ -45,7 +45,7 @@ from ...core import cost, registry
 from ...core.problem import GradientNeeds, StatsProblem
 from .. import gpu
 from .. import torch as torch_backend
-from . import sass_counts
+from . import epilogue, sass_counts
 
 # ------------------------------------------------------------------------------------------------
 # The plan (docs/design.md, "Plans and the cost model")
@@ -824,6 +824,8 @@ def grad_in_forward_pays(p: StatsProblem) -> bool:
     cost model says its chunks are big enough to beat the composable path."""
     if p.acc_dtype == torch.float64:
         return torch_backend.grad_in_forward_pays(p)
+    if epilogue.wanted(p):  # FUSEDLOSS_CUDA_EPILOGUE=1: the composable path on the epilogue kernels
+        return False
     needs = GradientNeeds(p.hidden.requires_grad, p.weight.requires_grad, False)
     if not (needs.hidden or needs.weight):
         return False
