@@ -370,7 +370,8 @@ def test_every_shell_line_names_what_exists():
     assert '-e ".[test,bench,integrations]"' in script
     ci = (ROOT / ".ci" / "run").read_text()
     command = 'python -m pytest -q -m "not tooling" tests'
-    assert "bash tools/install.sh" in ci and readme_blocks("bash")[1].strip() == command
+    assert "bash tools/dev_setup.sh" in ci and readme_blocks("bash")[1].strip() == command
+    assert "bash tools/install.sh" in (ROOT / "tools" / "dev_setup.sh").read_text()
     assert f"\n{command}\n" in ci
 
 
