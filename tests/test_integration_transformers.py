@@ -231,3 +231,36 @@ def test_left_padded_prompts_need_prompt_mask():
     with pytest.raises(ValueError, match="prompt_ids row 1 starts with the pad token .* need prompt_mask"):
         fl_hf.completion_logprobs(model, prompt, completion, backend="torch")
     fl_hf.completion_logprobs(model, prompt, completion, prompt_mask=(prompt != 0).long(), backend="torch")
+
+
+def test_a_soft_capped_head_passed_without_its_options_is_warned_about():
+    import warnings
+
+    import fusedloss
+
+    model = make_model("gemma2-softcap", dtype=torch.float64)
+    input_ids, _ = batch(7)
+    head = fl_hf.lm_head(model)
+    assert head.softcap == 3.0
+    hidden = fl_hf.last_hidden_state(model, input_ids)[:, :-1]
+    targets = input_ids[:, 1:]
+    with pytest.warns(UserWarning, match=r"weight is the LM head of a model whose logits have softcap=3.*"
+                                         r"\*\*lm_head\(model\)\.options"):
+        bare = fusedloss.cross_entropy(hidden, head.weight, targets, backend="torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the right call, the patched model and a plain head: no warning
+        right = fusedloss.cross_entropy(hidden, head.weight, targets, backend="torch", **head.options)
+        fl_hf.patch(model)
+        patched = model(input_ids, labels=input_ids).loss
+        fl_hf.unpatch(model)
+        plain = make_model("llama-untied", dtype=torch.float64)
+        plain_head = fl_hf.lm_head(plain)
+        fusedloss.cross_entropy(fl_hf.last_hidden_state(plain, input_ids)[:, :-1], plain_head.weight, targets,
+                                backend="torch")
+    # what the warning is about: the bare call is another model's loss, the right one is the model's own
+    assert torch.allclose(right, patched, rtol=1e-10)
+    assert not torch.allclose(bare, right, rtol=1e-8)  # tiny random logits: the cap bends them only a little
+    # a teacher's head is checked under its own name
+    with pytest.warns(UserWarning, match="teacher_weight is the LM head"):
+        fusedloss.distillation_loss(hidden, head.weight, hidden, head.weight, beta=1.0, backend="torch",
+                                    **head.options)

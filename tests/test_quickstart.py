@@ -370,16 +370,55 @@ def test_every_shell_line_names_what_exists():
     assert '-e ".[test,bench,integrations]"' in script
     ci = (ROOT / ".ci" / "run").read_text()
     command = 'python -m pytest -q -m "not tooling" tests'
-    assert "bash tools/install.sh" in ci and readme_blocks("bash")[1].strip() == command
+    assert "bash tools/dev_setup.sh" in ci and readme_blocks("bash")[1].strip() == command
+    assert "bash tools/install.sh" in (ROOT / "tools" / "dev_setup.sh").read_text()
     assert f"\n{command}\n" in ci
 
 
 def test_the_estimate_shown_is_what_the_command_prints(capsys):
     from fusedloss.__main__ import main
 
-    text = README.read_text()
+    text = (ROOT / "docs" / "benchmarks.md").read_text()  # the README has the command, this page its output
     command = next(words for words in shell_commands() if words[:4] == ["python", "-m", "fusedloss", "estimate"])
     shown = re.search(r"```bash\n" + re.escape(" ".join(command)) + r"\n```\n\n```text\n(.*?)```", text, re.S)
     assert shown, "the estimate command is not followed by its output"
     assert main(command[3:]) == 0
     assert capsys.readouterr().out.strip() == shown.group(1).strip()
+
+
+# --------------------------------------------------------------------------------------------------
+# The README stays a page a newcomer reads to the end; the rest lives in docs/, whose code blocks are the
+# README's own (run above), and the versions it states are the ones the install and pyproject.toml use.
+
+def test_the_readme_is_short_and_its_first_block_is_the_user_install():
+    text = README.read_text()
+    assert len(text.splitlines()) <= 280
+    first, tests = readme_blocks("bash")[:2]
+    assert first.strip() == "bash tools/install.sh && python benchmarks/tour.py"
+    assert tests.strip() == 'python -m pytest -q -m "not tooling" tests'
+    install = (ROOT / "tools" / "install.sh").read_text()
+    for heavy in ("triton_versions.py", "nvidia-cutlass", "frameworks_env.sh"):  # the contributor's, not a user's
+        assert heavy not in install and heavy in (ROOT / "tools" / "dev_setup.sh").read_text()
+    # no counts of tests typed into the README: they drift
+    assert not re.search(r"\d+ passed", text)
+
+
+def test_docs_code_blocks_are_the_readmes_which_run_here():
+    readme = set(readme_blocks("python"))
+    for page in sorted((ROOT / "docs").glob("*.md")):
+        for block in re.findall(r"```python\n(.*?)```", page.read_text(), re.S):
+            assert block in readme, (page.name, block[:80])
+    for link in re.findall(r"`(docs/[a-z_]+\.md)`", README.read_text()):
+        assert (ROOT / link).is_file(), link
+
+
+def test_the_versions_stated_are_the_ones_installed():
+    text = " ".join(README.read_text().split())
+    install = (ROOT / "tools" / "install.sh").read_text()
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    torch_version = re.search(r"^TORCH_VERSION=(\S+)$", install, re.M).group(1)
+    assert f"CI runs torch {torch_version}, Triton below 3.10" in text
+    assert 'triton = ["triton>=3.4,<3.10"]' in pyproject and '"torch>=2.8"' in pyproject
+    assert '"transformers>=4.56.2"' in pyproject and '"trl>=1.16,<2"' in pyproject
+    assert "the oldest supported are torch 2.8, Triton 3.4, transformers 4.56.2 and TRL 1.16" in text
+    assert "Tested with" not in text  # one statement of the versions, not a second list that drifts

@@ -38,6 +38,7 @@ from typing import NamedTuple, Optional, Union
 import torch
 
 import fusedloss
+from fusedloss.losses.implicit_logits import remember_head_options
 
 __all__ = ["LMHead", "causal_lm_logprobs", "completion_logprobs", "last_hidden_state", "lm_head",
            "logit_postprocessing", "patch", "unpatch"]
@@ -323,6 +324,8 @@ def lm_head(model) -> LMHead:
 
 def _as_lm_head(head, transform: _Transform) -> LMHead:
     weight, bias = _head_tensors(head)
+    remember_head_options(weight, bias=bias, logit_scale=transform.logit_scale, softcap=transform.softcap,
+                          vocab_size=transform.vocab_size)  # a call passing the weight bare is warned about
     return LMHead(weight, bias, transform.logit_scale, transform.softcap, transform.vocab_size)
 
 

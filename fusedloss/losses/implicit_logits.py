@@ -9,6 +9,7 @@ ordinary tensor operations on ``[tokens]`` vectors (docs/design.md, "Losses as p
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -108,6 +109,7 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
     run = RunOptions.checked(grad_in_forward=grad_in_forward, workspace_mb=workspace_mb, allow_tf32=allow_tf32)
     v.require_tensor(hidden_name, hidden, floating=True)
     v.require_tensor(weight_name, weight, floating=True)
+    _warn_if_head_options_dropped(weight_name, weight, bias, logit_scale, softcap, vocab_size)
     hidden, weight, bias, spread = prepare_head(
         hidden, weight, bias, process_group=process_group, reduce_hidden_grad=reduce_hidden_grad,
         vocab_start=vocab_start, vocab_size=vocab_size, fsdp_vocab_parallel=fsdp_vocab_parallel,
@@ -160,6 +162,48 @@ def implicit_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1
                           transform=LogitTransform(float(temperature), float(logit_scale),
                                                    None if softcap is None else float(softcap)),
                   lead_shape=lead, backend=name, distributed=spread, run=run)
+
+
+# The attribute ``lm_head(model)`` (fusedloss.integrations.transformers) sets on the head's weight: the logit
+# processing the model applies on top of ``hidden @ weight.T``. A call that passes that weight without it computes
+# the loss of logits the model never produces (a soft-capped Gemma 2 without its cap: a loss 3.5x too large),
+# with no error to say so; the attribute lets that call say so.
+HEAD_OPTIONS_ATTR = "_fusedloss_head_options"
+
+
+def remember_head_options(weight: torch.Tensor, *, bias: Optional[torch.Tensor], logit_scale: float,
+                          softcap: Optional[float], vocab_size: Optional[int]) -> None:
+    """Mark ``weight`` (a model's LM head) with the processing its model applies to the logits, where any."""
+    expected = {"softcap": softcap, "logit_scale": float(logit_scale), "bias": bias is not None,
+                "vocab_size": vocab_size}
+    if softcap is None and float(logit_scale) == 1.0 and bias is None and vocab_size is None:
+        return
+    try:
+        setattr(weight, HEAD_OPTIONS_ATTR, expected)
+    except (AttributeError, TypeError, RuntimeError):  # a tensor type that takes no attributes: nothing to mark
+        pass
+
+
+def _warn_if_head_options_dropped(weight_name, weight, bias, logit_scale, softcap, vocab_size) -> None:
+    if torch.compiler.is_compiling():
+        return
+    expected = getattr(weight, HEAD_OPTIONS_ATTR, None)
+    if not expected:
+        return
+    dropped = []
+    if expected["softcap"] is not None and softcap is None:
+        dropped.append(f"softcap={expected['softcap']:g}")
+    if expected["logit_scale"] != 1.0 and isinstance(logit_scale, (int, float)) and float(logit_scale) == 1.0:
+        dropped.append(f"logit_scale={expected['logit_scale']:g}")
+    if expected["bias"] and bias is None:
+        dropped.append("bias")
+    if expected["vocab_size"] is not None and vocab_size is None:
+        dropped.append(f"vocab_size={expected['vocab_size']}")
+    if dropped:
+        warnings.warn(f"{weight_name} is the LM head of a model whose logits have {', '.join(dropped)}, and this "
+                      "call passes none of it: pass **lm_head(model).options (bias, logit_scale, softcap, "
+                      "vocab_size) with lm_head(model).weight, else the loss is that of logits the model never "
+                      "produces", UserWarning, stacklevel=4)
 
 
 def _autocast(t: Optional[torch.Tensor], dtype: torch.dtype) -> Optional[torch.Tensor]:
