@@ -71,6 +71,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _same_random_state():
+    """Every test starts from the same global random state (torch, NumPy, random), whatever ran before it in its
+    process: CI runs the suite on two processes (pytest-xdist), which share the modules out differently each run."""
+    import random
+
+    import numpy
+
+    random.seed(0)
+    numpy.random.seed(0)
+    torch.manual_seed(0)
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """Triton < 3.5 has no float64 tl.dot: the Triton backend refuses float64 there with a TypeError

@@ -26,7 +26,8 @@ def test_framework_integrations_pass_in_their_environment():
                         "were not run")
         pytest.fail("the frameworks environment is missing: run bash tools/frameworks_env.sh "
                     "(or set FUSEDLOSS_SKIP_FRAMEWORKS=1 to skip the verl / OpenRLHF / Axolotl tests)")
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    # the outer run's options (CI's pytest-xdist processes) are not for this environment, which has no xdist
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTEST_ADDOPTS")}
     run = subprocess.run([str(PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/frameworks"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800)
     tail = (run.stdout + run.stderr)[-6000:]

@@ -17,7 +17,9 @@ def test_the_run_says_what_it_skipped_and_why(tmp_path):
         "    pass\n")
     tests = Path(__file__).resolve().parent
     path = (str(tests), str(tests.parent), os.environ.get("PYTHONPATH"))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    # the outer run's options (CI's two processes) are not this small run's
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, path))
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "conftest", "-c", os.devnull,
                           "--rootdir", str(tmp_path), str(tmp_path)], capture_output=True, text=True, env=env,
                          cwd=tmp_path, timeout=300)
