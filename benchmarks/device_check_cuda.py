@@ -94,7 +94,7 @@ def _host_public_api(ctx: Context):
     from fusedloss.core import registry
 
     original = registry.resolve
-    registry.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
+    registry.resolve = lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest)
     try:
         yield
     finally:

@@ -341,7 +341,7 @@ def main(argv=None) -> int:
         lib = HostTwins.compile(tmp)
         epilogue._KERNELS_OVERRIDE = HostTwins(lib)
         original = registry.resolve
-        registry.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
+        registry.resolve = lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest)
     else:
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             report.update(status="no GPU", reason="needs an sm_90 GPU (H100/H200); --dry-run is the CPU mode")

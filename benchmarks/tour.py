@@ -190,7 +190,7 @@ def extras_for(op: str, device) -> list:
 def run(args) -> dict:
     import torch
 
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
     from .bench import CpuMem, CudaMem, make_impl
     from .cases import make_problem, reference64
@@ -202,7 +202,7 @@ def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
     mem_probe = CudaMem() if device.type == "cuda" else CpuMem()
-    default = "fusedloss:" + backends.resolve("auto", device)
+    default = "fusedloss:" + registry.resolve("auto", device)
     env = {"device": device_line(device), "load_1min_start": load_average(), "cores": os.cpu_count(),
            "torch": torch.__version__, "python": platform.python_version(), "dtype": str(dtype).split(".")[1],
            "default_path": default}

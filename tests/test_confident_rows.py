@@ -51,7 +51,7 @@ def engine(request, monkeypatch):
         return name, torch.device("cuda")
     if name == "cuda":
         original = registry.resolve
-        monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+        monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     return name, torch.device("cpu")
 
 

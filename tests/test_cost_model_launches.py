@@ -62,7 +62,7 @@ def _call(op: str, n: int, chunk_rows: int) -> int:
 def host_mode(monkeypatch):
     """The CUDA backend on CPU tensors (its host twins), the grad-in-forward path forced."""
     real = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else real(b, *rest))
     monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
 
 

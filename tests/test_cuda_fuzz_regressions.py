@@ -36,7 +36,7 @@ INF = math.inf
 def host_cuda(request, monkeypatch):
     """The public API on CPU tensors with backend='cuda' (the host twins), on one gradient path."""
     original = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if request.param == "grad_in_forward" else "0")
     return request.param
 
@@ -154,7 +154,7 @@ def test_a_rows_gradient_does_not_depend_on_other_rows(seed, monkeypatch):
     """Rule F on the composable path (the one that recomputes): row 1's gradient is the same whether row 0
     is ignored, carries no gradient, or carries a little, and within the fp32 bound of float64."""
     original = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     h0, w0, y = _confident_pair(seed)
 
     def d_hidden(targets, cotangent, dtype=torch.float32, backend="cuda"):

@@ -537,7 +537,7 @@ def test_deferred_d_weight_through_autograd(monkeypatch):
     from fusedloss.core import registry
 
     original = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
     g = torch.Generator().manual_seed(6)
     h, w = torch.randn(6, 16, generator=g), torch.randn(53, 16, generator=g) / 4
@@ -630,7 +630,7 @@ def test_public_api_edges_on_the_host_path(grad_in_forward, monkeypatch):
     from fusedloss.core import registry
 
     original = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", grad_in_forward)
     g = torch.Generator().manual_seed(5)
     h, w = torch.randn(4, 6, generator=g), torch.randn(19, 6, generator=g)

@@ -195,7 +195,7 @@ def _grads(h16, w16, y, run):
 @pytest.mark.parametrize("path", ["grad_in_forward", "composable"])
 def test_fp16_gradients_survive_a_gradscaler_sized_scale(path, monkeypatch):
     original = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1" if path == "grad_in_forward" else "0")
     h16, w16, y = _fp16_case()
     scale = 2.0**16

@@ -235,10 +235,10 @@ needs_extension = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA e
 def epilogue_on(twins, monkeypatch):
     """FUSEDLOSS_CUDA_EPILOGUE=1, the twins as kernels, backend="cuda" routed to the CUDA backend's host mode for
     CPU tensors; counts the epilogue path's forward and backward calls."""
-    from fusedloss.core import backends
+    from fusedloss.core import registry
 
-    original = backends.resolve
-    monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    original = registry.resolve
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     monkeypatch.setenv(epilogue.ENV, "1")
     monkeypatch.setattr(epilogue, "_KERNELS_OVERRIDE", TwinKernels(twins))
     calls = {"forward": 0, "backward": 0}
@@ -384,10 +384,10 @@ def test_switch_parsing_and_the_message_without_a_gpu(monkeypatch):
                                            "they need an NVIDIA sm_90 GPU"):
         epilogue.wanted(p)
     if cuda.extension_built():  # through the public op, the CUDA backend's host mode
-        from fusedloss.core import backends
+        from fusedloss.core import registry
 
-        original = backends.resolve
-        monkeypatch.setattr(backends, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+        original = registry.resolve
+        monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
         with pytest.raises(RuntimeError, match="sm_90 GPU"):
             fusedloss.token_logprobs(h, w, torch.tensor([0, 1, 2]), backend="cuda")
 

@@ -273,7 +273,7 @@ def test_grad_in_forward_gradients_are_the_materialised_bits(backend_name, case,
     kw = {}
     if backend_name == "cuda":  # the CUDA backend's code on CPU tensors (its host twins)
         real = registry.resolve
-        monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else real(b, dev))
+        monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else real(b, *rest))
     elif backend_name == "torch":
         monkeypatch.setattr(torch_backend, "grad_in_forward_rows", lambda p: 8)
     else:

@@ -239,7 +239,7 @@ def _cuda_host(monkeypatch):
     if not cuda_backend.extension_built():
         pytest.skip(f"CUDA extension not built: {cuda_backend.availability()}")
     original = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
 
 
 ALL_BACKENDS = BACKENDS + ([] if "cuda" in BACKENDS else ["cuda-host"])

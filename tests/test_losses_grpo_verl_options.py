@@ -66,7 +66,7 @@ def _backend(which, monkeypatch):
     if not cuda_backend.extension_built():
         pytest.skip(f"CUDA extension not built: {cuda_backend.availability()}")
     original = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     return "cuda", torch.device("cpu")
 
 

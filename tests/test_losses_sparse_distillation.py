@@ -262,7 +262,7 @@ def test_several_targets_and_sparse_distillation_on_the_cuda_host_path(monkeypat
     if not cuda.extension_built():
         pytest.skip(f"CUDA extension not built: {cuda.availability()}")
     original = registry.resolve
-    monkeypatch.setattr(registry, "resolve", lambda b, dev: "cuda" if b == "cuda" else original(b, dev))
+    monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     (h, w, b), ids = several_targets_case(torch.float64)
     leaves = [x.detach().requires_grad_() for x in (h, w, b)]
     masters = [x.detach().requires_grad_() for x in (h, w, b)]

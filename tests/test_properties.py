@@ -110,7 +110,7 @@ def configured(backend: str, grad_in_forward: Optional[str], tiles: Optional[tup
             torch_backend.grad_in_forward_rows = lambda p: rows
         if backend == "cuda" and not torch.cuda.is_available():
             original = saved[3]
-            registry.resolve = lambda b, dev: "cuda" if b == "cuda" else original(b, dev)
+            registry.resolve = lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest)
         yield
     finally:
         if saved_env is None:

@@ -30,7 +30,7 @@ def test_a_qwen_7b_sized_sft_batch(tmp_path):
     fused = next(p for p in est.paths if p.name.startswith("fusedloss, GPU"))
     spec = cost.GPUS["h200"]
     assert fused.transient_bytes == cuda_backend.workspace_bytes(spec.memory_bytes // 2) and fused.held_bytes == 0
-    assert fused.products == 3 and "grad_in_forward" in fused.name  # cross-entropy is known in the forward
+    assert fused.products == 3 and "grad-in-forward" in fused.name  # cross-entropy is known in the forward
     torch_path = est.path("fusedloss, torch backend (CPU)")
     assert torch_path.transient_bytes == 1024 * 4096 * 4 == 16 * MiB
     assert est.bound_products == 3
