@@ -1454,6 +1454,8 @@ def main(argv=None) -> int:
             return 2
 
     env = environment(device)
+    if args.threads:
+        env["threads"] = args.threads  # what the workers run with, not this process's default
     env["model_gpu"] = model_gpu
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -339,6 +339,8 @@ def reference64(p: Problem, progress: Optional[Callable[[int, int], None]] = Non
         return {"logprobs": torch.cat(lps)}, {}
     elif p.op == "multi_teacher_distillation":
         flat = t["teacher_index"]
+        # chunks are cut per teacher, so a teacher's last chunk may be short
+        count["total"] = sum(math.ceil(int((flat == i).sum()) / rows) for i in range(len(TEACHERS)))
         for i, teacher in enumerate(teachers(p, torch.float64)):
             ids = (flat == i).nonzero().squeeze(1)
             for r0 in range(0, ids.numel(), rows):

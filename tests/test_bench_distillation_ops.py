@@ -44,15 +44,25 @@ def test_the_multi_teacher_problem_has_three_teachers_of_their_own_widths():
                                                                       for i in range(3)]
 
 
+def test_the_multi_teacher_ground_truth_counts_its_chunks_per_teacher(monkeypatch):
+    # 7 rows per chunk: the teachers' 32 rows each end in a short chunk, 5 chunks per teacher
+    monkeypatch.setattr(cases, "_chunk_rows", lambda v, device: 7)
+    p = cases.make_problem("multi_teacher_distillation", N, V, D, torch.float32, "cpu")
+    ticks = []
+    cases.reference64(p, progress=lambda done, total: ticks.append((done, total)))
+    assert ticks == [(k, 15) for k in range(1, 16)]
+
+
 def test_the_job_runs_the_two_ops_when_named(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run(
         [sys.executable, "benchmarks/bench.py", "--shapes", "tiny", "--N", "64", "--ops", "topk_logprobs",
          "multi_teacher_distillation", "--impls", "reference", "fusedloss:torch", "--out", str(tmp_path),
-         "--tag", "t"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
+         "--tag", "t", "--threads", "1"], cwd=ROOT, capture_output=True, text=True, env=env, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = json.loads((tmp_path / "t.json").read_text())
     seen = {(r["op"], r["impl"]): r for r in records if r.get("status") == "ok"}
     assert set(seen) == {(op, impl) for op in cases.EXTRA_OPS for impl in ("reference", "fusedloss:torch")}
     for r in seen.values():
         assert r["max_rel_err"] < 1e-5 and r["extra_peak_mib"] is not None
+        assert r["env"]["threads"] == 1  # the workers' thread count, which --threads set
