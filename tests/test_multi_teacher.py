@@ -212,6 +212,46 @@ def test_one_teacher_everywhere_is_the_single_teacher_loss():
     assert (multi - single).abs().item() <= 1e-14
 
 
+def test_several_teachers_hold_no_head_sized_gradient_per_teacher_unless_asked(monkeypatch):
+    """With two or more teachers, each group runs the composable path (no [V, D] d weight held per teacher from
+    the forward to the backward) unless grad_in_forward is set; one teacher keeps the single-teacher plan. The
+    loss and gradients are the same either way."""
+    from fusedloss.core import grad_in_forward as gif
+
+    calls = []
+    real = gif.grad_in_forward_loss
+    monkeypatch.setattr(gif, "grad_in_forward_loss", lambda *a, **k: calls.append(1) or real(*a, **k))
+    monkeypatch.delenv("FUSEDLOSS_GRAD_IN_FORWARD", raising=False)
+    h, w, b, y, teachers = problem(dtype=torch.float32)
+    kw = dict(bias=b, targets=y, teachers=teachers, teacher_index=INDEX, beta=0.5, backend="torch")
+
+    def run(**extra):
+        calls.clear()
+        hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+        loss = fusedloss.distillation_loss(hh, ww, **kw, **extra)
+        loss.backward()
+        return len(calls), loss.detach(), hh.grad, ww.grad
+
+    held, *default = run()
+    assert held == 0
+    forced, *asked = run(grad_in_forward=True)
+    assert forced == 3  # one per teacher with rows
+    for a, e in zip(default, asked):
+        assert rel_err(a, e) < 1e-5
+    monkeypatch.setenv("FUSEDLOSS_GRAD_IN_FORWARD", "1")
+    assert run()[0] == 3
+    monkeypatch.delenv("FUSEDLOSS_GRAD_IN_FORWARD")
+    one = dict(kw, teachers=[teachers[2]], teacher_index=torch.zeros_like(INDEX))
+    calls.clear()
+    fusedloss.distillation_loss(h.clone().requires_grad_(), w.clone().requires_grad_(), **one).backward()
+    single = len(calls)
+    calls.clear()
+    fusedloss.distillation_loss(h.clone().requires_grad_(), w.clone().requires_grad_(), teachers[2].hidden,
+                                teachers[2].weight, y, bias=b, beta=0.5, teacher_softcap=teachers[2].softcap,
+                                temperature=teachers[2].temperature, backend="torch").backward()
+    assert single == len(calls)  # one teacher: the single-teacher plan, whichever it is
+
+
 def test_no_position_routed_gives_zero_with_zero_gradients():
     h, w, b, y, teachers = problem()
     hg = h.clone().requires_grad_(True)
