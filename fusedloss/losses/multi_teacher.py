@@ -10,8 +10,9 @@ the groups' sums.
 With two or more teachers in a call, each group runs the composable path unless ``grad_in_forward`` is set
 (argument or FUSEDLOSS_GRAD_IN_FORWARD): a group on the grad-in-forward path holds its own ``[V, D]`` d weight of
 the student's head from the forward to the backward, so k teachers would hold k copies of a head-sized gradient
-(3 teachers at V = 131072, D = 256, fp32: 514 MiB against 70-92 MiB composable, on a CPU). The composable path
-holds none and pays one more GEMM-sized product per group instead.
+(3 teachers, N = 1024, V = 131072, D = 256, fp32 on a CPU: 516 MiB extra against 261 MiB composable,
+benchmarks/results/cpu-2026-12-04-teacher-topk.md). The composable path holds none and pays one more GEMM-sized
+product per group instead.
 """
 
 from __future__ import annotations
