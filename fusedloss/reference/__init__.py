@@ -19,20 +19,10 @@ computed at an ignored position can never leak into the result. A mean over zero
 Validation is deliberately light: the public API validates, the reference only computes.
 """
 
-from ._grpo import (
-    cpo_loss,
-    cross_entropy,
-    distillation_loss,
-    dpo_loss,
-    group_advantages,
-    grpo_loss,
-    kto_loss,
-    logits,
-    orpo_loss,
-    sparse_distillation_loss,
-    token_logprobs,
-    topk_logprobs,
-)
+from ._formulas import logits
+from ._grpo import group_advantages, grpo_loss
+from ._preference import cpo_loss, dpo_loss, kto_loss, orpo_loss
+from ._token import cross_entropy, distillation_loss, sparse_distillation_loss, token_logprobs, topk_logprobs
 
 __all__ = [
     "logits",
