@@ -888,8 +888,9 @@ def test_a_zero3_partitioned_head_is_read_gathered(monkeypatch):
     got = param_grads(model, out.loss)
     assert_each_close(got, ref, 1e-10)
     checked = []  # the head check reads the gathered weight, not the empty partition
-    check = fl_hf._check_head_product
-    monkeypatch.setattr(fl_hf, "_check_head_product", lambda call, w, b: (checked.append(w.shape), check(call, w, b)))
+    check = fl_hf._tap._check_head_product
+    monkeypatch.setattr(fl_hf._tap, "_check_head_product",
+                        lambda call, w, b: (checked.append(w.shape), check(call, w, b)))
     fl_hf.patch(fl_hf.unpatch(model), backend="torch")
     model(input_ids, attention_mask=attention_mask, labels=labels)
     assert checked == [(V, 32)]
