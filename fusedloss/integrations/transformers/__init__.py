@@ -10,7 +10,8 @@ on a few probe rows only, the model post-processes those rows as it always does,
 what comes out with fusedloss's formula on the same rows, values and (once, with autograd on) the gradient with
 respect to the head's output and the parameters the post-processing reaches. A model whose ``post`` is not one
 the formula reproduces, or whose head is not a plain linear layer, is refused with the reason, never given a
-silent wrong number.
+silent wrong number: ``UnsupportedModelError`` (a ``RuntimeError``, also ``fusedloss.UnsupportedModelError``)
+when the model's forward shows it, ``ValueError`` when the head's module does.
 
 ``patch(model)`` makes the model's own ``model(input_ids, labels=labels).loss`` come from the head input (its
 logits are never formed); ``last_hidden_state``, ``causal_lm_logprobs`` and ``completion_logprobs`` run the
@@ -28,18 +29,10 @@ replicas, ``torch.save`` / pickle / ``copy.deepcopy`` of a patched model (it sta
 prompt-learning PEFT (virtual tokens live in the PEFT forward), a LoRA on an FSDP2-sharded or ZeRO-3 head.
 """
 
-from ._tap import (
-    LMHead,
-    _causal_lm,  # noqa: F401 (integrations.openrlhf)
-    _hidden_and_head,  # noqa: F401 (integrations.openrlhf, integrations.trl)
-    causal_lm_logprobs,
-    completion_logprobs,
-    last_hidden_state,
-    lm_head,
-    logit_postprocessing,
-    patch,
-    unpatch,
-)
+from ...errors import UnsupportedModelError
+from ._head import LMHead, logit_postprocessing
+from ._helpers import causal_lm_logprobs, completion_logprobs, last_hidden_state, lm_head
+from ._patch import patch, unpatch
 
-__all__ = ["LMHead", "causal_lm_logprobs", "completion_logprobs", "last_hidden_state", "lm_head",
-           "logit_postprocessing", "patch", "unpatch"]
+__all__ = ["LMHead", "UnsupportedModelError", "causal_lm_logprobs", "completion_logprobs", "last_hidden_state",
+           "lm_head", "logit_postprocessing", "patch", "unpatch"]
