@@ -25,6 +25,7 @@ the same functions on materialised logits: the executable specification every ba
 """
 
 from .core import registry as _backends
+from .errors import UnsupportedModelError
 from .losses import (
     cpo_loss,
     cross_entropy,
@@ -88,6 +89,7 @@ __all__ = [
     "ORPODetails",
     "Teacher",
     "TopK",
+    "UnsupportedModelError",
     "backend_status",
     "cpo_loss",
     "cross_entropy",

@@ -114,7 +114,7 @@ def run(fn_name, inputs, options, backend, dtype, device, cotangent_seed=1234) -
 # fp32 criterion (docs/design.md, "Numerical doctrine"): 1e-5 norm-wise relative. Peaked logits near 30 carry an
 # absolute rounding error of ~2e-6 in any fp32 computation (the ulp of 30), so an output that is small against the
 # terms it is made of (a loss whose per-token terms cancel, the log-prob of a near-certain token) is
-# ill-conditioned in fp32 whatever the algorithm. There the naive fp32 path (reference.py run in fp32)
+# ill-conditioned in fp32 whatever the algorithm. There the naive fp32 path (fusedloss.reference run in fp32)
 # measures what fp32 can do, and the fused path must stay within NAIVE_FACTOR of it.
 NAIVE_FACTOR = 4.0
 # Half precision: error no larger than the naive same-dtype path's, plus a slack of about one rounding of

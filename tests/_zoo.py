@@ -20,8 +20,9 @@ How each architecture is checked:
 - **Exact** means: the patched labelled loss within 1e-10 (relative) of the unpatched one, every parameter
   gradient within 1e-9 of its norm, the same parameters reached, ``out.logits is None``, and after ``unpatch``
   the labelled loss ``torch.equal`` to the one before ``patch`` with no instance attribute left. **Refused**
-  means an error raised by ``fusedloss/integrations/transformers.py`` whose message says the architecture is
-  not supported and why. Anything else is a failure (WRONG: a number that differs; CRASH: another error).
+  means an error raised by a file of ``fusedloss/integrations/transformers/`` whose message says the
+  architecture is not supported and why. Anything else is a failure (WRONG: a number that differs; CRASH:
+  another error).
 - ``completion_logprobs`` (prompt 4, completion 5 tokens) against ``log_softmax`` of the model's own float64
   logits, values and parameter gradients, or refused likewise.
 """
@@ -38,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-INTEGRATION = str(Path(__file__).resolve().parents[1] / "fusedloss" / "integrations" / "transformers.py")
+INTEGRATION = Path(__file__).resolve().parents[1] / "fusedloss" / "integrations" / "transformers"  # its files
 
 TINY_SIZES = [  # (name pattern, tiny value): a size field becomes min(default, tiny)
     (r"(hidden_size|n_embd|n_embed|d_model|dim|embed_dim|model_dim|embedding_size|emb_dim|hidden_dim|"
@@ -279,7 +280,7 @@ class _CannotRun(Exception):
 def _refusal(error: BaseException) -> str | None:
     """The message of an error the integration raised to refuse the architecture, else None."""
     frames = traceback.extract_tb(error.__traceback__)
-    if frames and frames[-1].filename == INTEGRATION and "not support" in str(error):
+    if frames and Path(frames[-1].filename).parent == INTEGRATION and "not support" in str(error):
         return str(error)
     return None
 

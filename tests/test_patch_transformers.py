@@ -436,7 +436,7 @@ def transformed_llama(transform, seed=0):
 def test_a_transform_no_config_field_declares_is_refused(transform, expected):
     model = fl_hf.patch(transformed_llama(transform), backend="torch")
     input_ids, attention_mask, labels = batch(13)
-    with pytest.raises(RuntimeError, match="Model post-processes its head's output .* not reproduce"):
+    with pytest.raises(fl_hf.UnsupportedModelError, match="Model post-processes its head's output .* not reproduce"):
         model(input_ids, attention_mask=attention_mask, labels=labels)
 
 
@@ -480,7 +480,7 @@ def test_a_learned_parameter_on_the_logits_is_refused_even_at_one():
     model.logit_gain = torch.nn.Parameter(torch.ones((), dtype=torch.float64))
     fl_hf.patch(model, backend="torch")
     input_ids, attention_mask, labels = batch(16)
-    with pytest.raises(RuntimeError, match=r"applies learned parameters to its logits \(logit_gain\)"):
+    with pytest.raises(fl_hf.UnsupportedModelError, match=r"applies learned parameters to its logits \(logit_gain\)"):
         model(input_ids, attention_mask=attention_mask, labels=labels)
     with torch.no_grad():  # without autograd nothing can miss a gradient: the values decide
         assert model(input_ids, attention_mask=attention_mask, labels=labels).loss is not None
@@ -490,7 +490,7 @@ def test_a_transform_with_the_right_values_and_the_wrong_slope_is_refused():
     """The identity in value with slope 1.5 (a straight-through estimator): caught by the gradient check."""
     model = fl_hf.patch(transformed_llama(lambda m, z: z + 0.5 * (z - z.detach())), backend="torch")
     input_ids, attention_mask, labels = batch(17)
-    with pytest.raises(RuntimeError, match="the values agree on the probe rows, the slopes do not"):
+    with pytest.raises(fl_hf.UnsupportedModelError, match="the values agree on the probe rows, the slopes do not"):
         model(input_ids, attention_mask=attention_mask, labels=labels)
 
 
@@ -508,8 +508,8 @@ def test_a_model_computing_its_own_loss_is_refused_with_the_cause_chained():
     torch.manual_seed(0)
     model = fl_hf.patch(_OwnLossLlama(CONFIGS["llama"]()).to(torch.float64), backend="torch")
     input_ids, attention_mask, labels = batch(18)
-    with pytest.raises(RuntimeError, match="_OwnLossLlama computes its loss itself, not through "
-                                           "self.loss_function") as info:
+    with pytest.raises(fl_hf.UnsupportedModelError, match="_OwnLossLlama computes its loss itself, not through "
+                                                        "self.loss_function") as info:
         model(input_ids, attention_mask=attention_mask, labels=labels)
     assert isinstance(info.value.__cause__, (ValueError, RuntimeError))  # the model's own error, chained
 
@@ -888,8 +888,9 @@ def test_a_zero3_partitioned_head_is_read_gathered(monkeypatch):
     got = param_grads(model, out.loss)
     assert_each_close(got, ref, 1e-10)
     checked = []  # the head check reads the gathered weight, not the empty partition
-    check = fl_hf._check_head_product
-    monkeypatch.setattr(fl_hf, "_check_head_product", lambda call, w, b: (checked.append(w.shape), check(call, w, b)))
+    check = fl_hf._tap._check_head_product
+    monkeypatch.setattr(fl_hf._tap, "_check_head_product",
+                        lambda call, w, b: (checked.append(w.shape), check(call, w, b)))
     fl_hf.patch(fl_hf.unpatch(model), backend="torch")
     model(input_ids, attention_mask=attention_mask, labels=labels)
     assert checked == [(V, 32)]

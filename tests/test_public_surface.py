@@ -48,3 +48,13 @@ def test_help_starts_with_the_three_ways_in():
     for way in ("integrations.transformers.patch(model)", "integrations.trl.enable()", "token_logprobs",
                 "cross_entropy", "grpo_loss"):
         assert way in head, way
+
+
+def test_a_refused_model_raises_one_public_runtime_error():
+    """``UnsupportedModelError`` is the same class at the top level and in the integration, and a RuntimeError,
+    so that ``except RuntimeError`` still catches a refusal."""
+    from fusedloss.integrations import transformers as fl_hf
+
+    assert fl_hf.UnsupportedModelError is fusedloss.UnsupportedModelError
+    assert issubclass(fusedloss.UnsupportedModelError, RuntimeError)
+    assert "UnsupportedModelError" in fusedloss.__all__ and "UnsupportedModelError" in fl_hf.__all__

@@ -29,7 +29,8 @@ import fusedloss
 
 from ..core import registry as _backends
 from . import _switch
-from . import transformers as _hf
+from .transformers._head import _causal_lm
+from .transformers._helpers import _hidden_and_head
 
 __all__ = ["SUPPORTED_OPENRLHF", "disable", "enable", "enabled", "fused_actor_forward", "is_enabled"]
 
@@ -87,7 +88,7 @@ def fused_actor_forward(self, sequences: torch.LongTensor, action_mask: Optional
     if action_mask is None and not return_logprobs:  # the caller wants the logits
         return _originals["forward"](self, sequences, action_mask, attention_mask, return_output, allgather_logits,
                                      return_logprobs, ring_attn_group, packed_seq_lens, return_entropy, **mm_inputs)
-    lm = _hf._causal_lm(self.model)
+    lm = _causal_lm(self.model)
     if getattr(self, "is_vlm", False) or mm_inputs:
         raise NotImplementedError("fusedloss.integrations.openrlhf: vision-language actors are not supported; "
                                   "disable() the integration for them")
@@ -114,8 +115,8 @@ def fused_actor_forward(self, sequences: torch.LongTensor, action_mask: Optional
 
     # The model's own forward with its head tapped: the head's input, and the logit processing observed on a
     # few probe rows (docs/design.md, "Configuration"); no logits are formed.
-    hidden, head = _hf._hidden_and_head(lm, sequences, forward_attention_mask,
-                                        {"position_ids": position_ids, "use_cache": False})
+    hidden, head = _hidden_and_head(lm, sequences, forward_attention_mask,
+                                    {"position_ids": position_ids, "use_cache": False})
     scored = fusedloss.token_logprobs(hidden.to(head.weight.device), head.weight,
                                       rolled_sequences.to(head.weight.device), temperature=self.temperature,
                                       return_entropy=return_entropy, backend=_state["backend"], **head.options)

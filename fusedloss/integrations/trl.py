@@ -278,14 +278,14 @@ def _gkd_compute_loss(self, model, inputs, return_outputs=False, num_items_in_ba
 
 
 def _gkd_fused_loss(trainer, student, inputs, num_items_in_batch):
-    from . import transformers as _hf
+    from .transformers._helpers import _hidden_and_head
 
     input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
-    h_s, head_s = _hf._hidden_and_head(student, input_ids, attention_mask, {})
+    h_s, head_s = _hidden_and_head(student, input_ids, attention_mask, {})
     trainer.teacher_model.eval()
     teacher = trainer.accelerator.unwrap_model(trainer.teacher_model)
     with torch.no_grad():
-        h_t, head_t = _hf._hidden_and_head(teacher, input_ids, attention_mask, {})
+        h_t, head_t = _hidden_and_head(teacher, input_ids, attention_mask, {})
     dtype = _compute_dtype(h_s)
     device = head_s.weight.device
     backend = _backends.resolve(_state["backend"], device)
