@@ -316,7 +316,7 @@ def gpu_model_key(name: Optional[str]) -> Optional[str]:
 
 def free_bytes_now(device) -> Optional[int]:
     """Memory free for torch on the device: the driver's free memory plus what torch's allocator caches
-    unused (what the CUDA backend sizes its workspace from, fusedloss/backends/cuda/backend.py ``_free_bytes``)."""
+    unused (what the CUDA backend sizes its workspace from, fusedloss/backends/gpu.py ``free_bytes``)."""
     import torch
 
     if device.type != "cuda":

@@ -22,7 +22,7 @@ variable                           default      effect
 ``FUSEDLOSS_DETERMINISTIC``        ``0``        ``1``: the same as ``torch.use_deterministic_algorithms``
                                                 for fusedloss's kernels
 ``FUSEDLOSS_CUDA_EPILOGUE``        ``auto``     ``1``: the CUDA backend's sm_90 epilogue kernels for the
-                                                problems they serve (fusedloss/cuda/epilogue.py); ``auto``
+                                                problems they serve (fusedloss/backends/cuda/epilogue.py); ``auto``
                                                 and ``0``: today's path until a GPU run says otherwise
 =================================  ===========  ========================================================
 

@@ -4,7 +4,7 @@ A ``TorchDispatchMode`` logs every aten op of one forward and backward of each g
 CUDA backend's code on CPU tensors, the kernels' host twins in place of the launches), at two chunk counts;
 the difference is what one more row chunk costs, the rest what the call costs once. Views and allocations
 (no kernel on a GPU) and the GEMM-sized products (priced apart) are left out. The model's constants
-(backends/cuda/backend.py, ``small_launches``) must cover what the trace
+(backends/cuda/plan.py, ``small_launches``) must cover what the trace
 counts without overstating it, so the model follows the code.
 """
 

@@ -5,7 +5,7 @@ the backend's Python is the GPU's), and the backend's own kernel launches are co
 allocations (no kernel on a GPU) and the GEMM-sized products (priced apart) are left out, and so are the aten
 ops the interpreter itself runs inside a kernel. The grad-in-forward path runs at two chunk counts (the difference is
 what one more chunk costs, the rest what the call costs once); the composable one at two backward block
-counts. The model's figures (fusedloss/backends/triton/backend.py, ``small_launches``) must cover what the trace counts
+counts. The model's figures (fusedloss/backends/triton/plan.py, ``small_launches``) must cover what the trace counts
 without overstating it by more than a third, so the model follows the code.
 """
 
