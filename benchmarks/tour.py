@@ -394,7 +394,7 @@ def next_hint(device) -> str:
                 "bash benchmarks/device_check.sh (every kernel, with the cost model beside each figure)")
     return ("next, on a machine with an NVIDIA GPU: bash tools/install.sh && python benchmarks/tour.py "
             "(then python benchmarks/bench.py --device cuda for LLM shapes); here, the tests: "
-            "python -m pytest -q -m \"not tooling\" tests")
+            "python -m pytest -q -n 2 --dist loadfile -m \"not tooling\" tests")
 
 
 def parse_args(argv=None):

@@ -355,7 +355,9 @@ def test_every_shell_line_names_what_exists():
         elif words[0] == "bash":
             assert (ROOT / words[1]).is_file(), words
         elif words[:3] == ["python", "-m", "pytest"]:
-            paths = [arg for i, arg in enumerate(words[3:], 3) if not arg.startswith("-") and words[i - 1] != "-m"]
+            valued = ("-m", "-n", "--dist")  # options whose value is the next word
+            paths = [arg for i, arg in enumerate(words[3:], 3)
+                     if not arg.startswith("-") and words[i - 1] not in valued]
             assert paths and all((ROOT / arg).exists() for arg in paths), words
         elif words[:3] == ["python", "-m", "fusedloss"]:
             assert words[3] in ("estimate", "status"), words
@@ -369,7 +371,7 @@ def test_every_shell_line_names_what_exists():
     script = (ROOT / "tools" / "install.sh").read_text()
     assert '-e ".[test,bench,integrations]"' in script
     ci = (ROOT / ".ci" / "run").read_text()
-    command = 'python -m pytest -q -m "not tooling" tests'
+    command = 'python -m pytest -q -n 2 --dist loadfile -m "not tooling" tests'
     assert "bash tools/dev_setup.sh" in ci and readme_blocks("bash")[1].strip() == command
     assert "bash tools/install.sh" in (ROOT / "tools" / "dev_setup.sh").read_text()
     assert f"\n{command}\n" in ci
@@ -395,7 +397,7 @@ def test_the_readme_is_short_and_its_first_block_is_the_user_install():
     assert len(text.splitlines()) <= 280
     first, tests = readme_blocks("bash")[:2]
     assert first.strip() == "bash tools/install.sh && python benchmarks/tour.py"
-    assert tests.strip() == 'python -m pytest -q -m "not tooling" tests'
+    assert tests.strip() == 'python -m pytest -q -n 2 --dist loadfile -m "not tooling" tests'
     install = (ROOT / "tools" / "install.sh").read_text()
     for heavy in ("triton_versions.py", "nvidia-cutlass", "frameworks_env.sh"):  # the contributor's, not a user's
         assert heavy not in install and heavy in (ROOT / "tools" / "dev_setup.sh").read_text()
