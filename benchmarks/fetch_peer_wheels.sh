@@ -4,8 +4,8 @@
 #
 #     bash benchmarks/fetch_peer_wheels.sh          # then carry ".carry/wheels" in the device run
 #
-# Only what the device image lacks (KINDS.md lists its packages: torch, triton, transformers, accelerate,
-# huggingface-hub, pandas, pyarrow, psutil, xxhash, fsspec are there): the three peers, and TRL's
+# Only what the device image lacks (torch, triton, transformers, accelerate, huggingface-hub, pandas, pyarrow,
+# psutil, xxhash, fsspec are there): the three peers, and TRL's
 # pure-Python dependencies that are missing there (datasets, dill, multiprocess; TRL's backward imports
 # trl.trainer.utils, which imports datasets). All pure-Python wheels: py3-none-any, any platform.
 set -eu

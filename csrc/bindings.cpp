@@ -111,7 +111,7 @@ PYBIND11_MODULE(_C, m) {
   m.def("jsd_tile", &jsd_tile, py::arg("args"), py::arg("stream"));
   m.def("dx_tile", &dx_tile, py::arg("args"), py::arg("stream"));
 
-  // What the extension's own CUDA runtime sees (availability() in backend.py).
+  // What the extension's own CUDA runtime sees (availability() in fusedloss/backends/cuda/backend.py).
   m.def("device_count", &cuda_device_count);
   m.def("device_error", []() { return std::string(cuda_device_error()); });
   m.def("runtime_version", &cuda_runtime_version);

@@ -4,27 +4,27 @@ The public functions take the switches as keyword arguments; each has a default 
 variable that overrides the default (never an explicit argument), read by ``from_environment`` and
 nowhere else in the package:
 
-=================================  ===========  ========================================================
-variable                           default      effect
-=================================  ===========  ========================================================
-``FUSEDLOSS_GRAD_IN_FORWARD``                unset        ``1``: always take the 3-product path for losses known in
-                                                the forward; ``0``: never; unset: each backend's plan
-                                                decides (``grad_in_forward=`` argument)
-``FUSEDLOSS_WORKSPACE_MB``         unset        logits workspace of the CUDA and Triton backends in MiB;
-                                                unset: sized from the memory free on the device
-                                                (``workspace_mb=`` argument). A finite number, at least
-                                                1/1024 (1 KiB; ``workspace_megabytes``).
-``FUSEDLOSS_ALLOW_TF32``           ``0``        ``1``: fp32 inputs may use TF32 products (faster, ~1e-4
-                                                relative error) whatever PyTorch's global TF32 flags say
-                                                (``allow_tf32=`` argument); by default fp32 stays fp32
-``FUSEDLOSS_TRITON_FP32_PRECISION``  unset      Triton's ``tl.dot`` precision for fp32 inputs (``ieee``,
-                                                ``tf32x3``, ``tf32``); a tuning override for experiments
-``FUSEDLOSS_DETERMINISTIC``        ``0``        ``1``: the same as ``torch.use_deterministic_algorithms``
-                                                for fusedloss's kernels
-``FUSEDLOSS_CUDA_EPILOGUE``        ``auto``     ``1``: the CUDA backend's sm_90 epilogue kernels for the
-                                                problems they serve (fusedloss/backends/cuda/epilogue.py); ``auto``
-                                                and ``0``: today's path until a GPU run says otherwise
-=================================  ===========  ========================================================
+===================================  ========  ===============================================================
+variable                             default   effect
+===================================  ========  ===============================================================
+``FUSEDLOSS_GRAD_IN_FORWARD``        unset     ``1``: always take the 3-product path for losses known in the
+                                               forward; ``0``: never; unset: each backend's plan decides
+                                               (``grad_in_forward=`` argument)
+``FUSEDLOSS_WORKSPACE_MB``           unset     logits workspace of the CUDA and Triton backends in MiB; unset:
+                                               sized from the memory free on the device (``workspace_mb=``
+                                               argument). A finite number, at least 1/1024 (1 KiB;
+                                               ``workspace_megabytes``).
+``FUSEDLOSS_ALLOW_TF32``             ``0``     ``1``: fp32 inputs may use TF32 products (faster, ~1e-4
+                                               relative error) whatever PyTorch's global TF32 flags say
+                                               (``allow_tf32=`` argument); by default fp32 stays fp32
+``FUSEDLOSS_TRITON_FP32_PRECISION``  unset     Triton's ``tl.dot`` precision for fp32 inputs (``ieee``,
+                                               ``tf32x3``, ``tf32``); a tuning override for experiments
+``FUSEDLOSS_DETERMINISTIC``          ``0``     ``1``: the same as ``torch.use_deterministic_algorithms`` for
+                                               fusedloss's kernels
+``FUSEDLOSS_CUDA_EPILOGUE``          ``auto``  ``1``: the CUDA backend's sm_90 epilogue kernels for the
+                                               problems they serve (fusedloss/backends/cuda/epilogue.py);
+                                               ``auto`` and ``0``: today's path until a GPU run says otherwise
+===================================  ========  ===============================================================
 
 ``TRITON_INTERPRET=1`` is Triton's own switch (run the kernels on CPU tensors in its interpreter); fusedloss
 reads it to report availability. Build-time variables (``FUSEDLOSS_CUDA``, ``FUSEDLOSS_CUDA_ARCHS``,

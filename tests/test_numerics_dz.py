@@ -64,7 +64,7 @@ def test_entropy_share_of_a_confident_row_is_not_rounded_at_the_logp_share(any_e
 
 
 def _fuzz8(dtype):
-    """shared/reviews/fuzz_findings.md #8: q_a = 1 - 3e-23, KL(q || p) = 10.6."""
+    """Fuzzed case #8 (differential fuzzing of the GPU kernels): q_a = 1 - 3e-23, KL(q || p) = 10.6."""
     return (torch.tensor([[-2.1788]], dtype=dtype), torch.tensor([[-27.1131], [-1.3986]], dtype=dtype),
             torch.tensor([[-0.7646]], dtype=dtype), torch.tensor([[7.4437], [-6.4532]], dtype=dtype))
 

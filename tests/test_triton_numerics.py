@@ -1,5 +1,5 @@
-"""Numerical defects of the GPU kernels found by differential fuzzing (``shared/reviews/fuzz_findings.md``),
-as regressions on the Triton backend, and the grad-in-forward path against the composable one.
+"""Numerical defects of the GPU kernels found by differential fuzzing (each test names its fuzzed case by
+number), as regressions on the Triton backend, and the grad-in-forward path against the composable one.
 
 The per-element rules every backend follows at dz (docs/design.md, "The dz formula"):
 
@@ -61,7 +61,7 @@ def path(request, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_masked_teacher_entry_gives_finite_gradients(beta, dtype, path):
-    """fuzz_findings.md #1: forward KL and JSD with a teacher bias of -inf: the loss was finite and d hidden,
+    """Fuzzed case #1: forward KL and JSD with a teacher bias of -inf: the loss was finite and d hidden,
     d W NaN (c2 log p was formed with c2 = 0 and log p = -inf). Expected: the torch backend's gradients."""
     grads = {}
     for backend in ("triton", "torch"):
@@ -83,7 +83,7 @@ def test_masked_teacher_entry_gives_finite_gradients(beta, dtype, path):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_label_on_a_masked_entry_gives_finite_gradients(dtype, path):
-    """fuzz_findings.md #2: distillation with the label only marking a valid token, on a student entry masked
+    """Fuzzed case #2: distillation with the label only marking a valid token, on a student entry masked
     by its bias, and the entropy of token_logprobs at such a label: finite loss, NaN gradients before
     (q_y inner_y with q_y = 0 and inner_y = c1 log 0). With entry 1 masked the student is the constant
     one-hot q = e_0: the reverse KL is -log p_0 and the entropy 0, and no gradient moves either."""
@@ -129,7 +129,7 @@ def _exact_row_gradient(z, y, c_logp, c_entropy):
 
 
 def test_target_column_gradient_keeps_its_digits_float64(path):
-    """fuzz_findings.md #7: q_y = 2e-9 under an entropy term: (a + inner) + inner (q_y - 1) lost q_y inner
+    """Fuzzed case #7: q_y = 2e-9 under an entropy term: (a + inner) + inner (q_y - 1) lost q_y inner
     (3.5e-9 relative error of d W before; float64 keeps 1e-15 of it now)."""
     h, w = leaves([[1.0]], [[20.0], [0.0], [1.0]], dtype=F64)
     y = torch.tensor([1], device=DEVICE)
@@ -141,7 +141,7 @@ def test_target_column_gradient_keeps_its_digits_float64(path):
 
 
 def test_target_column_gradient_keeps_its_digits_float32_entropy_bonus(path):
-    """fuzz_findings.md #7 (a): 0.0461 logp + 0.4024 entropy with an improbable target (q_y = 1e-23): d W
+    """Fuzzed case #7 (a): 0.0461 logp + 0.4024 entropy with an improbable target (q_y = 1e-23): d W
     1.3e-5 off in fp32 before, where the naive fp32 path is 7e-8 off; fp32's 1e-5 now."""
     h, w = leaves([[1.0]], [[-0.2934], [-54.47]], dtype=torch.float32)
     y = torch.tensor([1], device=DEVICE)
@@ -163,7 +163,7 @@ def _fp32_within_bound(run):
 
 
 def test_target_column_gradient_keeps_its_digits_float32_distillation(path):
-    """fuzz_findings.md #7 (b): JSD distillation with the labels only marking valid tokens, on a label the
+    """Fuzzed case #7 (b): JSD distillation with the labels only marking valid tokens, on a label the
     student gives q_y = 2e-5 and the teacher 1/2: 1.6e-3 off in fp32 before, 21 times the bound (the expm1
     form computed q_y inner as inner - inner (1 - q_y))."""
 
@@ -203,7 +203,7 @@ def _logprob_gradients_oracle(h, w, y, cot):
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_rows_gradient_does_not_depend_on_which_other_rows_carry_gradient(dtype):
-    """fuzz_findings.md #4: rows whose coefficients are zero (a GRPO silent group, masked padding) beside
+    """Fuzzed case #4: rows whose coefficients are zero (a GRPO silent group, masked padding) beside
     confident rows (1 - q_y ~ 1e-7 .. 1e-3). The gradients of the confident rows must match a stable float64
     oracle as closely when their neighbours carry no gradient as when every row does, and d hidden of a
     row must be the same bits either way. 40 rows cross three row blocks of the interpreter's tiles."""

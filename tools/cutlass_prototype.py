@@ -19,7 +19,7 @@ with nvcc (the flags below), then reads
 and writes benchmarks/results/cutlass-prototype-sm90.{md,json} with the commit, the nvcc, cuobjdump and CUTLASS
 versions, the flags and the compile time. tests/test_cutlass_prototype.py runs it and checks the kernel.
 
-The CUTLASS headers come from the ``nvidia-cutlass`` wheel (tools/install.sh pins it), found through its
+The CUTLASS headers come from the ``nvidia-cutlass`` wheel (tools/dev_setup.sh pins it), found through its
 installed files, not imported. nvcc: ``$NVCC``, else /usr/local/bin/nvcc, /usr/local/cuda/bin, PATH; cuobjdump
 (with its nvdisasm, which -sass needs): beside nvcc, on PATH, or the copy in the ``triton`` package.
 """
@@ -77,7 +77,7 @@ def cutlass_dist():
         dist = importlib.metadata.distribution("nvidia-cutlass")
     except importlib.metadata.PackageNotFoundError:
         raise FileNotFoundError("nvidia-cutlass is not installed (pip install --no-deps nvidia-cutlass==4.2.0.0, "
-                                "as tools/install.sh does)") from None
+                                "as tools/dev_setup.sh does)") from None
     source = Path(dist.locate_file("cutlass_library")) / "source"
     dirs = [source / "include", source / "tools" / "util" / "include"]
     missing = [str(d) for d in dirs if not d.is_dir()]

@@ -25,7 +25,7 @@ pip_install "torch==2.13.0"
 # verl with its own dependencies (transformers < 5.11, ray, tensordict), megatron-core for the Megatron site.
 pip_install "verl==0.9.1" "megatron-core==0.16.1" "pytest>=8"
 # OpenRLHF pins flash-attn, which compiles against CUDA, and transformers 5.15: installed without dependencies,
-# with what its model code imports. flash_attn itself is stubbed by the tests (tests/frameworks/conftest.py).
+# with what its model code imports. flash_attn itself is stubbed by the tests (tests/frameworks/_stand_ins.py).
 pip_install --no-deps "openrlhf==0.11.2" "deepspeed==0.19.6"
 pip_install einops hjson ninja py-cpuinfo pydantic msgpack loralib optree
 # Axolotl pins transformers 5.16 (and ~300 packages: gradio, modal, lm_eval, ...): installed without

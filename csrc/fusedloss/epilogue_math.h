@@ -14,7 +14,7 @@
 namespace fl {
 
 // z = (acc * logit_scale) * (1 / temperature): transform_logit's order without soft-cap and bias, the only
-// transforms the epilogue path serves (fusedloss/cuda/epilogue.py decides).
+// transforms the epilogue path serves (fusedloss/backends/cuda/epilogue.py decides).
 FL_HD float epilogue_logit(float acc, float logit_scale, float inv_temperature) {
   return (acc * logit_scale) * inv_temperature;
 }

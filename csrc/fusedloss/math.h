@@ -176,7 +176,7 @@ FL_HD float fast_exp(float x) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Partial statistics of a set of vocabulary columns for one row (torch_backend.py docstring):
+// Partial statistics of a set of vocabulary columns for one row (fusedloss/core/partials.py docstring):
 //   s = sum e^(z-m)   e = sum e^(z-m)(z-m)   st = sum e^(zt-mt)
 //   ztm = zt at the student's maximum column (the first one the fold met)
 //   a = sum e^(z-m)((z-m)-(zt-ztm))          b = sum e^(zt-mt)((zt-mt)-(z-m))
@@ -330,7 +330,7 @@ FL_HD void rescale_factor(float old_max, float new_max, float& f, float& d) {
   }
 }
 
-// The associative merge (torch_backend.py::_merge): used by the block reductions and by the fold of
+// The associative merge (fusedloss/core/partials.py::merge): used by the block reductions and by the fold of
 // a tile's partials into the running state of the previous tiles. Unused fields keep r's value.
 template <bool kEntropy, bool kTeacher>
 FL_HD RowState state_merge(const RowState& r, const RowState& p) {
@@ -391,7 +391,7 @@ struct Wants {
   float vocab;  // V, for mean_logit
 };
 
-// The running state of the whole vocabulary -> the statistics (torch_backend.forward_statistics).
+// The running state of the whole vocabulary -> the statistics (fusedloss/backends/torch.py::forward_statistics).
 FL_HD void finalize_row(const RowState& r, float zy, const Wants& w, float out[kNumOutputs]) {
   for (int k = 0; k < kNumOutputs; ++k) out[k] = 0.0f;
   // log s = log1p(t) (s = 1 + t); log s directly for an empty row (-inf) and a non-finite s (NaN, inf).

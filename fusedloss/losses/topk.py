@@ -1,4 +1,4 @@
-"""The teacher's top-k log-probs straight from its hidden states (docs/design.md, "Teacher top-k").
+"""The teacher's top-k log-probs straight from its hidden states (docs/design.md, "Losses as per-token math").
 
 On-policy distillation ships the teacher's hidden states instead of its logits; ``sparse_distillation_loss``
 needs the teacher's top-k ids and log-probs. ``topk_logprobs`` forms them one ``[rows, tile]`` logits block at

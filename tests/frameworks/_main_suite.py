@@ -1,5 +1,5 @@
-"""The main suite's data and error helpers (tests/conftest.py) under a module name of their own: in this
-folder the name ``conftest`` belongs to tests/frameworks/conftest.py."""
+"""The main suite's data and error helpers (tests/conftest.py), loaded from that file under a module name of their
+own, so the framework tests never depend on which module pytest registered as ``conftest``."""
 
 from __future__ import annotations
 

@@ -782,7 +782,7 @@ def _path_of_unpriced(w: cost.Workload, budget: int, caps: dict) -> _PathChoice:
 
 
 def gpu_of(device: torch.device) -> cost.GPUSpec:
-    """The cost model's spec for the device's GPU (``backends.device_gpu``, the Triton backend's too: by name,
+    """The cost model's spec for the device's GPU (``registry.device_gpu``, the Triton backend's too: by name,
     else by architecture); the H200's for CPU tensors (host mode)."""
     return registry.device_gpu(device)
 

@@ -4,7 +4,7 @@ A 1-D grid of ``row_blocks * num_splits`` programs in grouped order (``tile_math
 program (i, k) walks the vocabulary tiles of split k for the rows of block i. Each tile of logits (and of
 the teacher's) is computed with ``tl.dot`` in registers, folded into the running statistics
 (``tile_math.online_update``) and dropped, so no logits reach memory. The vocabulary is split so that the
-programs fill whole waves of the GPU whatever the number of tokens (``backend.forward_grid``); each
+programs fill whole waves of the GPU whatever the number of tokens (``plan.forward_grid``); each
 program writes its partial statistics, relative to its own maxima, to ``part[field, k, row]`` in the order
 of ``core/partials.FIELDS``, and ``core/partials.merge`` combines the splits exactly.
 

@@ -527,7 +527,7 @@ def load_coefficients(coef_ptr, N, rows, row_mask):
 @triton.jit
 def target_column(a, logq_y, inner_y):
     """dz at the target column before the teacher and uniform terms, a (1 - q_y) + q_y inner_y, per row, as
-    ``-a expm1(log q_y) + q_y inner_y`` (``torch_backend.target_column``): expm1 keeps the digits of 1 - q_y
+    ``-a expm1(log q_y) + q_y inner_y`` (``backends/torch.py::target_column``): expm1 keeps the digits of 1 - q_y
     for a confident target and of q_y for an improbable one, and inner_y holds c0 unrounded by a. q_y == 0 (a
     masked logit) gives exactly ``a`` (inner_y holds c1 log 0 = -inf there, and 0 * inf would be NaN).
     expm1 in float64."""
@@ -539,7 +539,7 @@ def target_column(a, logq_y, inner_y):
 @triton.jit
 def logits_gradient(z, c, zt, norm, norm_t, frame, coef, logq_y, tgt, cols, col_mask, active, params_ptr, named,
                     rows, F: tl.constexpr):
-    """dx for one tile (``torch_backend.logits_gradient_tile``): the generic dz of problem.py,
+    """dx for one tile (``backends/torch.py::logits_gradient_tile``): the generic dz of problem.py,
 
         dz_j = a ([j = y] - q_j) + q_j (c0 + c1 log q_j + c2 r_j + c4 log m_j) + c3 p_j + c5,
         r_j  = (z_j - row_max) - (zt_j - teacher_at_max) - kl_rev_rel    (``frame``: those three per row)
