@@ -54,7 +54,7 @@ def test_three_sft_steps_with_the_plugin_match_three_without(tmp_path):
     from axolotl.utils.config import prepare_plugins
     from axolotl.utils.dict import DictDefault
 
-    from fusedloss.integrations.transformers import _PATCH_ATTR
+    from fusedloss.integrations.transformers._tap import _PATCH_ATTR
 
     cfg = DictDefault(plugins=[PLUGIN], fusedloss=True, fusedloss_backend="torch")
     prepare_plugins(cfg)
