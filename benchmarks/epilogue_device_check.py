@@ -85,7 +85,9 @@ class HostTwins:
     def statistics(self, p, part, targets, target_logit, scale):
         import torch
 
-        n, v, tn = p.hidden.shape[0], p.weight.shape[0], 256
+        from fusedloss.backends.cuda.epilogue import TILE_N as tn
+
+        n, v = p.hidden.shape[0], p.weight.shape[0]
         acc = p.hidden.float() @ p.weight.float().T
         for j in range(part.shape[1]):
             v0, v1 = j * tn, min(v, (j + 1) * tn)

@@ -8,16 +8,15 @@ rows), GRPO and named columns, forward and backward against float64 and against 
 
 from __future__ import annotations
 
-import ctypes
 import math
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
 import fusedloss
+from benchmarks.epilogue_device_check import HostTwins, _ptr
 from fusedloss.backends.cuda import backend as cuda
 from fusedloss.backends.cuda import epilogue
 from fusedloss.core.problem import LogitTransform, StatsProblem
@@ -29,60 +28,20 @@ TN = epilogue.TILE_N
 
 
 @pytest.fixture(scope="module")
-def twins(tmp_path_factory):
+def host_twins(tmp_path_factory):
+    """The device check's stand-in for the kernels (benchmarks/epilogue_device_check.py): the twins compiled from
+    csrc/epilogue_host.cpp, driven as backends/cuda/epilogue.py drives the kernels."""
     if CXX is None:
         pytest.skip("no host C++ compiler")
-    lib = tmp_path_factory.mktemp("epilogue-twins") / "epilogue_twins.so"
-    subprocess.run([CXX, "-O2", "-std=c++17", "-fPIC", "-shared", f"-I{ROOT / 'csrc'}",
-                    str(ROOT / "csrc" / "epilogue_host.cpp"), "-o", str(lib)], check=True)
-    so = ctypes.CDLL(str(lib))
-    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
-    so.fl_epilogue_fold_tile.argtypes = [p, i32, i32, i32, f32, f32, i32, p, p, p, p, p]
-    so.fl_epilogue_finalize.argtypes = [p, p, p, i32, i32, i64, p, p, i32, p]
-    so.fl_epilogue_dlogits.argtypes = [p, i32, i32, i64, p, p, f32, f32, f32, i32, i32, p]
-    assert so.fl_epilogue_num_outputs() == len(fusedloss.core.problem.Statistics._fields)
-    return so
+    twins = HostTwins(HostTwins.compile(tmp_path_factory.mktemp("epilogue-twins")))
+    assert twins.so.fl_epilogue_num_outputs() == len(fusedloss.core.problem.Statistics._fields)
+    return twins
 
 
-def _ptr(t):
-    return ctypes.c_void_p(t.data_ptr())
-
-
-class TwinKernels:
-    """epilogue.py's three launches over CPU tensors: the fp32 product, then the twins tile by tile."""
-
-    def __init__(self, so):
-        self.so = so
-
-    def statistics(self, p, part, targets, target_logit, scale):
-        n, v = p.hidden.shape[0], p.weight.shape[0]
-        acc = p.hidden.float() @ p.weight.float().T
-        for j in range(part.shape[1]):
-            v0, v1 = j * TN, min(v, (j + 1) * TN)
-            tile = torch.zeros((n, TN), dtype=torch.float32)
-            tile[:, : v1 - v0] = acc[:, v0:v1]
-            rel = torch.where((targets >= v0) & (targets < v1), targets - v0, torch.full_like(targets, -1))
-            outs = [torch.empty(n, dtype=torch.float32) for _ in range(3)]
-            self.so.fl_epilogue_fold_tile(_ptr(tile), n, TN, v1 - v0, *scale, int(p.want_entropy), _ptr(rel),
-                                          *map(_ptr, outs), _ptr(target_logit))
-            for k in range(part.shape[0]):
-                part[k, j, :n] = outs[k]
-
-    def merge(self, part, target_logit, out, entropy, targets):
-        n = out.shape[1]
-        e = part[2] if entropy else part[1]
-        self.so.fl_epilogue_finalize(_ptr(part[0]), _ptr(part[1]), _ptr(e), n, part.shape[1], part.shape[2],
-                                     _ptr(target_logit), None if targets is None else _ptr(targets), int(entropy),
-                                     _ptr(out))
-
-    def dlogits(self, h, w, out, targets, v0, rows, scale, chain, log_q):
-        acc = (h.float() @ w.float().T).contiguous()
-        n, cols = acc.shape
-        tmp = torch.empty((n, cols), dtype=out.dtype)
-        code = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}[out.dtype]
-        self.so.fl_epilogue_dlogits(_ptr(acc), n, cols, v0, _ptr(targets.contiguous()), _ptr(rows), *scale, chain,
-                                    int(log_q), code, _ptr(tmp))
-        out.copy_(tmp)
+@pytest.fixture(scope="module")
+def twins(host_twins):
+    """The twins' library itself, for the checks that call one entry point at a time."""
+    return host_twins.so
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -232,7 +191,7 @@ needs_extension = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA e
 
 
 @pytest.fixture
-def epilogue_on(twins, monkeypatch):
+def epilogue_on(host_twins, monkeypatch):
     """FUSEDLOSS_CUDA_EPILOGUE=1, the twins as kernels, backend="cuda" routed to the CUDA backend's host mode for
     CPU tensors; counts the epilogue path's forward and backward calls."""
     from fusedloss.core import registry
@@ -240,7 +199,7 @@ def epilogue_on(twins, monkeypatch):
     original = registry.resolve
     monkeypatch.setattr(registry, "resolve", lambda b, *rest: "cuda" if b == "cuda" else original(b, *rest))
     monkeypatch.setenv(epilogue.ENV, "1")
-    monkeypatch.setattr(epilogue, "_KERNELS_OVERRIDE", TwinKernels(twins))
+    monkeypatch.setattr(epilogue, "_KERNELS_OVERRIDE", host_twins)
     calls = {"forward": 0, "backward": 0}
     fwd, bwd = epilogue.forward_statistics, epilogue.backward_gradients
 
