@@ -1,4 +1,4 @@
-"""Benchmark problems: shapes per device, deterministic inputs, and the chunked float64 reference.
+"""Benchmark problems: shapes per device, deterministic inputs, the chunked float64 reference and the statistics.
 
 A *problem* is one op at one shape: the inputs (in the benchmark dtype, on the benchmark device), the
 fixed keyword arguments every implementation gets, and how its outputs become one scalar to
@@ -387,6 +387,29 @@ def reference64(p: Problem, progress: Optional[Callable[[int, int], None]] = Non
     else:
         raise ValueError(p.op)
     return outputs, {"hidden": dh, "weight": w64.grad}
+
+
+def statistics_of(z: torch.Tensor, targets: torch.Tensor, teacher_z: Optional[torch.Tensor] = None,
+                  jsd_beta: Optional[float] = None) -> Dict[str, torch.Tensor]:
+    """Every per-row statistic of docs/design.md, "The statistics problem", on materialised logits ``z`` [N, V]
+    (and a teacher's ``teacher_z``), differentiable: on float64 logits the ground truth the device checks measure
+    the backends' statistics against, on logits in the inputs' dtype the naive path beside it. Ignored rows
+    (targets < 0) give 0, selected with ``torch.where``. ``jsd_beta`` None: the JSD at beta 0.5."""
+    valid = targets >= 0
+    logq = torch.log_softmax(z, -1)
+    q = logq.exp()
+    out = {"lse": torch.logsumexp(z, -1), "logp": logq.gather(1, targets.clamp_min(0)[:, None]).squeeze(1),
+           "entropy": -(q * logq).sum(-1), "mean_logit": z.mean(-1), "log_sum_sq_probs": torch.log((q * q).sum(-1)),
+           "is_top1": (z.argmax(-1) == targets).to(z.dtype)}
+    if teacher_z is not None:
+        beta = 0.5 if jsd_beta is None else jsd_beta
+        logpt = torch.log_softmax(teacher_z, -1)
+        pt = logpt.exp()
+        out["kl_rev"] = (q * (logq - logpt)).sum(-1)
+        out["kl_fwd"] = (pt * (logpt - logq)).sum(-1)
+        logm = torch.logaddexp(logq + math.log1p(-beta), logpt + math.log(beta))
+        out["jsd"] = beta * (pt * (logpt - logm)).sum(-1) + (1 - beta) * (q * (logq - logm)).sum(-1)
+    return {k: torch.where(valid, x, torch.zeros_like(x)) for k, x in out.items()}
 
 
 def rel_err(x: Optional[torch.Tensor], ref: torch.Tensor) -> float:

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Download the peers' wheels into .carry/wheels (git-ignored), for benchmarks/device_check.sh to install
+# Download the peers' wheels into .carry/wheels (git-ignored), for python -m benchmarks.device to install
 # on the GPU machine, which reaches no registry: pip install --no-deps --no-index --target <dir>.
 #
 #     bash benchmarks/fetch_peer_wheels.sh          # then carry ".carry/wheels" in the device run

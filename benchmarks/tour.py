@@ -391,7 +391,7 @@ def plot(result: dict, path: Path):
 def next_hint(device) -> str:
     if device == "cuda":
         return ("next: python benchmarks/bench.py --device cuda (LLM shapes, every peer), or "
-                "bash benchmarks/device_check.sh (every kernel, with the cost model beside each figure)")
+                "python -m benchmarks.device (every kernel, with the cost model beside each figure)")
     return ("next, on a machine with an NVIDIA GPU: bash tools/install.sh && python benchmarks/tour.py "
             "(then python benchmarks/bench.py --device cuda for LLM shapes); here, the tests: "
             "python -m pytest -q -n 2 --dist loadfile -m \"not tooling\" tests")

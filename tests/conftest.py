@@ -45,15 +45,14 @@ def pytest_configure(config):
 
 
 # The project's instruments rather than the library: the wheels and the extension's device code, the benchmark
-# and its device check, the cost model and its instruction counts, the compile harnesses, the CUTLASS prototype,
+# and its device run, the cost model and its instruction counts, the compile harnesses,
 # the frameworks' virtualenv and the transformers architecture sweep. Marked ``tooling``: the README's test
 # command (``-m "not tooling"``) runs what a user relies on in minutes; CI runs both.
 TOOLING_MODULES = {
-    "test_build.py", "test_driver_compat.py", "test_bench_device_script.py", "test_bench_main.py",
+    "test_build.py", "test_driver_compat.py", "test_device_check.py", "test_bench_main.py",
     "test_bench_worker.py", "test_bench_model.py", "test_cost_model.py", "test_cost_model_launches.py",
-    "test_sass_counts.py", "test_triton_compile.py", "test_cutlass_prototype.py", "test_cutlass_prototype_device.py",
-    "test_cuda_device_scripts.py", "test_frameworks_env.py", "test_transformers_zoo.py", "test_skip_summary.py",
-    "test_triton_launches.py", "test_epilogue_kernels_compile.py", "test_epilogue_device_check.py",
+    "test_sass_counts.py", "test_triton_compile.py", "test_frameworks_env.py", "test_transformers_zoo.py",
+    "test_skip_summary.py", "test_triton_launches.py", "test_epilogue_kernels_compile.py",
 }
 TOOLING_TESTS = ("test_kernels_compile_for_sm90",)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fusedloss
-from benchmarks.epilogue_device_check import HostTwins, _ptr
+from benchmarks.device.check_epilogue import HostTwins, _ptr
 from fusedloss.backends.cuda import backend as cuda
 from fusedloss.backends.cuda import epilogue
 from fusedloss.core.problem import LogitTransform, StatsProblem
@@ -29,7 +29,7 @@ TN = epilogue.TILE_N
 
 @pytest.fixture(scope="module")
 def host_twins(tmp_path_factory):
-    """The device check's stand-in for the kernels (benchmarks/epilogue_device_check.py): the twins compiled from
+    """The device check's stand-in for the kernels (benchmarks/device/check_epilogue.py): the twins compiled from
     csrc/epilogue_host.cpp, driven as backends/cuda/epilogue.py drives the kernels."""
     if CXX is None:
         pytest.skip("no host C++ compiler")

@@ -7,7 +7,7 @@ so that the tiny shapes below still cross every tile border: prime V (37, 131, 2
 columns, odd N and D leave padded rows and a masked remainder of D, and the forward splits the vocabulary
 across programs.
 The interpreter cannot run bf16 ``tl.dot`` (triton-lang/triton#11584): bf16 is checked on a GPU by
-``benchmarks/device_check_triton.py``. ``test_kernels_compile_for_sm90`` compiles every launch the backend
+``benchmarks/device/check_triton.py``. ``test_kernels_compile_for_sm90`` compiles every launch the backend
 makes for an H100/H200 target without a GPU (``tests/test_triton_compile.py``), which catches what the
 interpreter does not check (registers, spills, shared memory, the tensor-core instructions).
 """

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # A contributor's and CI's set-up, on top of the user install (tools/install.sh): the CUDA extension wherever
-# nvcc is found (GPU or not: its host code is tested on a CPU), the CUTLASS headers of the epilogue prototype,
+# nvcc is found (GPU or not: its host code is tested on a CPU), the CUTLASS headers of the epilogue kernels,
 # the Tritons of the compile check and the frameworks' virtualenv. Run it inside the virtualenv you want it in:
 #   bash tools/dev_setup.sh       # FUSEDLOSS_SKIP_FRAMEWORKS=1 skips the frameworks' virtualenv
 set -euo pipefail
@@ -18,9 +18,8 @@ if [ -z "${FUSEDLOSS_CUDA:-}" ]; then
 fi
 bash tools/install.sh
 
-# The CUTLASS 3 headers (a 6 MB wheel; its Python interface and dependencies are not needed): the compile-only
-# epilogue prototype of csrc/prototypes/ is built with them (tests/test_cutlass_prototype.py). The library never
-# uses them.
+# The CUTLASS 3 headers (a 6 MB wheel; its Python interface and dependencies are not needed): the extension's
+# opt-in sm_90a epilogue kernels are built with them (tests/test_epilogue_kernels_compile.py compiles them).
 say "CUTLASS headers (nvidia-cutlass, 6 MB)"
 pip_install --no-deps "nvidia-cutlass==4.2.0.0"
 

@@ -10,7 +10,7 @@ bf16 and fp16): ptxas's registers, stack and spills; cuobjdump's registers, shar
 counts that say each is what it claims (HGMMA, UTMALDG, UTMASTG: the d logits' TMA store, MUFU.EX2, SHFL, STL/LDL);
 the launch constants from ``fusedloss_epilogue_kernel_info``. Writes benchmarks/results/epilogue-kernels-sm90.{md,json}
 with the nvcc, cuobjdump and CUTLASS versions and the compile time. tests/test_epilogue_kernels_compile.py runs it.
-The CUTLASS headers, nvcc and cuobjdump are found as tools/cutlass_prototype.py finds them.
+The CUTLASS headers, nvcc and cuobjdump are found as tools/cuda_toolchain.py finds them.
 """
 
 from __future__ import annotations
@@ -32,19 +32,19 @@ RESULTS = ROOT / "benchmarks" / "results"
 STEM = "epilogue-kernels-sm90"
 MARK = "Sm90Epilogue"  # both EVT nodes' names start with it
 
-_spec = importlib.util.spec_from_file_location("_cutlass_prototype_for_epilogue",
-                                               ROOT / "tools" / "cutlass_prototype.py")
-proto = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(proto)
-NVCC_FLAGS = proto.NVCC_FLAGS  # setup.py's epilogue flags for the device code (-O3, c++17, relaxed constexpr, NDEBUG)
-SASS_OPS = {**proto.SASS_OPS, "UTMASTG": "UTMASTG"}
+_spec = importlib.util.spec_from_file_location("_cuda_toolchain_for_epilogue",
+                                               ROOT / "tools" / "cuda_toolchain.py")
+toolchain = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(toolchain)
+NVCC_FLAGS = toolchain.NVCC_FLAGS  # setup.py's epilogue flags for the device code (-O3, c++17, NDEBUG)
+SASS_OPS = {**toolchain.SASS_OPS, "UTMASTG": "UTMASTG"}
 # (kind, dtype code) -> the info call's kernel index (fusedloss_epilogue_kernel_info)
 KINDS = {"statistics": 0, "statistics_entropy": 1, "dlogits": 2}
 DTYPES = {"bf16": 1, "fp16": 2}
 
 
 def toolchain_missing() -> str:
-    return proto.toolchain_missing(read_back=True)
+    return toolchain.toolchain_missing(read_back=True)
 
 
 def label(mangled: str) -> str:
@@ -81,9 +81,9 @@ def parse_ptxas_all(log: str) -> dict:
 
 
 def build(keep: Path | None = None) -> dict:
-    nvcc = proto.find_nvcc()
-    cuobjdump = proto.find_cuobjdump(nvcc)
-    includes, wheel_version = proto.cutlass_dist()
+    nvcc = toolchain.find_nvcc()
+    cuobjdump = toolchain.find_cuobjdump(nvcc)
+    includes, wheel_version = toolchain.cutlass_dist()
     with tempfile.TemporaryDirectory() as tmp:
         lib = Path(keep or tmp) / "fusedloss_epilogue_sm90a.so"
         lib.parent.mkdir(parents=True, exist_ok=True)
@@ -102,25 +102,25 @@ def build(keep: Path | None = None) -> dict:
         so = ctypes.CDLL(str(lib))
         kernels = {}
         names = sorted({name for name in ptxas})
-        proto.SASS_OPS.update(SASS_OPS)  # count the TMA stores too
+        toolchain.SASS_OPS.update(SASS_OPS)  # count the TMA stores too
         for name in names:
             lab = label(name)
             kind, dtype = lab.split("/")
-            _, usage = proto.parse_resource_usage(usage_text, name)
-            counts = proto.sass_counts(sass, name)
-            info = (ctypes.c_int * len(proto.INFO_FIELDS))()
+            _, usage = toolchain.parse_resource_usage(usage_text, name)
+            counts = toolchain.sass_counts(sass, name)
+            info = (ctypes.c_int * len(toolchain.INFO_FIELDS))()
             so.fusedloss_epilogue_kernel_info(KINDS[kind], DTYPES[dtype], info)
-            info = dict(zip(proto.INFO_FIELDS, list(info)))
+            info = dict(zip(toolchain.INFO_FIELDS, list(info)))
             kernels[lab] = {"kernel": name, "info": info,
                             "register_bound": (65536 // (info["threads"] * info["min_blocks_per_sm"])) // 8 * 8,
                             "resources": usage, "ptxas": ptxas[name], "sass": counts}
     return {
         "sources": [str(s.relative_to(ROOT)) for s in SOURCES],
-        "commit": proto._commit(),
-        "nvcc": proto._version_line(nvcc),
-        "cuobjdump": proto._version_line(cuobjdump),
+        "commit": toolchain._commit(),
+        "nvcc": toolchain._version_line(nvcc),
+        "cuobjdump": toolchain._version_line(cuobjdump),
         "cutlass_wheel": f"nvidia-cutlass {wheel_version}",
-        "cutlass_headers": proto._header_version(includes[0]),
+        "cutlass_headers": toolchain._header_version(includes[0]),
         "flags": NVCC_FLAGS,
         "compile_seconds": round(seconds, 1),
         "kernels": dict(sorted(kernels.items())),

@@ -1,8 +1,8 @@
 """The CUDA backend's sm_90 epilogue path on a GPU: its forward beside cuBLAS's product, then two ops on both paths.
 
-    python benchmarks/epilogue_device_check.py --out epilogue.json                 # an H200/H100, extension built
-    python benchmarks/epilogue_device_check.py --prebuilt .carry/prebuilt --out epilogue.json --budget-s 500
-    python benchmarks/epilogue_device_check.py --dry-run --out epilogue.json       # CPU: the host twins as kernels
+    python -m benchmarks.device.check_epilogue --out epilogue.json                 # an H200/H100, extension built
+    python -m benchmarks.device.check_epilogue --prebuilt .carry/prebuilt --out epilogue.json --budget-s 500
+    python -m benchmarks.device.check_epilogue --dry-run --out epilogue.json       # CPU: the host twins as kernels
 
 What it measures (docs/design.md, "The statistics in the GEMM epilogue"), D = 4096, bf16, small shapes first:
 
@@ -14,12 +14,13 @@ What it measures (docs/design.md, "The statistics in the GEMM epilogue"), D = 40
    entropy of a sample of rows against float64 logits.
 2. ``ops``: ``cross_entropy`` and ``token_logprobs(return_entropy=True)``, forward + backward, at (N, V) = (4096,
    128256) and (16384, 151936), with FUSEDLOSS_CUDA_EPILOGUE=0 (today's path) and =1; median ms of each path.
-3. ``checks``: the same two ops on both paths at N = 1024, V = 151936 against the torch backend in float64 (outputs,
-   d hidden, d weight), beside the error of today's path: the epilogue path must be no worse than twice it.
+3. ``checks`` (run first): the same two ops, as benchmarks/cases.py poses them, on both paths at N = 1024,
+   V = 151936 against its float64 reference (``cases.reference64``: outputs, d hidden, d weight), beside the error of
+   today's path: the epilogue path must be no worse than twice it.
 
 The extension must carry the epilogue kernels (built with the CUTLASS headers: ``fusedloss._C.EPILOGUE_KERNELS``);
-``--prebuilt DIR`` puts DIR first on the import path of ``fusedloss._C`` (the PREBUILD=1 folder of
-device_check.sh, whose extension is built with them when the nvidia-cutlass wheel is installed there). The JSON is
+``--prebuilt DIR`` puts DIR first on the import path (the folder of ``python -m benchmarks.device.build
+--prebuild``, whose extension is built with them when the nvidia-cutlass wheel is installed there). The JSON is
 rewritten after every step, so a run stopped at its box keeps what it measured. Exit status: 0 all ran and passed,
 1 a check failed, 2 no usable GPU (sm_90), 3 the extension lacks the kernels, 4 the budget left steps unrun.
 
@@ -44,7 +45,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BOUND_TFLOPS = 790.0  # H200 bf16 dense (fusedloss/core/cost.py), the bound's rate
 GPU = {"D": 4096, "forward": [(4096, 128256), (4096, 151936), (16384, 128256), (16384, 151936)],
        "ops": [(4096, 128256), (16384, 151936)], "check": (1024, 151936), "warmup": 2, "repeat": 5}
@@ -167,6 +168,7 @@ def alternate(calls: dict, timer: Timer, warmup: int, repeat: int) -> dict:
 def forward_step(n, v, d, device, cfg) -> dict:
     import torch
 
+    from benchmarks import cases
     from fusedloss.backends.cuda import epilogue
     from fusedloss.core.problem import LogitTransform, StatsProblem
 
@@ -183,15 +185,12 @@ def forward_step(n, v, d, device, cfg) -> dict:
            "tflops": {k: round(flops / (x * 1e-3) / 1e12, 1) for k, x in ms.items() if x > 0},
            "over_cublas": {k: round(ms[k] / ms["cublas_bf16_out"], 3) for k in ("epilogue", "epilogue_entropy")},
            "over_bound": {k: round(ms[k] / (flops / (BOUND_TFLOPS * 1e12) * 1e3), 3) for k in ms}}
-    # check: a sample of rows against float64 logits
+    # check: a sample of rows against float64 logits (benchmarks/cases.py's statistics)
     stats = epilogue.forward_statistics(problems[True])
     rows = torch.arange(0, n, max(1, n // 64), device=device)
-    z = h[rows].double() @ w.double().T
-    lse = torch.logsumexp(z, 1)
-    logq = z - lse[:, None]
-    ent = -(logq.exp() * logq).sum(1)
+    truth = cases.statistics_of(h[rows].double() @ w.double().T, t[rows])
+    lse, logp, ent = truth["lse"], truth["logp"], truth["entropy"]
     valid = t[rows] >= 0
-    logp = logq.gather(1, t[rows].clamp(min=0)[:, None])[:, 0]
     err = {"lse": float((stats.lse[rows].double() - lse)[valid].abs().max()),
            "logp": float((stats.logp[rows].double() - logp)[valid].abs().max()),
            "entropy": float((stats.entropy[rows].double() - ent)[valid].abs().max())}
@@ -255,24 +254,25 @@ def ops_step(n, v, d, device, cfg) -> dict:
     return rec
 
 
-def _rel(a, b) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
 def checks_step(n, v, d, device) -> dict:
-    h, w, y = inputs(n, v, d, device, seed=2)
+    import torch
+
+    import fusedloss
+    from benchmarks import cases
+    from benchmarks.device import check_cases
+
     rec = {"N": n, "V": v, "D": d, "ops": {}}
     ok = True
-    for op in OPS:
-        ref = _fwd_bwd(op, h.double(), w.double(), y, "torch")
-        got, ran = {}, {}
+    for op, case in (("cross_entropy", "cross_entropy"), ("token_logprobs_entropy", "token_logprobs")):
+        p = cases.make_problem(case, n, v, d, torch.bfloat16, device, seed=2)
+        ref = cases.reference64(p)
+        errs, ran = {}, {}
         for path in ("today", "epilogue"):
             before = dict(CALLS)
-            got[path] = _with_path(path == "epilogue", lambda op=op: _fwd_bwd(op, h, w, y, "cuda"))
+            errs[path] = _with_path(path == "epilogue", lambda: check_cases.errors(
+                *check_cases.run(getattr(fusedloss, case), p, backend="cuda"), ref))["errors"]
             ran[path] = {k: CALLS[k] - before[k] for k in CALLS}
-        names = [f"out{i}" for i in range(len(ref) - 2)] + ["d_hidden", "d_weight"]
-        errs = {path: {nm: _rel(g, r) for nm, g, r in zip(names, got[path], ref)} for path in got}
+        names = list(errs["today"])
         passed = all(errs["epilogue"][nm] <= max(2 * errs["today"][nm], 1e-5) and errs["epilogue"][nm] < 2e-2
                      for nm in names)
         # each path is the one asked for: the epilogue's forward and backward ran once, today's never
@@ -359,6 +359,10 @@ def main(argv=None) -> int:
             return 3
     report["device"] = torch.cuda.get_device_name() if device.type == "cuda" else "cpu (host twins)"
     left = []
+    # correctness first: a box too short for every step keeps the checks, then the small shapes' timings
+    n, v = cfg["check"]
+    report["checks"] = checks_step(n, v, cfg["D"], device)
+    write(report, args.out)
     for n, v in cfg["forward"]:
         if time.monotonic() > deadline:
             left.append(f"forward {n}x{v}")
@@ -371,11 +375,6 @@ def main(argv=None) -> int:
             continue
         report["ops"].append(ops_step(n, v, cfg["D"], device, cfg))
         write(report, args.out)
-    if time.monotonic() > deadline:
-        left.append("checks")
-    else:
-        n, v = cfg["check"]
-        report["checks"] = checks_step(n, v, cfg["D"], device)
     ok = all(r["check"]["ok"] for r in report["forward"]) and (report["checks"] or {}).get("ok", True)
     if args.dry_run:  # the planted fault: the checks must reject it
         epilogue._KERNELS_OVERRIDE = HostTwins(lib, fault=1.5)
@@ -387,7 +386,7 @@ def main(argv=None) -> int:
     report["left"] = left
     write(report, args.out)
     print(table(report))
-    print(f"epilogue_device_check: {report['status']}" + (f"; not run: {', '.join(left)}" if left else ""))
+    print(f"check_epilogue: {report['status']}" + (f"; not run: {', '.join(left)}" if left else ""))
     return 0 if report["status"] == "ok" else (1 if not ok else 4)
 
 

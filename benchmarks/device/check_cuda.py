@@ -1,7 +1,7 @@
 """GPU check of the CUDA backend: every path once against float64, then timings beside the cost model.
 
-    python benchmarks/device_check_cuda.py --out results/cuda_check.json [--quick] [--budget-s 150]
-    python benchmarks/device_check_cuda.py --out /tmp/cuda_check.json --cpu-smoke     # the dry run, no GPU
+    python -m benchmarks.device.check_cuda --out results/cuda_check.json [--quick] [--budget-s 150]
+    python -m benchmarks.device.check_cuda --out /tmp/cuda_check.json --cpu-smoke     # the dry run, no GPU
 
 Sections, each recorded in the JSON with its checks (``ok`` false on any failure, never a skipped check
 silently passing):
@@ -21,8 +21,8 @@ silently passing):
   V=151936 bf16, forward and backward timed separately (CUDA events, median of 3 after a warm-up), for
   workspaces of 1 GiB, 2 GiB and the default, each with the cost model's figure beside it (a row whose own
   expected time, three times its modelled calls, no longer fits the budget is recorded as skipped);
-* ``racecheck``: ``compute-sanitizer --tool racecheck`` over ``sanitize_smoke.py --tiles`` (the fold and
-  JSD kernels' shared-memory block reductions), when compute-sanitizer is on the PATH.
+* ``racecheck``: ``compute-sanitizer --tool racecheck`` over ``benchmarks/device/sanitize_smoke.py --tiles`` (the
+  fold and JSD kernels' shared-memory block reductions), when compute-sanitizer is on the PATH.
 
 ``--cpu-smoke`` runs every section on tiny shapes on CPU tensors through the kernels' host twins (the
 timings are then CPU times of tiny shapes, labelled so; the sanitizer is skipped): it checks the script,
@@ -45,9 +45,7 @@ import traceback
 import zlib
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _rel(a, b) -> float:
@@ -139,33 +137,21 @@ def _coeffs(stats, g_logp, g_ent, g_klrev, targets):
 
 
 def _reference(h, w, b, y, ht, wt, temperature, g_logp, g_ent, g_klrev, dtype):
-    """Statistics and gradients on materialised logits in ``dtype`` (float64: ground truth; else the
-    naive same-dtype computation)."""
+    """Statistics (benchmarks/cases.py's ``statistics_of``) and gradients on materialised logits in ``dtype``
+    (float64: ground truth; else the naive same-dtype computation)."""
     import torch
+
+    from benchmarks import cases
 
     h = h.to(dtype).detach().requires_grad_(True)
     w = w.to(dtype).detach().requires_grad_(True)
     b = b.to(dtype).detach().requires_grad_(True)
     z = (h @ w.T + b) / temperature
-    logq = torch.log_softmax(z, -1)
-    q = logq.exp()
-    valid = y >= 0
-    logp = logq.gather(1, y.clamp_min(0)[:, None]).squeeze(1) * valid
-    ent = -(q * logq).sum(-1) * valid
-    out = {"lse": torch.logsumexp(z, -1) * valid, "logp": logp, "entropy": ent,
-           "mean_logit": z.mean(-1) * valid, "log_sum_sq_probs": torch.log((q * q).sum(-1)) * valid,
-           "is_top1": (z.argmax(-1) == y).to(z.dtype) * valid}
-    loss = g_logp * logp.sum() + g_ent * ent.sum()
+    zt = None if ht is None else (ht.to(dtype) @ wt.to(dtype).T) / temperature
+    out = cases.statistics_of(z, y, zt, 0.5)
+    loss = g_logp * out["logp"].sum() + g_ent * out["entropy"].sum()
     if ht is not None:
-        zt = (ht.to(dtype) @ wt.to(dtype).T) / temperature
-        logpt = torch.log_softmax(zt, -1)
-        pt = logpt.exp()
-        kl_rev = (q * (logq - logpt)).sum(-1) * valid
-        out["kl_rev"] = kl_rev
-        out["kl_fwd"] = (pt * (logpt - logq)).sum(-1) * valid
-        logm = torch.logaddexp(logq + math.log(0.5), logpt + math.log(0.5))
-        out["jsd"] = (0.5 * (pt * (logpt - logm)).sum(-1) + 0.5 * (q * (logq - logm)).sum(-1)) * valid
-        loss = loss + g_klrev * kl_rev.sum()
+        loss = loss + g_klrev * out["kl_rev"].sum()
     dh, dw, db = torch.autograd.grad(loss, [h, w, b])
     return {k: v.detach() for k, v in out.items()}, (dh, dw, db)
 
@@ -515,7 +501,7 @@ def racecheck(ctx, results):
         results.append(entry)
         return
     cmd = [sanitizer, "--tool", "racecheck", "--racecheck-report", "all", "--error-exitcode", "86",
-           sys.executable, str(ROOT / "benchmarks" / "sanitize_smoke.py"), "--tiles", "--device", "cuda"]
+           sys.executable, "-m", "benchmarks.device.sanitize_smoke", "--tiles", "--device", "cuda"]
     timeout = max(30, min(120, int(ctx.left()) - 5))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=ROOT)

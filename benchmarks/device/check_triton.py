@@ -1,9 +1,9 @@
 """GPU check of the Triton backend: correctness of both gradient paths, and forward / backward / grad-in-forward
 timings.
 
-    python benchmarks/device_check_triton.py --out results.json            # on a CUDA machine (H200)
-    python benchmarks/device_check_triton.py --cpu-smoke --out smoke.json  # tiny shapes, Triton interpreter
-    python benchmarks/device_check_triton.py --cost-table                  # the cost model's table (no device)
+    python -m benchmarks.device.check_triton --out results.json            # on a CUDA machine (H200)
+    python -m benchmarks.device.check_triton --cpu-smoke --out smoke.json  # tiny shapes, Triton interpreter
+    python -m benchmarks.device.check_triton --cost-table                  # the cost model's table (no device)
 
 Correctness records (``checks``), for every case (real vocabulary sizes 128256 and 151936, a prime vocabulary
 with D = 1000, peaked rows, ignored rows, soft-cap + temperature, a teacher with its own hidden size, a frozen
@@ -40,8 +40,7 @@ if "--cpu-smoke" in sys.argv:  # must precede the first use of the Triton kernel
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
+from benchmarks import cases
 from fusedloss import reference
 from fusedloss.core import LogitTransform, TeacherHead, cost, token_statistics
 from fusedloss.core.problem import GradientNeeds, Statistics, StatsProblem
@@ -105,29 +104,15 @@ def logits(h, w, b, tf, dtype):
 
 
 def materialised(c, h, w, b, y, teacher, tf, dtype):
-    """The statistics from materialised logits in ``dtype`` (float64: the reference; half: naive)."""
+    """The statistics from materialised logits in ``dtype`` (float64: the reference; half: naive), by
+    benchmarks/cases.py's ``statistics_of``: those the case asks for."""
     z = logits(h, w, b, tf, dtype)
-    logq = torch.log_softmax(z, dim=1)
-    q = logq.exp()
-    out = {"lse": torch.logsumexp(z, dim=1), "logp": logq.gather(1, y.clamp(min=0)[:, None]).squeeze(1)}
-    if c.get("entropy"):
-        out["entropy"] = -(q * logq).sum(1)
+    zt = None
     if teacher is not None:
         zt = logits(teacher[0], teacher[1], None, LogitTransform(c.get("teacher_temperature", 1.0)), dtype)
-        logpt = torch.log_softmax(zt, dim=1)
-        pt = logpt.exp()
-        if c.get("kl_rev"):
-            out["kl_rev"] = (q * (logq - logpt)).sum(1)
-        if c.get("kl_fwd"):
-            out["kl_fwd"] = (pt * (logpt - logq)).sum(1)
-        if c.get("jsd"):
-            beta = c["jsd"]
-            logm = torch.logaddexp(logq + math.log1p(-beta), logpt + math.log(beta))
-            kl_qm = (q * (logq - logm)).sum(1)
-            kl_pm = (pt * (logpt - logm)).sum(1)
-            out["jsd"] = beta * kl_pm + (1 - beta) * kl_qm
-    valid = y >= 0
-    return {k: torch.where(valid, x, torch.zeros_like(x)) for k, x in out.items()}
+    out = cases.statistics_of(z, y, zt, c.get("jsd"))
+    asked = ["lse", "logp"] + [k for k in ("entropy", "kl_rev", "kl_fwd", "jsd") if c.get(k)]
+    return {k: out[k] for k in asked}
 
 
 def objective(stats: dict, weights: dict):

@@ -1,15 +1,15 @@
 """The first seconds of a device run: what the machine is, and one tiny forward+backward per backend.
 
-    python benchmarks/device_check_smoke.py --out smoke.json                 # GPU: torch and triton backends
-    python benchmarks/device_check_smoke.py --out cuda.json --backends cuda  # after the extension is built
-    python benchmarks/device_check_smoke.py --out smoke.json --cpu           # no GPU: torch, Triton interpreter
+    python -m benchmarks.device.smoke --out smoke.json                 # GPU: torch and triton backends
+    python -m benchmarks.device.smoke --out cuda.json --backends cuda  # after the extension is built
+    python -m benchmarks.device.smoke --out smoke.json --cpu           # no GPU: torch, Triton interpreter
 
 Records the GPU (name, memory, SMs, compute capability), the driver and the clocks, power and throttle reasons
 (``nvidia-smi``), the runtime the caller detected (``RUNTIME``, ``SANITIZER`` in the environment: under gVisor
 compute-sanitizer cannot use the GPU), Python, torch, Triton and CUDA versions, ``fusedloss.backend_status()``,
 and for each backend ``token_logprobs`` with entropy and its backward on N=64, V=1031, D=64 (CPU: N=16, V=257,
-D=32) against the float64 reference. Fails loudly: a ``SMOKE FAILED`` line per failure; exit status 2 when no
-GPU is usable (nothing else is worth running), 1 when a backend's call failed, 0 otherwise.
+D=32) against benchmarks/cases.py's float64 reference. Fails loudly: a ``SMOKE FAILED`` line per failure; exit
+status 2 when no GPU is usable (nothing else is worth running), 1 when a backend's call failed, 0 otherwise.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 QUERY = ("name", "driver_version", "memory.total", "clocks.sm", "clocks.max.sm", "clocks.mem", "power.draw",
          "power.limit", "temperature.gpu", "pstate")
@@ -42,33 +40,19 @@ def nvidia_smi() -> dict:
 
 
 def tiny_call(backend: str, device, dtype, n: int = 64, v: int = 1031, d: int = 64) -> dict:
+    """``token_logprobs`` with entropy and its backward, as benchmarks/cases.py poses it, against its float64
+    reference (``cases.reference64``)."""
     import torch
 
     import fusedloss
-    from fusedloss import reference
+    from benchmarks import cases
+    from benchmarks.device import check_cases
 
-    g = torch.Generator(device="cpu").manual_seed(0)
-    h64 = torch.randn(n, d, generator=g, dtype=torch.float64)
-    w64 = torch.randn(v, d, generator=g, dtype=torch.float64) / d ** 0.5
-    y = torch.randint(0, v, (n,), generator=g)
-    h64, w64 = h64.to(dtype).double(), w64.to(dtype).double()  # the rounded values both sides see
+    p = cases.make_problem("token_logprobs", n, v, d, dtype, device, seed=0)
     t0 = time.perf_counter()
-    h = h64.to(device, dtype).requires_grad_(True)
-    w = w64.to(device, dtype).requires_grad_(True)
-    logp, ent = fusedloss.token_logprobs(h, w, y.to(device), return_entropy=True, backend=backend)
-    (logp.sum() + 0.5 * ent.sum()).backward()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    outs, grads = check_cases.run(fusedloss.token_logprobs, p, backend=backend)
     seconds = time.perf_counter() - t0
-    hr, wr = h64.requires_grad_(True), w64.requires_grad_(True)
-    lr, er = reference.token_logprobs(hr, wr, y, return_entropy=True)
-    (lr.sum() + 0.5 * er.sum()).backward()
-
-    def rel(a, b):
-        return float((a.detach().double().cpu() - b.detach()).norm() / b.detach().norm())
-
-    errs = {"logp": rel(logp, lr), "entropy": rel(ent, er), "grad_hidden": rel(h.grad, hr.grad),
-            "grad_weight": rel(w.grad, wr.grad)}
+    errs = check_cases.errors(outs, grads, cases.reference64(p))["errors"]
     limit = 1e-4 if dtype == torch.float32 else 2e-2
     return {"ok": all(e <= limit for e in errs.values()), "errors": errs, "limit": limit,
             "seconds_with_compilation": round(seconds, 2), "dtype": str(dtype).replace("torch.", "")}

@@ -1,12 +1,12 @@
 """A small, fast forward+backward of every op on awkward shapes, for compute-sanitizer.
 
-    compute-sanitizer --tool memcheck python benchmarks/sanitize_smoke.py --device cuda
-    compute-sanitizer --tool racecheck python benchmarks/sanitize_smoke.py --tiles --device cuda
-    python benchmarks/sanitize_smoke.py --device cpu --backends torch          # the dry run
-    python benchmarks/sanitize_smoke.py --tiles --device cpu                   # the tiles' dry run (host twins)
+    compute-sanitizer --tool memcheck python -m benchmarks.device.sanitize_smoke --device cuda
+    compute-sanitizer --tool racecheck python -m benchmarks.device.sanitize_smoke --tiles --device cuda
+    python -m benchmarks.device.sanitize_smoke --device cpu --backends torch          # the dry run
+    python -m benchmarks.device.sanitize_smoke --tiles --device cpu                   # the tiles' dry run (host twins)
 
 Shapes: N = 1 and odd N, prime V (never a multiple of a tile), rows whose target is ignored, fp32 and
-bf16. Each result is compared loosely with ``fusedloss.reference`` (in float64) and must be finite; the
+bf16. Each result is compared loosely with benchmarks/cases.py's float64 reference and must be finite; the
 point is that memcheck sees every kernel path once, not the precision (tests/ judges that).
 
 ``--tiles``: the CUDA backend's own kernels only, on tiny multi-tile problems, so that racecheck (slow:
@@ -21,13 +21,10 @@ from __future__ import annotations
 import argparse
 import sys
 import traceback
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import torch
 
-import torch  # noqa: E402
-
-from benchmarks import cases  # noqa: E402
+from benchmarks import cases
 
 SHAPES = ((1, 1009, 64), (37, 4099, 96), (130, 32003, 64))
 
@@ -118,7 +115,7 @@ def main(argv=None) -> int:
         return 1 if tiles(args.device) else 0
 
     import fusedloss
-    from fusedloss import reference
+    from benchmarks.device import check_cases
 
     status = fusedloss.backend_status()
     backends = args.backends or [b for b in ("triton", "cuda") if status.get(b) == "available"]
@@ -138,21 +135,16 @@ def main(argv=None) -> int:
                         if op == "cross_entropy":
                             p.t["targets"][::3] = cases.IGNORE  # ignored rows, incl. row 0
                         h, w = p.leaves()
-                        loss, _ = cases.call_op(getattr(fusedloss, op), p, h, w, backend=backend)
+                        loss, outs = cases.call_op(getattr(fusedloss, op), p, h, w, backend=backend)
                         loss.backward()
                         if args.device == "cuda":
                             torch.cuda.synchronize()
-                        p64 = cases.Problem(p.op, p.N, p.V, p.D, torch.float64, p.device,
-                                            {k: (x.double() if x.is_floating_point() else x) for k, x in p.t.items()})
-                        h64, w64 = p64.leaves()
-                        ref, _ = cases.call_op(getattr(reference, op), p64, h64, w64)
-                        ref.backward()
-                        errs = [cases.rel_err(loss, ref.detach()), cases.rel_err(h.grad, h64.grad),
-                                cases.rel_err(w.grad, w64.grad)]
+                        errs = list(check_cases.errors(outs, {"hidden": h.grad, "weight": w.grad},
+                                                       cases.reference64(p))["errors"].values())
                         tol = 1e-3 if dtype == torch.float32 else 5e-2
                         ok = all(e <= tol for e in errs)
                         failures += not ok
-                        print(f"{'ok  ' if ok else 'FAIL'} {tag} err loss/dh/dw = "
+                        print(f"{'ok  ' if ok else 'FAIL'} {tag} err outputs/dh/dw = "
                               + " ".join(f"{e:.1e}" for e in errs), flush=True)
                     except Exception as exc:
                         failures += 1
