@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import NamedTuple, Optional
 
 import torch
-from conftest import cotangent_like, rel_err
+from _errors import rel_err
+from conftest import cotangent_like
 
 import fusedloss
 from fusedloss import reference

@@ -4,7 +4,8 @@ Each ``trl_*`` function calls the trainer method that computes the loss in TRL 1
 (``GRPOTrainer._compute_loss``, ``DPOTrainer._compute_loss``, ``KTOTrainer._compute_loss``, and the
 experimental ``ORPOTrainer.get_batch_loss_metrics`` / ``CPOTrainer.get_batch_loss_metrics``) unbound, with
 a stand-in for ``self`` that carries the config values and a one-process accelerator, and a stand-in
-model whose outputs are computed here from ``hidden @ weight.T`` the obvious way (float64, ``log_softmax``).
+model whose outputs are computed here from the logits of tests/oracle.py the obvious way (float64,
+``torch.log_softmax``).
 So the loss, every metric TRL logs and, through autograd, the gradients come from TRL's code itself.
 Only where TRL's code cannot run in float64 (the alpha-divergence of DPO picks its exponent cap from a
 dict keyed by fp16/bf16/fp32) do the tests fall back to TRL in fp32 and to the float64 reference.
@@ -23,6 +24,7 @@ import types
 from collections import defaultdict
 from typing import Optional
 
+import oracle
 import torch
 
 
@@ -70,13 +72,10 @@ class _Accelerator:
 
 
 def head_logits(hidden, weight, bias=None, *, temperature=1.0, logit_scale=1.0, softcap=None):
-    z = hidden @ weight.T
-    if bias is not None:
-        z = z + bias
-    z = logit_scale * z
-    if softcap is not None:
-        z = softcap * torch.tanh(z / softcap)
-    return z / temperature
+    """The logits of the stand-in model: tests/oracle.py's, in the dtype of ``hidden`` (float64, or fp32 where
+    TRL runs as in training)."""
+    return oracle.logits(hidden, weight, bias, temperature=temperature, logit_scale=logit_scale, softcap=softcap,
+                         cfg=oracle.Config(dtype=hidden.dtype))
 
 
 def _token_stats(z, labels):

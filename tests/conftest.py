@@ -6,7 +6,8 @@
 * Data helpers build the inputs that catch the bugs peers shipped (docs/design.md, "Numerical doctrine"):
   peaked rows (a few logits ~30 above the rest), prime vocabulary sizes, token counts of 1 and odd, all-ignored rows,
   extreme logits. Shapes stay tiny because the Triton interpreter is slow.
-* ``rel_err``: the norm-wise relative error every comparison uses.
+* The relative errors every comparison uses (``rel_err`` and its named variants) are in tests/_errors.py,
+  the float64 oracle in tests/oracle.py; import them from there.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ collect_ignore = [] if os.path.basename(sys.prefix) == ".venv-frameworks" else [
 from typing import Optional  # noqa: E402
 
 import pytest  # noqa: E402
+from _errors import rel_err  # noqa: E402,F401  (tests/frameworks/_main_suite.py reads it from this file)
 
 # Prime vocabulary sizes: never a multiple of a block size, so padded tiles are always exercised.
 PRIME_VOCABS = (37, 131, 257)
@@ -158,35 +160,7 @@ def fp64_tol(backend: str) -> float:
 
 
 # --------------------------------------------------------------------------------------------------
-# Errors
-
-
-def rel_err(actual: Optional[torch.Tensor], expected: Optional[torch.Tensor]) -> float:
-    """Norm-wise relative error ``||a - e|| / ||e||`` in float64 (``||a||`` when ``e`` is all zero).
-
-    NaN/inf in either tensor give inf unless both agree exactly on those positions."""
-    if actual is None and expected is None:
-        return 0.0
-    assert actual is not None and expected is not None, "one of the two tensors is None"
-    a = actual.detach().to("cpu", torch.float64)
-    e = expected.detach().to("cpu", torch.float64)
-    assert a.shape == e.shape, f"shape {tuple(a.shape)} != expected {tuple(e.shape)}"
-    finite = torch.isfinite(e)
-    if not bool(finite.all()):
-        same = (a[~finite] == e[~finite]) | (torch.isnan(a[~finite]) & torch.isnan(e[~finite]))
-        if not bool(same.all()):
-            return float("inf")
-        a, e = a[finite], e[finite]
-    if not bool(torch.isfinite(a).all()):
-        return float("inf")
-    num = torch.linalg.vector_norm(a - e).item()
-    den = torch.linalg.vector_norm(e).item()
-    return num / den if den > 0 else num
-
-
-def assert_close(actual, expected, tol: float, what: str = "") -> None:
-    err = rel_err(actual, expected)
-    assert err <= tol, f"{what}: relative error {err:.3e} > {tol:.1e}"
+# Models
 
 
 def param_grads(model: torch.nn.Module, loss: torch.Tensor) -> dict:
@@ -194,15 +168,6 @@ def param_grads(model: torch.nn.Module, loss: torch.Tensor) -> dict:
     model.zero_grad(set_to_none=True)
     loss.backward()
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def assert_each_close(got: dict, ref: dict, rtol: float) -> None:
-    """The same names, and each tensor within ``rtol`` of the reference's, norm-wise in float64."""
-    assert got.keys() == ref.keys()
-    for name in ref:
-        g, r = got[name].double(), ref[name].double()
-        err = ((g - r).norm() / r.norm().clamp(min=1e-300)).item()
-        assert err < rtol, (name, err)
 
 
 # --------------------------------------------------------------------------------------------------

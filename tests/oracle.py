@@ -22,6 +22,11 @@ logits, masked vocabularies):
 KL divergences follow the mathematics: a column with mass on the first side and none on the second
 (log a finite, log b = -inf) makes the KL +inf, whatever exp(log a) underflows to.
 
+Beside the public functions: ``statistics``, the per-row statistics of a backend's forward (the backend tests'
+ground truth), and closed forms that single checks need (K target log-probs, the log-prob gradients of
+confident rows, one row's gradient in 60-digit decimals). The logits of tests/_trl_oracle.py's stand-in model
+are ``logits`` here too.
+
 ``Config(dtype=torch.float32, stable=False)`` turns the same functions into the *naive fp32 path* a plain
 trainer runs (fp32 logits, torch.log_softmax), whose error against the oracle says what fp32 can do on an
 input; ``shift`` rounds the logits once more on a grid shifted by a fraction of their scale, a second naive
@@ -399,3 +404,104 @@ def group_advantages(rewards, group_size, *, scale="group", drop_silent_groups=F
     adv = torch.where(silent[:, None], torch.zeros_like(adv), adv)
     keep = (~silent[:, None]).expand_as(r) if drop_silent_groups else torch.ones_like(r, dtype=torch.bool)
     return adv.reshape(-1), group_std, keep.reshape(-1)
+
+
+# --------------------------------------------------------------------------------------------------
+# The per-row statistics of a backend's forward (``StatsProblem`` -> ``Statistics``, docs/design.md, "The
+# statistics problem")
+
+
+def statistics(p, hidden=None, weight=None, bias=None) -> dict:
+    """The statistics ``p`` asks for, per row, in float64 from the materialised logits: a dict by the field
+    names of ``Statistics`` (those it does not ask for are left out), 0 on rows whose target is ignored.
+    Differentiable in ``hidden``, ``weight`` and ``bias`` (default: ``p``'s own)."""
+    h = p.hidden if hidden is None else hidden
+    w = p.weight if weight is None else weight
+    b = p.bias if bias is None else bias
+
+    def logits_of(h, w, b, tf):
+        return logits(h, w, b, temperature=tf.temperature, logit_scale=tf.logit_scale, softcap=tf.softcap)
+
+    z = logits_of(h, w, b, p.transform)
+    logq = log_softmax(z)
+    q = logq.exp()
+    out = {"lse": torch.logsumexp(z, dim=1), "row_max": z.amax(1)}
+    if p.targets is not None:
+        out["logp"] = logq.gather(1, p.targets.clamp(min=0)[:, None]).squeeze(1)
+    if p.want_entropy:
+        out["entropy"] = -(q * logq).sum(1)
+    if p.want_extras:
+        out["log_sum_sq_probs"] = torch.log((q * q).sum(1))
+        if p.targets is not None:
+            # argmax's rule on exact ties (the first maximum), as TRL
+            out["is_top1"] = (z.argmax(1) == p.targets).to(torch.float64)
+    if p.want_mean_logit:
+        out["mean_logit"] = z.mean(1)
+    if p.has_teacher:
+        zt = logits_of(p.teacher_hidden, p.teacher_weight, p.teacher_bias, p.teacher_transform)
+        logpt = log_softmax(zt)
+        pt = logpt.exp()
+        out["lse_t"] = torch.logsumexp(zt, dim=1)
+        if p.want_kl_rev:
+            out["kl_rev"] = (q * (logq - logpt)).sum(1)
+            # the reverse KL relative to the student's first maximum column (problem.py)
+            ztm = zt.gather(1, z.argmax(1, keepdim=True))
+            out["teacher_at_max"] = ztm.squeeze(1)
+            out["kl_rev_rel"] = (q * ((z - out["row_max"][:, None]) - (zt - ztm))).sum(1)
+        if p.want_kl_fwd:
+            out["kl_fwd"] = (pt * (logpt - logq)).sum(1)
+        if p.jsd_beta is not None:
+            beta = p.jsd_beta
+            logm = torch.logaddexp(logq + math.log1p(-beta), logpt + math.log(beta))
+            out["kl_qm"] = torch.xlogy(q, q).sum(1) - (q * logm).sum(1)
+            kl_pm = torch.xlogy(pt, pt).sum(1) - (pt * logm).sum(1)
+            out["jsd"] = beta * kl_pm + (1 - beta) * out["kl_qm"]
+    if p.targets is not None:
+        valid = p.targets >= 0
+        out = {k: torch.where(valid, x, torch.zeros_like(x)) for k, x in out.items()}
+    return out
+
+
+# --------------------------------------------------------------------------------------------------
+# Closed forms for single checks
+
+
+def target_logprobs(h, w, b, ids, *, transform=None):
+    """float64 log q at ``ids [N, K]`` (K targets per row; 0 where -100) through the stable log-softmax,
+    differentiable."""
+    logq = log_softmax(logits(h, w, b, **(transform or {})))
+    valid = ids != -100
+    return torch.where(valid, logq.gather(1, ids.clamp(min=0)), 0.0)
+
+
+def logprob_gradients(h, w, y, cot):
+    """d/d(h, w) of sum_i cot_i log q_i(y_i), float64, stable for confident rows: d logp_i / dz_j =
+    [j = y] - q_j with 1 - q_y summed from the other columns instead of subtracting q_y from 1."""
+    z = h @ w.T
+    zy = z.gather(1, y[:, None])
+    others = torch.exp(z - zy).scatter(1, y[:, None], 0.0)
+    q = others / (1.0 + others.sum(1, keepdim=True))  # q_j for j != y, accurately
+    dz = -q
+    dz.scatter_(1, y[:, None], q.sum(1, keepdim=True))
+    dz = dz * cot[:, None]
+    return dz @ w, dz.T @ h
+
+
+def row_gradient_decimal(z, y, c_logp, c_entropy):
+    """d/dz of c_logp log q_y + c_entropy H for one row of logits ``z``, in 60-digit decimal arithmetic:
+    dz_j = c_logp ([j = y] - q_j) - c_entropy q_j (log q_j + H). (Float64 autograd through log_softmax is no
+    oracle here: log q of the confident column carries the rounding of lse, 1e-15 absolute, 1e-7 relative.)"""
+    from decimal import Decimal, localcontext
+
+    with localcontext() as ctx:
+        ctx.prec = 60
+        zs = [Decimal(float(x)) for x in z]
+        m = max(zs)
+        e = [(x - m).exp() for x in zs]
+        s = sum(e)
+        q = [x / s for x in e]
+        logq = [(x - m) - s.ln() for x in zs]
+        entropy = -sum(qj * lj for qj, lj in zip(q, logq))
+        dz = [Decimal(c_logp) * ((1 if j == y else 0) - q[j]) - Decimal(c_entropy) * q[j] * (logq[j] + entropy)
+              for j in range(len(zs))]
+        return torch.tensor([float(x) for x in dz], dtype=torch.float64)

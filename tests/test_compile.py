@@ -16,7 +16,8 @@ import shutil
 
 import pytest
 import torch
-from conftest import make_head, rel_err
+from _errors import rel_err
+from conftest import make_head
 
 import fusedloss
 

@@ -17,7 +17,7 @@ import math
 
 import pytest
 import torch
-from conftest import rel_err
+from _errors import rel_err
 
 import fusedloss
 from fusedloss import reference

@@ -14,8 +14,10 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import oracle
 import pytest
 import torch
+from _errors import plain_rel_err
 
 from fusedloss.backends import torch as torch_backend
 from fusedloss.backends.cuda import backend as cuda
@@ -24,11 +26,6 @@ from fusedloss.core.problem import NUM_COEFFS, GradientNeeds, LogitTransform, St
 pytestmark = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
 
 F64 = torch.float64
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.to(F64), b.to(F64)
-    return float((a - b).norm() / b.norm().clamp_min(1e-30)) if b.norm() > 0 else float((a - b).norm())
 
 
 @pytest.fixture
@@ -69,59 +66,11 @@ def as64(p: StatsProblem) -> StatsProblem:
                                teacher_bias=c(p.teacher_bias))
 
 
-def logits64(h, w, b, tf):
-    x = h.to(F64) @ w.to(F64).T
-    if b is not None:
-        x = x + b.to(F64)
-    u = x * tf.logit_scale
-    c = tf.softcap * torch.tanh(u / tf.softcap) if tf.softcap is not None else u
-    return c / tf.temperature
-
-
 def brute(p: StatsProblem) -> Statistics:
-    """Float64 statistics on materialised logits, straight from problem.py's definitions."""
-    z = logits64(p.hidden, p.weight, p.bias, p.transform)
-    n, v = z.shape
-    lse = torch.logsumexp(z, 1)
-    logq = z - lse[:, None]
-    q = logq.exp()
-    zero = torch.zeros(n, dtype=F64)
-    out = dict.fromkeys(Statistics._fields, zero)
-    out["lse"] = lse
-    out["row_max"] = z.amax(1)
-    y = p.targets
-    if y is not None:
-        out["logp"] = logq.gather(1, y.clamp_min(0)[:, None]).squeeze(1)
-    if p.want_entropy:
-        out["entropy"] = -(q * logq).sum(1)
-    if p.want_mean_logit:
-        out["mean_logit"] = z.mean(1)
-    if p.want_extras:
-        out["log_sum_sq_probs"] = torch.log((q * q).sum(1))
-        if y is not None:
-            out["is_top1"] = (z.argmax(1) == y).to(F64)  # the FIRST argmax (torch.argmax's rule on ties)
-    if p.has_teacher:
-        zt = logits64(p.teacher_hidden, p.teacher_weight, p.teacher_bias, p.teacher_transform)
-        lse_t = torch.logsumexp(zt, 1)
-        logpt = zt - lse_t[:, None]
-        pt = logpt.exp()
-        out["lse_t"] = lse_t
-        if p.want_kl_rev:
-            out["kl_rev"] = (q * (logq - logpt)).sum(1)
-            # the reverse KL relative to the student's first maximum column (problem.py)
-            ztm = zt.gather(1, z.argmax(1, keepdim=True))
-            out["teacher_at_max"] = ztm.squeeze(1)
-            out["kl_rev_rel"] = (q * ((z - out["row_max"][:, None]) - (zt - ztm))).sum(1)
-        if p.want_kl_fwd:
-            out["kl_fwd"] = (pt * (logpt - logq)).sum(1)
-        if p.jsd_beta is not None:
-            bt = p.jsd_beta
-            logm = torch.logaddexp(logq + math.log1p(-bt), logpt + math.log(bt))
-            out["kl_qm"] = (q * (logq - logm)).sum(1)
-            out["jsd"] = bt * (pt * (logpt - logm)).sum(1) + (1 - bt) * out["kl_qm"]
-    if y is not None:
-        out = {k: torch.where(y >= 0, t, torch.zeros_like(t)) for k, t in out.items()}
-    return Statistics(**out)
+    """Float64 statistics on materialised logits, straight from problem.py's definitions (tests/oracle.py)."""
+    want = oracle.statistics(p)
+    zero = torch.zeros(p.hidden.shape[0], dtype=F64)
+    return Statistics(**{name: want.get(name, zero) for name in Statistics._fields})
 
 
 LO_FIELDS = {"lse_lo": "lse", "lse_t_lo": "lse_t"}
@@ -214,7 +163,8 @@ def test_forward_matches_torch_backend(small_tiles):
     for name in Statistics._fields:
         if name in LO_FIELDS:
             continue
-        assert rel(getattr(got, name), getattr(want, name)) < 2e-5 or float(getattr(want, name).norm()) == 0, name
+        g, w = getattr(got, name), getattr(want, name)
+        assert plain_rel_err(g, w) < 2e-5 or float(w.norm()) == 0, name
 
 
 def test_nan_propagates():
@@ -234,7 +184,7 @@ def test_teacher_logit_scale_and_softcap(small_tiles):
     check_stats(cuda.forward_statistics(p), want)
     # the transform is really applied: the plain-temperature teacher gives other statistics
     other = brute(dataclasses.replace(p, teacher_transform=LogitTransform(1.7)))
-    assert rel(other.kl_rev, want.kl_rev) > 1e-2 and rel(other.lse_t, want.lse_t) > 1e-2
+    assert plain_rel_err(other.kl_rev, want.kl_rev) > 1e-2 and plain_rel_err(other.lse_t, want.lse_t) > 1e-2
     coeffs = random_coeffs(p, seed=4)
     needs = GradientNeeds(True, True, True)
     p64 = as64(p)
@@ -297,9 +247,9 @@ def test_teacher_at_max_is_taken_at_the_first_tied_maximum(v, tied, tiles, reque
     assert bool((z.argmax(1) == first).all())
     want = (p.teacher_hidden @ p.teacher_weight.T)[:, first]
     got, ref = cuda.forward_statistics(p), torch_backend.forward_statistics(p)
-    assert rel(got.teacher_at_max, want) < 1e-6 and rel(ref.teacher_at_max, want) < 1e-6
-    assert rel(got.kl_rev_rel, ref.kl_rev_rel) < 1e-5
-    assert rel(got.kl_rev, ref.kl_rev) < 1e-5
+    assert plain_rel_err(got.teacher_at_max, want) < 1e-6 and plain_rel_err(ref.teacher_at_max, want) < 1e-6
+    assert plain_rel_err(got.kl_rev_rel, ref.kl_rev_rel) < 1e-5
+    assert plain_rel_err(got.kl_rev, ref.kl_rev) < 1e-5
 
 
 def confident_problem(n, gap, *, seed=0, top=30.0, v=131, d=19, peaked_weight=False):
@@ -332,8 +282,8 @@ def test_fp32_confident_rows_within_1e5(n, gap, tiles, request):
     p64 = as64(p)
     s64 = torch_backend.forward_statistics(p64)
     s = cuda.forward_statistics(p)
-    assert rel(s.logp, s64.logp) <= 1e-5
-    assert rel(s.lse, s64.lse) <= 1e-6
+    assert plain_rel_err(s.logp, s64.logp) <= 1e-5
+    assert plain_rel_err(s.lse, s64.lse) <= 1e-6
     coeffs = torch.zeros(NUM_COEFFS, n, dtype=F64)
     coeffs[0] = 1.0  # d sum(logp) / dz = onehot(y) - q
     needs = GradientNeeds(True, True, True)
@@ -351,7 +301,7 @@ def test_fp32_single_token_peaked_weight(gap):
     s64 = torch_backend.forward_statistics(p64)
     assert float(s64.lse[0]) > 29.0
     s = cuda.forward_statistics(p)
-    assert rel(s.logp, s64.logp) <= 1e-5
+    assert plain_rel_err(s.logp, s64.logp) <= 1e-5
     coeffs = torch.zeros(NUM_COEFFS, 1, dtype=F64)
     coeffs[0] = 1.0
     needs = GradientNeeds(True, True, False)
@@ -379,7 +329,7 @@ def check_grads(got, want, tol=2e-5):
         if w is None:
             assert g is None, name
             continue
-        assert rel(g, w) < tol, f"{name}: {rel(g, w):.3e}"
+        assert plain_rel_err(g, w) < tol, f"{name}: {plain_rel_err(g, w):.3e}"
 
 
 @pytest.mark.parametrize("teacher,jsd_beta", [(False, None), (True, None), (True, 0.4)])
@@ -474,8 +424,8 @@ def test_grad_in_forward_grouped_rows_keep_their_dx_for_one_product_per_group(dt
     else:
         _, _, _, plain = _grad_in_forward_with(p, coeffs, needs, grad_in_forward_rows=2)
         for a, b, ref in zip(got, plain, want):
-            assert rel(a, ref) <= 1.5 * rel(b, ref) + 1e-6
-            assert rel(a, b) <= 1e-5  # the same bf16 dx; fp32 sums in another order
+            assert plain_rel_err(a, ref) <= 1.5 * plain_rel_err(b, ref) + 1e-6
+            assert plain_rel_err(a, b) <= 1e-5  # the same bf16 dx; fp32 sums in another order
     assert bool((got[0][[3, 12]] == 0).all())  # ignored rows
 
 
@@ -492,7 +442,7 @@ def test_grad_in_forward_group_of_every_row_writes_d_weight_once():
     _, _, _, plain = _grad_in_forward_with(p, coeffs, needs,
                                            grad_in_forward_rows=9)  # one chunk: also written once in bf16
     assert plain[1].dtype == torch.bfloat16
-    assert rel(got[1], want[1]) <= 1.5 * rel(plain[1], want[1]) + 1e-6
+    assert plain_rel_err(got[1], want[1]) <= 1.5 * plain_rel_err(plain[1], want[1]) + 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -524,9 +474,9 @@ def test_grad_in_forward_deferred_d_weight_is_the_product_the_backward_forms(dty
     scaled = deferred_gradient(*dw, torch.tensor(0.7))
     assert scaled.dtype == dtype and torch.isfinite(scaled).all()
     tol = 2e-5 if dtype == torch.float32 else 1e-2
-    assert rel(scaled, 0.7 * want[1]) <= tol
-    assert rel(formed(got)[1], want[1]) <= tol
-    assert rel(got[0][[0, 1, 3, 4, 5, 6, 7]], want[0][[0, 1, 3, 4, 5, 6, 7]]) <= tol
+    assert plain_rel_err(scaled, 0.7 * want[1]) <= tol
+    assert plain_rel_err(formed(got)[1], want[1]) <= tol
+    assert plain_rel_err(got[0][[0, 1, 3, 4, 5, 6, 7]], want[0][[0, 1, 3, 4, 5, 6, 7]]) <= tol
 
 
 def test_deferred_d_weight_through_autograd(monkeypatch):
@@ -553,7 +503,7 @@ def test_deferred_d_weight_through_autograd(monkeypatch):
             with pytest.raises(RuntimeError, match="second time"):
                 (loss * 0.7).backward()
     for a, b in zip(grads["cuda"], grads["torch"]):
-        assert rel(a, b) <= 2e-5
+        assert plain_rel_err(a, b) <= 2e-5
 
 
 # ------------------------------------------------------------------------------------------------
@@ -584,7 +534,7 @@ def test_half_tiles(dtype):
         outs.append(out)
     assert torch.allclose(outs[0], outs[1], rtol=1e-6, atol=1e-6)
     want = torch.log_softmax(x32.double(), 1).gather(1, y[:, None]).squeeze(1)
-    assert rel(outs[0][1], want) < 1e-6
+    assert plain_rel_err(outs[0][1], want) < 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

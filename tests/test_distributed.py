@@ -18,7 +18,8 @@ import _distributed_harness as harness
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import make_head, make_teacher, rel_err
+from _errors import rel_err
+from conftest import make_head, make_teacher
 
 import fusedloss
 

@@ -14,6 +14,7 @@ import _distributed_harness as harness
 import pytest
 import torch
 import torch.nn.functional as F
+from _errors import max_rel_err
 
 import fusedloss
 
@@ -103,20 +104,16 @@ def steps(tmp_path_factory):
     return harness.run(2, checks, tmp_path_factory.mktemp("fsdp"))
 
 
-def _max_rel(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
-
-
 @pytest.mark.parametrize("mode", MODES)
 def test_fused_step_equals_the_plain_fsdp_step(steps, mode):
     for rank in range(2):
         ref = harness.value(steps, "reference", rank)
         got = harness.value(steps, mode, rank)
         assert float((got["loss"] - ref["loss"]).abs()) <= 1e-12 * float(ref["loss"].abs())
-        assert _max_rel(got["params"], ref["params"]) <= 1e-11
+        assert max_rel_err(got["params"], ref["params"]) <= 1e-11
     # the step changed the head, including its uneven shards
     before = _model_params_before()
-    assert _max_rel(before, ref["params"]) > 1e-3
+    assert max_rel_err(before, ref["params"]) > 1e-3
 
 
 def _model_params_before():
@@ -138,4 +135,4 @@ def test_grpo_step_agrees_across_fsdp_modes(steps, mode):
         ref = harness.value(steps, "grpo/gathered", rank)
         got = harness.value(steps, f"grpo/{mode}", rank)
         assert float((got["loss"] - ref["loss"]).abs()) <= 1e-12 * max(1.0, float(ref["loss"].abs()))
-        assert _max_rel(got["params"], ref["params"]) <= 1e-11
+        assert max_rel_err(got["params"], ref["params"]) <= 1e-11

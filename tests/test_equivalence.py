@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _errors import rel_err
 from _harness import compare
-from conftest import FP32_TOL, fp64_tol, make_head, make_teacher, peak_ids_of, rel_err
+from conftest import FP32_TOL, fp64_tol, make_head, make_teacher, peak_ids_of
 
 import fusedloss
 from fusedloss import reference

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_err
+from _errors import rel_err
 
 import fusedloss
 from fusedloss import reference

@@ -25,6 +25,7 @@ pytest.importorskip("transformers")
 pytest.importorskip("torch.distributed.fsdp")
 
 import _distributed_harness as harness  # noqa: E402
+from _errors import max_rel_err, plain_rel_err  # noqa: E402
 
 MODULE = __name__
 F64 = torch.float64
@@ -158,10 +159,6 @@ def _has_trl() -> bool:
     return True
 
 
-def _rel(a: dict, b: dict) -> float:
-    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b)
-
-
 @pytest.mark.parametrize("mode,reference", [("patch", "reference"), ("logprobs", "logprobs_reference"),
                                             ("root/patch", "root/reference"),
                                             ("root/logprobs", "root/logprobs_reference")])
@@ -170,15 +167,15 @@ def test_fused_fsdp2_step_equals_the_plain_one(steps, mode, reference):
         ref = harness.value(steps, reference, rank)
         got = harness.value(steps, mode, rank)
         assert float((got["loss"] - ref["loss"]).abs()) <= 1e-12 * float(ref["loss"].abs())
-        assert float((got["head_grad"] - ref["head_grad"]).norm() / ref["head_grad"].norm()) <= 1e-10
-        assert _rel(got["params"], ref["params"]) <= 1e-10
+        assert plain_rel_err(got["head_grad"], ref["head_grad"]) <= 1e-10
+        assert max_rel_err(got["params"], ref["params"]) <= 1e-10
         # the head went to fusedloss as the sharded DTensor when it is its own unit, as the root's
         # unsharded parameter otherwise
         assert got["head_is_dtensor"] == (not mode.startswith("root/"))
     # the ranks' losses differ (their own tokens) while their parameters agree (FSDP's averaged step)
     r0, r1 = harness.value(steps, mode, 0), harness.value(steps, mode, 1)
     assert float((r0["loss"] - r1["loss"]).abs()) > 1e-3
-    assert _rel(r0["params"], r1["params"]) == 0.0
+    assert max_rel_err(r0["params"], r1["params"]) == 0.0
 
 
 def test_a_head_gathered_before_the_loss_gets_the_wrong_gradient(steps):
@@ -188,7 +185,7 @@ def test_a_head_gathered_before_the_loss_gets_the_wrong_gradient(steps):
         ref = harness.value(steps, "logprobs_reference", rank)
         bad = harness.value(steps, "full_tensor", rank)
         assert float((bad["loss"] - ref["loss"]).abs()) <= 1e-12 * float(ref["loss"].abs())  # same forward
-        assert float((bad["head_grad"] - ref["head_grad"]).norm() / ref["head_grad"].norm()) > 1e-3
+        assert plain_rel_err(bad["head_grad"], ref["head_grad"]) > 1e-3
 
 
 @pytest.mark.skipif(not _has_trl(), reason="trl (with its trainer utilities) is not installed")
@@ -205,10 +202,10 @@ def test_trl_fused_head_under_fsdp2(steps):
         own = harness.value(steps, "trl/own/root", rank)
         # TRL's kernels return fp32 per-token log-probs whatever the model's dtype (the drop-in keeps that
         # contract), so a float64 model's step agrees to fp32 rounding: 5e-8 (fused), 1e-7 (TRL's) here
-        assert _rel(fused["params"], ref["params"]) <= 1e-6
-        assert _rel(own["params"], ref["params"]) <= 1e-6
+        assert max_rel_err(fused["params"], ref["params"]) <= 1e-6
+        assert max_rel_err(own["params"], ref["params"]) <= 1e-6
         for kernel in ("own", "fused"):
             head = harness.value(steps, f"trl/{kernel}/head", rank)
-            assert float((head["head_grad"] - ref["head_grad"]).norm() / ref["head_grad"].norm()) > 1e-3
-        assert _rel(harness.value(steps, "trl/fused/head", rank)["params"],
+            assert plain_rel_err(head["head_grad"], ref["head_grad"]) > 1e-3
+        assert max_rel_err(harness.value(steps, "trl/fused/head", rank)["params"],
                     harness.value(steps, "trl/own/head", rank)["params"]) <= 1e-6

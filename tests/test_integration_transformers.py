@@ -9,7 +9,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from conftest import assert_each_close, param_grads  # noqa: E402
+from _errors import assert_each_close  # noqa: E402
+from conftest import param_grads  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     CohereConfig,

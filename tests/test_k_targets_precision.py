@@ -27,7 +27,8 @@ import math
 import oracle
 import pytest
 import torch
-from conftest import FP32_TOL, fp64_tol, rel_err
+from _errors import rel_err
+from conftest import FP32_TOL, fp64_tol
 
 import fusedloss
 from fusedloss import reference
@@ -66,13 +67,6 @@ def grads(out, tensors):
     return torch.autograd.grad(out, [t for t in tensors if t is not None])
 
 
-def oracle_logprobs(h, w, b, ids, *, transform=None):
-    """float64 log q at ids (0 where -100) through the stable log-softmax, differentiable."""
-    logq = oracle.log_softmax(oracle.logits(h, w, b, **(transform or {})))
-    valid = ids != -100
-    return torch.where(valid, logq.gather(1, ids.clamp(min=0)), 0.0)
-
-
 def naive_logprobs(h, w, b, ids):
     """The naive fp32 path: fp32 logits, torch.log_softmax."""
     return torch.where(ids != -100, torch.log_softmax(h @ w.T + b, -1).gather(1, ids.clamp(min=0)), 0.0)
@@ -93,7 +87,7 @@ def test_float64_k_log_probs_keep_the_digits_of_confident_rows(any_engine, trans
     want_in = leaves((h, w, b), F64, "cpu")
     got, entropy = fusedloss.token_logprobs(*got_in[:2], ids.to(device), bias=got_in[2], return_entropy=True,
                                             backend=backend, **(transform or {}))
-    want = oracle_logprobs(*want_in, ids, transform=transform)
+    want = oracle.target_logprobs(*want_in, ids, transform=transform)
     tol = fp64_tol(backend)
     confident = ids[:, 0] >= 0
     # each confident entry on its own (log q from -1e-2 to -1e-13): a norm over the row would hide them
@@ -130,7 +124,7 @@ def test_float32_k_log_probs_and_gradients_on_confident_rows(any_engine):
     want_in = leaves((h, w, b), F64, "cpu")
     naive_in = leaves((h, w, b), torch.float32, "cpu")
     got = fusedloss.token_logprobs(*got_in[:2], ids.to(device), bias=got_in[2], backend=backend)
-    want = oracle_logprobs(*want_in, ids)
+    want = oracle.target_logprobs(*want_in, ids)
     naive = naive_logprobs(*naive_in, ids)
     for i in range(len(GAPS[:6])):
         bound = max(FP32_TOL, 4 * rel_err(naive[i, 0], want[i, 0]))
@@ -217,7 +211,7 @@ def sparse_loss(h, w, ids, served, dtype, device, backend=None):
                                                                             else torch.float32),
                                                   beta=0.0, reduction="sum", backend=backend)
     elif dtype == F64:
-        loss = tail_forward_kl(oracle_logprobs(*x, None, ids), served)
+        loss = tail_forward_kl(oracle.target_logprobs(*x, None, ids), served)
     else:  # the naive same-dtype path: logits in dtype, fp32 log-softmax and loss (TRL's code)
         lp = torch.log_softmax((x[0] @ x[1].T).float(), -1).gather(1, ids)
         loss = tail_forward_kl(lp, served.float())

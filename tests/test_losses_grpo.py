@@ -24,9 +24,10 @@ import torch
 
 pytest.importorskip("trl")
 
+from _errors import rel_err  # noqa: E402
 from _harness import compare  # noqa: E402
 from _trl_oracle import trl_grpo  # noqa: E402
-from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, make_head, rel_err  # noqa: E402
+from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, make_head  # noqa: E402
 
 import fusedloss  # noqa: E402
 from fusedloss import reference  # noqa: E402

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _errors import rel_err
 from _harness import compare
-from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol, rel_err
+from conftest import BACKENDS, FP32_TOL, device_for, fp64_tol
 
 import fusedloss
 from fusedloss import reference

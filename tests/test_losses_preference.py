@@ -13,9 +13,10 @@ import torch
 
 pytest.importorskip("trl")
 
+from _errors import rel_err  # noqa: E402
 from _harness import compare  # noqa: E402
 from _trl_oracle import trl_cpo, trl_kto, trl_orpo  # noqa: E402
-from conftest import FP32_TOL, fp64_tol, make_head, rel_err  # noqa: E402
+from conftest import FP32_TOL, fp64_tol, make_head  # noqa: E402
 from test_losses_grpo import ALL_BACKENDS, _backend  # noqa: E402
 
 import fusedloss  # noqa: E402

@@ -15,8 +15,9 @@ import types
 
 import pytest
 import torch
+from _errors import rel_err
 from _trl_oracle import float64_default, head_logits
-from conftest import FP32_TOL, fp64_tol, make_head, rel_err
+from conftest import FP32_TOL, fp64_tol, make_head
 
 import fusedloss
 from fusedloss import reference

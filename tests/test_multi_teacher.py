@@ -15,7 +15,7 @@ import _distributed_harness as harness
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import rel_err
+from _errors import rel_err
 
 import fusedloss
 from fusedloss import Teacher, reference

@@ -18,7 +18,8 @@ import math
 
 import pytest
 import torch
-from conftest import make_head, make_teacher, rel_err
+from _errors import rel_err
+from conftest import make_head, make_teacher
 from test_confident_rows import confident_inputs
 
 import fusedloss

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 pytest.importorskip("transformers")
 
-from conftest import assert_each_close, param_grads  # noqa: E402
+from _errors import assert_each_close, plain_rel_err  # noqa: E402
+from conftest import param_grads  # noqa: E402
 from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     Gemma2Config,
@@ -66,10 +67,6 @@ def hf_formula(logits, labels, num_items_in_batch=None, shift_labels=None):
     return loss if num_items_in_batch is None else loss / num_items_in_batch
 
 
-def rel(a, b):
-    return ((a - b).abs() / b.abs()).item()
-
-
 @pytest.mark.parametrize("name", ["llama", "qwen2-tied", "gemma2-softcap"])
 @pytest.mark.parametrize("num_items", [None, 17, "tensor"])
 def test_loss_and_every_gradient_match_float64(name, num_items):
@@ -85,7 +82,7 @@ def test_loss_and_every_gradient_match_float64(name, num_items):
     out = model(input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
     assert out.logits is None and "logits" not in out.keys()
     assert out.loss.dtype == torch.float64
-    assert rel(out.loss, ref_loss) < 1e-10
+    assert plain_rel_err(out.loss, ref_loss) < 1e-10
     got = param_grads(model, out.loss)
     assert_each_close(got, ref, 1e-10)
     if name == "qwen2-tied":  # the head is the embedding: one parameter collects both gradients
@@ -115,15 +112,15 @@ def test_shift_labels_positional_labels_and_tuple_output():
     shift[2, 4] = -100  # not derivable from labels: shift_labels must be used as given
     fl_hf.patch(model, backend="torch")
     out = model(input_ids, attention_mask=attention_mask, labels=labels, shift_labels=shift)
-    assert rel(out.loss, hf_formula(logits, labels, shift_labels=shift)) < 1e-10
+    assert plain_rel_err(out.loss, hf_formula(logits, labels, shift_labels=shift)) < 1e-10
     # labels passed positionally: LlamaForCausalLM.forward(input_ids, attention_mask, position_ids, cache,
     # inputs_embeds, labels, ...)
     out = model(input_ids, attention_mask, None, None, None, labels)
-    assert out.logits is None and rel(out.loss, hf_formula(logits, labels)) < 1e-10
+    assert out.logits is None and plain_rel_err(out.loss, hf_formula(logits, labels)) < 1e-10
     tup = model(input_ids, attention_mask=attention_mask, labels=labels, return_dict=False)
     assert isinstance(tup, tuple) and tup[0].dim() == 0 and all(t is None or t.shape[-1] != 0 for t in tup[1:]
                                                                 if isinstance(t, torch.Tensor))
-    assert rel(tup[0], hf_formula(logits, labels)) < 1e-10
+    assert plain_rel_err(tup[0], hf_formula(logits, labels)) < 1e-10
 
 
 def test_logits_to_keep_scores_the_kept_positions():
@@ -133,10 +130,10 @@ def test_logits_to_keep_scores_the_kept_positions():
     shift = F.pad(labels, (0, 1), value=-100)[..., 1:]
     fl_hf.patch(model, backend="torch")
     out = model(input_ids, attention_mask=attention_mask, labels=labels, logits_to_keep=5)
-    assert rel(out.loss, hf_formula(logits[:, -5:], None, shift_labels=shift[:, -5:])) < 1e-10
+    assert plain_rel_err(out.loss, hf_formula(logits[:, -5:], None, shift_labels=shift[:, -5:])) < 1e-10
     keep = torch.tensor([0, 2, 3, 7])
     out = model(input_ids, attention_mask=attention_mask, labels=labels, logits_to_keep=keep)
-    assert rel(out.loss, hf_formula(logits[:, keep], None, shift_labels=shift[:, keep])) < 1e-10
+    assert plain_rel_err(out.loss, hf_formula(logits[:, keep], None, shift_labels=shift[:, keep])) < 1e-10
 
 
 def test_generation_is_unchanged_and_unpatch_restores():
@@ -157,7 +154,7 @@ def test_generation_is_unchanged_and_unpatch_restores():
     out = model(input_ids, attention_mask=attention_mask, labels=labels)
     assert out.logits is not None and torch.equal(out.logits, logits)
     assert out.loss.dtype == torch.float32  # transformers' own loss is back (it upcasts logits to float32)
-    assert rel(out.loss.double(), hf_formula(logits, labels)) < 1e-6
+    assert plain_rel_err(out.loss.double(), hf_formula(logits, labels)) < 1e-6
     assert fl_hf.unpatch(model) is model  # unpatching twice is harmless
 
 
@@ -183,7 +180,7 @@ def test_peft_lora_including_the_head(lora_on_head):
     ref = param_grads(pm, ref_loss)
     assert fl_hf.patch(pm, backend="torch") is pm
     out = pm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert out.logits is None and plain_rel_err(out.loss, ref_loss) < 1e-10
     got = param_grads(pm, out.loss)
     assert any("lora" in n for n in got) and (not lora_on_head or any("lm_head.lora" in n for n in got))
     assert_each_close(got, ref, 1e-10)
@@ -202,7 +199,7 @@ def test_gradient_checkpointing():
     model.config.attention_dropout = 0.0
     fl_hf.patch(model, backend="torch")
     out = model(input_ids, attention_mask=attention_mask, labels=labels)
-    assert rel(out.loss, ref_loss) < 1e-10
+    assert plain_rel_err(out.loss, ref_loss) < 1e-10
     assert_each_close(param_grads(model, out.loss), ref, 1e-10)
 
 
@@ -214,7 +211,7 @@ def test_torch_compile():
     fl_hf.patch(model, backend="torch")
     compiled = torch.compile(model, backend="aot_eager")
     out = compiled(input_ids, attention_mask=attention_mask, labels=labels, num_items_in_batch=19)
-    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert out.logits is None and plain_rel_err(out.loss, ref_loss) < 1e-10
     assert_each_close(param_grads(model, out.loss), ref, 1e-10)
 
 
@@ -229,7 +226,7 @@ def test_moe_router_loss_is_still_added_by_the_model():
     ref_loss = hf_formula(plain.logits, labels) + 0.1 * plain.aux_loss
     fl_hf.patch(model, backend="torch")
     out = model(input_ids, attention_mask=attention_mask, labels=labels)
-    assert out.aux_loss is not None and rel(out.loss, ref_loss) < 1e-10
+    assert out.aux_loss is not None and plain_rel_err(out.loss, ref_loss) < 1e-10
 
 
 def test_refuses_what_it_cannot_patch():
@@ -320,7 +317,7 @@ def test_a_deepcopy_of_a_patched_model_is_patched_and_runs_its_own_parameters():
     for m in (model, twin):
         ref = hf_formula(m(input_ids, attention_mask=attention_mask).logits, labels)
         out = m(input_ids, attention_mask=attention_mask, labels=labels)
-        assert out.logits is None and rel(out.loss, ref) < 1e-10
+        assert out.logits is None and plain_rel_err(out.loss, ref) < 1e-10
     fl_hf.unpatch(twin)
     assert "forward" not in vars(twin) and "forward" in vars(model)
 
@@ -334,7 +331,7 @@ def test_a_replaced_head_is_refused_until_patched_again():
     fl_hf.patch(model, backend="torch")
     logits = model(input_ids, attention_mask=attention_mask).logits
     out = model(input_ids, attention_mask=attention_mask, labels=labels)
-    assert out.logits is None and rel(out.loss, hf_formula(logits, labels)) < 1e-10
+    assert out.logits is None and plain_rel_err(out.loss, hf_formula(logits, labels)) < 1e-10
 
 
 @pytest.mark.parametrize("mixed_precision", ["no", "bf16"])
@@ -365,7 +362,7 @@ def test_accelerate_loop(mixed_precision):
         for when in ("before", "after"):
             loss, grads = step(when)
             tol = 1e-5 if mixed_precision == "no" else 1e-3  # bf16 autocast: the reference rounds its logits to bf16
-            assert rel(loss, ref_loss) < tol, rel(loss, ref_loss)
+            assert plain_rel_err(loss, ref_loss) < tol, plain_rel_err(loss, ref_loss)
             assert_each_close(grads, ref_grads, 10 * tol)
     finally:
         AcceleratorState._reset_state(reset_partial_state=True)
@@ -455,7 +452,7 @@ def test_the_transform_the_model_applies_is_the_one_used(field, value, transform
     ref = param_grads(model, ref_loss)
     fl_hf.patch(model, backend="torch")
     out = model(input_ids, attention_mask=attention_mask, labels=labels)
-    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert out.logits is None and plain_rel_err(out.loss, ref_loss) < 1e-10
     assert_each_close(param_grads(model, out.loss), ref, 1e-10)
 
 
@@ -470,7 +467,7 @@ def test_a_vocabulary_cut_becomes_vocab_size():
     ref_loss = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels)
     fl_hf.patch(model, backend="torch")
     out = model(input_ids, attention_mask=attention_mask, labels=labels)
-    assert rel(out.loss, ref_loss) < 1e-10
+    assert plain_rel_err(out.loss, ref_loss) < 1e-10
     assert fl_hf.lm_head(model).vocab_size == V - 7
 
 
@@ -582,7 +579,7 @@ def test_a_patched_model_saved_whole_loads_patched_and_exact(tmp_path):
         ref_loss = hf_formula(loaded(input_ids, attention_mask=attention_mask).logits, labels)
         ref = param_grads(loaded, ref_loss)
         out = loaded(input_ids, attention_mask=attention_mask, labels=labels)
-        assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+        assert out.logits is None and plain_rel_err(out.loss, ref_loss) < 1e-10
         assert_each_close(param_grads(loaded, out.loss), ref, 1e-10)
         fl_hf.unpatch(loaded)
         assert not {"forward", "_loss_function", "_fusedloss_patch"} & set(vars(loaded))
@@ -649,8 +646,8 @@ def test_threads_calling_one_patched_model_get_the_single_thread_results(name):
             assert torch.equal(loss, ref_loss), (i, j, loss, ref_loss)
             assert all(torch.equal(g, r) for g, r in zip(grads, ref_grads)), (i, j)
     with torch.no_grad():  # and against the model's own loss
-        assert rel(alone[0][0][0], hf_formula(model(*batches[0][0][:1], attention_mask=batches[0][0][1]).logits,
-                                              batches[0][0][2])) < 1e-10
+        logits = model(*batches[0][0][:1], attention_mask=batches[0][0][1]).logits
+        assert plain_rel_err(alone[0][0][0], hf_formula(logits, batches[0][0][2])) < 1e-10
 
 
 def test_threads_calling_the_helpers_on_one_model_get_the_single_thread_results():
@@ -753,14 +750,14 @@ def test_peft_heads_for_added_tokens(name, recipe):
     assert trained and all(ref[n].norm() > 0 for n in trained)
     fl_hf.patch(pm, backend="torch")
     out = pm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert out.logits is None and plain_rel_err(out.loss, ref_loss) < 1e-10
     assert_each_close(param_grads(pm, out.loss), ref, 1e-10)
     with pm.disable_adapter():
         fl_hf.unpatch(pm)
         off = hf_formula(pm(input_ids=input_ids, attention_mask=attention_mask).logits, labels)
         fl_hf.patch(pm, backend="torch")
         got = pm(input_ids=input_ids, attention_mask=attention_mask, labels=labels).loss
-    assert rel(got, off) < 1e-10 and rel(off, ref_loss) > 1e-6
+    assert plain_rel_err(got, off) < 1e-10 and plain_rel_err(off, ref_loss) > 1e-6
 
 
 def test_a_lora_on_the_head_added_after_patch_names_the_fix():
@@ -778,7 +775,7 @@ def test_a_lora_on_the_head_added_after_patch_names_the_fix():
     ref = param_grads(pm, ref_loss)
     fl_hf.patch(pm, backend="torch")
     out = pm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
-    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert out.logits is None and plain_rel_err(out.loss, ref_loss) < 1e-10
     assert_each_close(param_grads(pm, out.loss), ref, 1e-10)
 
 
@@ -816,7 +813,7 @@ def test_an_error_raised_in_the_head_reaches_the_caller_as_it_is(where, model_cl
     handle.remove()
     if model_class == "llama":
         ref = hf_formula(model(input_ids, attention_mask=attention_mask).logits, labels)
-        assert rel(model(input_ids, attention_mask=attention_mask, labels=labels).loss, ref) < 1e-10
+        assert plain_rel_err(model(input_ids, attention_mask=attention_mask, labels=labels).loss, ref) < 1e-10
 
 
 class _FakeZero3:
@@ -884,7 +881,7 @@ def test_a_zero3_partitioned_head_is_read_gathered(monkeypatch):
     fl_hf.patch(model, backend="torch")
     out = model(input_ids, attention_mask=attention_mask, labels=labels)
     assert model.lm_head.weight.numel() == 0  # released after the head's forward: the loss gathered it itself
-    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert out.logits is None and plain_rel_err(out.loss, ref_loss) < 1e-10
     got = param_grads(model, out.loss)
     assert_each_close(got, ref, 1e-10)
     checked = []  # the head check reads the gathered weight, not the empty partition
@@ -923,7 +920,7 @@ def test_a_last_turn_only_label_mask_gets_the_models_own_gradients():
     ref = param_grads(pm, ref_loss)
     fl_hf.patch(pm, backend="torch")
     out = pm(input_ids=input_ids, labels=labels)
-    assert out.logits is None and rel(out.loss, ref_loss) < 1e-10
+    assert out.logits is None and plain_rel_err(out.loss, ref_loss) < 1e-10
     got = param_grads(pm, out.loss)
     assert_each_close(got, ref, 1e-10)
     lora = [n for n in got if "lora" in n]

@@ -25,8 +25,9 @@ import math
 import oracle
 import pytest
 import torch
+from _errors import rel_err
 from _harness import NAIVE_FACTOR, compare
-from conftest import FP32_TOL, fp64_tol, make_head, make_teacher, rel_err
+from conftest import FP32_TOL, fp64_tol, make_head, make_teacher
 
 import fusedloss
 from fusedloss import reference

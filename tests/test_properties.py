@@ -36,6 +36,7 @@ from typing import NamedTuple, Optional
 import oracle
 import pytest
 import torch
+from _errors import distance, rel_err_floored
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
@@ -298,28 +299,6 @@ def run_side(fn, inputs: dict, leaves: dict, differentiable: tuple, cot_seed: in
             got = torch.autograd.grad(objective, list(leaves.values()), retain_graph=True, allow_unused=True)
             grads[i] = dict(zip(leaves, got))
     return Side(outputs, grads, finite)
-
-
-def distance(actual, expected) -> tuple:
-    """(||a - e||, ||e||) in float64 over the finite expected entries; (inf, ...) unless the non-finite
-    expected entries are matched exactly (+inf for +inf, NaN for NaN) and the others are finite."""
-    a = actual.detach().to("cpu", F64).reshape(-1)
-    e = expected.detach().to("cpu", F64).reshape(-1)
-    bad = ~torch.isfinite(e)
-    if bool(bad.any()):
-        same = (a[bad] == e[bad]) | (torch.isnan(a[bad]) & torch.isnan(e[bad]))
-        if not bool(same.all()):
-            return math.inf, 0.0
-        a, e = a[~bad], e[~bad]
-    if not bool(torch.isfinite(a).all()):
-        return math.inf, 0.0
-    return float(torch.linalg.vector_norm(a - e)), float(torch.linalg.vector_norm(e))
-
-
-def error(actual, expected, floor: float = 0.0) -> float:
-    """Norm-wise relative error, a norm below ``floor`` counting as ``floor``."""
-    diff, norm = distance(actual, expected)
-    return diff / max(norm, floor, 1e-300) if diff else 0.0
 
 
 class Scales(NamedTuple):
@@ -707,7 +686,7 @@ def test_group_advantages(data):
             continue
         if kind in ("int", "bool"):
             tol = 1e-6  # summed in fp32 (integer rewards are converted to fp32, as a trainer would)
-        err = error(a, e, 1e-300)
+        err = rel_err_floored(a, e, 1e-300)
         if e.numel() and not bool(torch.isfinite(e).all()):
             assert err == 0.0 or err <= tol, (name, opts, a, e)
         assert err <= tol, f"group_advantages {kind} {opts}: {name} error {err:.2e}\n got {a}\nwant {e}"
@@ -776,7 +755,7 @@ def test_autocast_bf16_is_no_worse_than_the_naive_autocast_path(fn, grad_in_forw
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = run(fusedloss, *leaves, backend="torch") if name == "fused" else run(oracle_naive, *leaves)
         grads = torch.autograd.grad(loss, leaves)
-        results[name] = [error(loss, want, 1e-30)] + [error(a, e, 1e-30) for a, e in zip(grads, want_grads)]
+        results[name] = [rel_err_floored(a, e, 1e-30) for a, e in zip((loss, *grads), (want, *want_grads))]
     for what, f, n in zip(("loss", "d hidden", "d weight", "d bias"), results["fused"], results["naive"]):
         assert f <= n + 1e-3, f"{fn} under bf16 autocast: {what} error {f:.2e} > naive {n:.2e}"
 
@@ -829,7 +808,7 @@ def test_compiled_training_step_matches_the_oracle():
     ref_leaves = [t.requires_grad_() for t in (head.hidden.clone(), head.weight.clone(), head.bias.clone())]
     want = step(oracle, *ref_leaves)
     want_grads = torch.autograd.grad(want, ref_leaves)
-    assert error(loss, want, 1e-30) <= 1e-5
+    assert rel_err_floored(loss, want, 1e-30) <= 1e-5
     for name, a, e in zip(("hidden", "weight", "bias"), grads, want_grads):
-        assert error(a, e, 1e-30) <= 1e-5, name
+        assert rel_err_floored(a, e, 1e-30) <= 1e-5, name
     torch._dynamo.reset()

@@ -12,7 +12,8 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import BACKENDS, device_for, make_head, make_teacher, rel_err
+from _errors import rel_err
+from conftest import BACKENDS, device_for, make_head, make_teacher
 
 import fusedloss
 from fusedloss import reference

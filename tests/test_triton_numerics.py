@@ -19,9 +19,11 @@ from __future__ import annotations
 
 import math
 
+import oracle
 import pytest
 import torch
-from conftest import make_head, make_teacher, rel_err
+from _errors import rel_err
+from conftest import make_head, make_teacher
 
 import fusedloss
 from fusedloss.backends import torch as torch_backend
@@ -108,26 +110,6 @@ def test_label_on_a_masked_entry_gives_finite_gradients(dtype, path):
 # Fuzz finding 7 (rule C): the target column keeps its digits for improbable targets too
 
 
-def _exact_row_gradient(z, y, c_logp, c_entropy):
-    """d/dz of c_logp log q_y + c_entropy H for one row of logits ``z``, in 60-digit decimal arithmetic:
-    dz_j = c_logp ([j = y] - q_j) - c_entropy q_j (log q_j + H). (Float64 autograd through log_softmax is no
-    oracle here: log q of the confident column carries the rounding of lse, 1e-15 absolute, 1e-7 relative.)"""
-    from decimal import Decimal, localcontext
-
-    with localcontext() as ctx:
-        ctx.prec = 60
-        zs = [Decimal(float(x)) for x in z]
-        m = max(zs)
-        e = [(x - m).exp() for x in zs]
-        s = sum(e)
-        q = [x / s for x in e]
-        logq = [(x - m) - s.ln() for x in zs]
-        entropy = -sum(qj * lj for qj, lj in zip(q, logq))
-        dz = [Decimal(c_logp) * ((1 if j == y else 0) - q[j]) - Decimal(c_entropy) * q[j] * (logq[j] + entropy)
-              for j in range(len(zs))]
-        return torch.tensor([float(x) for x in dz], dtype=F64)
-
-
 def test_target_column_gradient_keeps_its_digits_float64(path):
     """Fuzzed case #7: q_y = 2e-9 under an entropy term: (a + inner) + inner (q_y - 1) lost q_y inner
     (3.5e-9 relative error of d W before; float64 keeps 1e-15 of it now)."""
@@ -135,7 +117,7 @@ def test_target_column_gradient_keeps_its_digits_float64(path):
     y = torch.tensor([1], device=DEVICE)
     _, entropy = fusedloss.token_logprobs(h, w, y, return_entropy=True, backend="triton")
     entropy.sum().backward()
-    dz = _exact_row_gradient([20.0, 0.0, 1.0], 1, 0.0, 1.0)
+    dz = oracle.row_gradient_decimal([20.0, 0.0, 1.0], 1, 0.0, 1.0)
     assert rel_err(w.grad.cpu(), dz[:, None] * 1.0) <= 1e-13
     assert rel_err(h.grad.cpu(), dz[None, :] @ w.detach().cpu()) <= 1e-13
 
@@ -148,7 +130,7 @@ def test_target_column_gradient_keeps_its_digits_float32_entropy_bonus(path):
     logp, entropy = fusedloss.token_logprobs(h, w, y, return_entropy=True, backend="triton")
     (0.0461 * logp + 0.4024 * entropy).sum().backward()
     z = (h.detach().double() @ w.detach().double().T)[0].cpu()
-    dz = _exact_row_gradient(z.tolist(), 1, 0.0461, 0.4024)
+    dz = oracle.row_gradient_decimal(z.tolist(), 1, 0.0461, 0.4024)
     assert rel_err(w.grad.cpu(), dz[:, None] * float(h[0, 0])) <= 1e-5
     assert rel_err(h.grad.cpu(), dz[None, :] @ w.detach().cpu().double()) <= 1e-5
 
@@ -188,19 +170,6 @@ def test_target_column_gradient_keeps_its_digits_float32_distillation(path):
 # Fuzz finding 4: the backward's logits are the forward's, whichever rows carry gradient
 
 
-def _logprob_gradients_oracle(h, w, y, cot):
-    """d/d(h, w) of sum_i cot_i log q_i(y_i), float64, stable for confident rows: d logp_i / dz_j =
-    [j = y] - q_j with 1 - q_y summed from the other columns instead of subtracting q_y from 1."""
-    z = h @ w.T
-    zy = z.gather(1, y[:, None])
-    others = torch.exp(z - zy).scatter(1, y[:, None], 0.0)
-    q = others / (1.0 + others.sum(1, keepdim=True))  # q_j for j != y, accurately
-    dz = -q
-    dz.scatter_(1, y[:, None], q.sum(1, keepdim=True))
-    dz = dz * cot[:, None]
-    return dz @ w, dz.T @ h
-
-
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_rows_gradient_does_not_depend_on_which_other_rows_carry_gradient(dtype):
     """Fuzzed case #4: rows whose coefficients are zero (a GRPO silent group, masked padding) beside
@@ -228,7 +197,7 @@ def test_a_rows_gradient_does_not_depend_on_which_other_rows_carry_gradient(dtyp
         lp = fusedloss.token_logprobs(hh, ww, y.to(DEVICE), backend="triton")
         (lp * cot.to(DEVICE, lp.dtype)).sum().backward()
         results[name] = (hh.grad, ww.grad)
-        want = _logprob_gradients_oracle(h, w, y, cot)
+        want = oracle.logprob_gradients(h, w, y, cot)
         tol = 1e-12 if dtype == torch.float64 else 1e-5
         assert rel_err(hh.grad[1::2], want[0][1::2]) <= tol, name
         assert rel_err(ww.grad, want[1]) <= tol, name
