@@ -81,7 +81,6 @@ from .plan import (  # noqa: F401 - the plan's public names are the backend's to
     grad_in_forward_rows,
     grid_of,
     plan,
-    small_launches,
     tile_family,
     workload_of,
     workspace_budget,
