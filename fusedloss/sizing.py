@@ -160,7 +160,8 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         hidden_size, vocab_size: D and V, instead of (or overriding) ``config``'s.
         dtype: the operands' dtype: ``"bfloat16"`` (``"bf16"``), ``"float16"`` (``"fp16"``) or ``"float32"``.
         op: the loss as ``fusedloss.core.workload.OPS`` names it: ``"cross_entropy"`` (SFT), ``"grpo"``
-            (token-level GRPO), ``"token_logprobs"``, ``"token_logprobs_entropy"``, ``"grpo_sequence"`` (GSPO) or ``"dpo"``.
+            (token-level GRPO), ``"token_logprobs"``, ``"token_logprobs_entropy"``, ``"grpo_sequence"`` (GSPO) or
+            ``"dpo"``.
         gpu: whose memory sizes fusedloss's default workspace (an eighth of the free memory, bounded; half the
             GPU's memory is taken as free): one of ``fusedloss.core.workload.GPUS``, in any case, or a name that
             contains one ("A100 40GB", "a100-80gb", "NVIDIA H100 80GB HBM3", "L40S", "RTX 4090", "MI300X").

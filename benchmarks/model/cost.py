@@ -54,6 +54,13 @@ class GPUSpec:
         """The balance the package's plans know the GPU by (``fusedloss.core.workload.GPU``)."""
         return self.tflops["bfloat16"] / self.hbm_tbps
 
+    @property
+    def fp32_flops_per_byte(self) -> float:
+        return self.tflops["float32"] / self.hbm_tbps
+
+    def flops_per_byte(self, dtype: str) -> float:
+        return self.half_flops_per_byte if dtype in ("bfloat16", "float16") else self.fp32_flops_per_byte
+
 
 # Every rate below is a named figure with its source. The first device run's per-kernel times (the benchmark's
 # profile of one call) replace them: each is what one kind of kernel is assumed to reach until then.
@@ -128,7 +135,8 @@ GPUS = {
 
 def hardware_of(spec: "GPUSpec") -> Hardware:
     """The package's description of a GPU the model lists (what its plans take)."""
-    return Hardware(spec.name, spec.sm_count, spec.memory_bytes, spec.half_flops_per_byte)
+    return Hardware(spec.name, spec.sm_count, spec.memory_bytes, spec.half_flops_per_byte,
+                    spec.fp32_flops_per_byte)
 
 
 def spec_of(gpu) -> "GPUSpec":

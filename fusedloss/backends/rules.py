@@ -16,32 +16,103 @@ from ..core.workload import GPU, Workload
 # Grad-in-forward (3 products) or composable (4)
 # ------------------------------------------------------------------------------------------------
 
-# Rows a grad-in-forward chunk must have, by operand dtype, for its three products to beat the composable path's
-# four. Each chunk streams the weight again (its logits and d hidden products read [V, D]) and, past the first,
-# accumulates d weight with beta = 1 (8 bytes per entry): against one GEMM-sized product saved that is paid back
-# once a chunk has about as many rows as the GPU does flops per byte of HBM. fp32's products run at a tenth of
-# the half rate, so any chunk pays; fp16's grad-in-forward dx takes two more passes over the chunk (fp32 in
-# place, then pre-scaled into a copy), so it needs twice bf16's rows.
-GRAD_IN_FORWARD_MIN_ROWS = {"bfloat16": 384, "float16": 768, "float32": 1}
+# [V, D] bytes per entry the grad-in-forward path moves beyond the composable path's when d weight is complete in
+# one product: its backward scales the d weight the forward wrote (read and write it: 2 x 2 bytes in bf16); fp16
+# and fp32 write the forward's product in fp32 (fp16: 2 bytes more than its own dtype) and read it back for the
+# scaling (4 + their own bytes). Deferred d weight (bf16) moves none: the backward forms it once.
+D_WEIGHT_EXTRA_BYTES = {"bfloat16": 4, "float16": 8, "float32": 8}
+# [V, D] bytes per entry each further beta = 1 accumulation of the fp32 d weight reads and writes.
+ACCUMULATION_BYTES = 8
+# Bytes per logit fp16's grad-in-forward dx moves beyond the composable path's: it is formed in fp32 in place
+# (4 written) and pre-scaled into an fp16 copy by torch ops (4 read, 2 written, and its maximum's 4 read before):
+# GradScaler's scale is not known in the forward.
+FP16_DX_EXTRA_BYTES = 12
+# What a grad-in-forward chunk's own small kernels cost, as HBM bytes: 20-40 launches of the loss's per-token math
+# and masks (tests/test_cost_model_launches.py counts them) of a few microseconds each, ~100 us, in which an
+# H200 streams ~0.5 GB. Many small chunks lose more to these than a grouped d weight saves.
+CHUNK_OVERHEAD_BYTES = 0.5e9
+# Bytes per logit fp16's grad-in-forward dx moves beyond the composable path's: it is formed in fp32 in place
+# (4 written) and pre-scaled into an fp16 copy by torch ops (4 read, 2 written, and its maximum's 4 read before):
+# GradScaler's scale is not known in the forward.
+FP16_DX_EXTRA_BYTES = 12
 
 
-def cuda_grad_in_forward(w: Workload, gpu: GPU, chunk_rows: int, chunks: int, groups: int, deferred: bool,
+def _product(balance: float, m: float, n: float, k: float, count: float, streamed: float, after: float) -> float:
+    """Flop-equivalents of ``count`` products [m, n] over k: their flops, or the bytes they stream (``streamed``
+    each) where that takes longer, plus the bytes they move after the main loop (``after``: C written, and read
+    for beta = 1), which are not hidden behind the math. Bytes count ``balance`` flops each."""
+    return count * max(2.0 * m * n * k, balance * streamed) + balance * after
+
+
+def _grad_in_forward_cost(w: Workload, balance: float, chunks: int, groups: int, deferred: bool) -> float:
+    """The grad-in-forward path's products and big passes in flop-equivalents: per chunk the logits (and the
+    teacher's) with their fp32 output, per group d hidden and d weight (the first group's d weight written, each
+    later one accumulated with beta = 1), the backward's rescaling of a d weight the forward wrote, fp16's extra dx
+    passes."""
+    n, v, d, b = float(w.n), float(w.v), float(w.d), w.operand_bytes
+    teacher_d = float(w.teacher_d or w.d) if w.has_teacher else 0.0
+    rows, group_rows = n / chunks, n / groups
+    cost = _product(balance, rows, v, d, chunks, v * d * b + rows * d * b, n * v * 4)
+    if teacher_d:
+        cost += _product(balance, rows, v, teacher_d, chunks, v * teacher_d * b + rows * teacher_d * b, n * v * 4)
+    if w.hidden_grad:
+        cost += _product(balance, group_rows, d, v, groups, v * d * b + group_rows * v * b, n * d * 4)
+    if w.weight_grad:
+        accumulated = groups > 1 or w.dtype == "float16"
+        # fp16's accumulator also follows each later chunk's power-of-two scale (read and write it once more)
+        later = ACCUMULATION_BYTES * (groups - 1) * (2 if w.dtype == "float16" else 1)
+        out = v * d * (later + 4) if accumulated else v * d * b
+        cost += _product(balance, v, d, group_rows, groups, group_rows * (v + d) * b, out)
+        if not deferred:
+            cost += balance * v * d * D_WEIGHT_EXTRA_BYTES[w.dtype]
+    if w.dtype == "float16":
+        cost += balance * n * v * FP16_DX_EXTRA_BYTES
+    return cost + balance * CHUNK_OVERHEAD_BYTES * (chunks - 1)
+
+
+def _composable_cost(w: Workload, balance: float, row_chunks: int, vocab_tiles: int) -> float:
+    """The composable path's products in flop-equivalents, as ``_grad_in_forward_cost``: the logits formed twice
+    (forward and backward; a JSD over several tiles twice more), d hidden accumulated over the vocabulary tiles, d
+    weight over the row chunks."""
+    n, v, d, b = float(w.n), float(w.v), float(w.d), w.operand_bytes
+    teacher_d = float(w.teacher_d or w.d) if w.has_teacher else 0.0
+    rows, cols, tiles = n / row_chunks, v / vocab_tiles, row_chunks * vocab_tiles
+    forms = 2 + (2 if w.op == "distill_jsd" and tiles > 1 else 0)
+    cost = forms * _product(balance, rows, cols, d, tiles, cols * d * b + rows * d * b, n * v * 4)
+    if teacher_d:
+        cost += forms * _product(balance, rows, cols, teacher_d, tiles, cols * teacher_d * b + rows * teacher_d * b,
+                                 n * v * 4)
+    if w.hidden_grad:
+        out = n * d * 4 * (2 * vocab_tiles - 1) if vocab_tiles > 1 else n * d * b
+        cost += _product(balance, rows, d, cols, tiles, cols * d * b + rows * cols * b, out)
+    if w.weight_grad:
+        out = v * d * 4 * (2 * row_chunks - 1) if row_chunks > 1 else v * d * b
+        cost += _product(balance, cols, d, rows, tiles, rows * (cols + d) * b, out)
+    return cost
+
+
+def cuda_grad_in_forward(w: Workload, gpu: GPU, chunks: int, groups: int, deferred: bool,
                          tile_row_chunks: int, tile_vocab_tiles: int) -> tuple[bool, str]:
-    """Grad-in-forward when its chunks have ``GRAD_IN_FORWARD_MIN_ROWS`` rows, or hold every row; always for the
-    JSD when the composable tile does not cover the call (its second sweep then forms both heads' logits again:
-    two more products than the grad-in-forward path's one pass over the kept tiles). (whether, why)."""
-    if w.op == "distill_jsd" and tile_row_chunks * tile_vocab_tiles > 1:
-        return True, "the composable JSD would form both heads' logits again"
-    least = min(w.n, GRAD_IN_FORWARD_MIN_ROWS[w.dtype])
-    if chunk_rows >= least:
-        return True, f"grad-in-forward chunks of {chunk_rows} rows (at least {least})"
-    return False, f"grad-in-forward chunks of {chunk_rows} rows, fewer than {least}"
+    """Grad-in-forward where its products cost less than the composable path's, each product weighed at the
+    larger of its flops and the bytes it streams, plus the bytes it writes after its main loop, bytes counted at
+    the GPU's balance of the dtype (``GPU.flops_per_byte``). The grad-in-forward path forms the logits once (the
+    composable path twice; a composable JSD over several tiles four times), but its chunks are as small as the
+    workspace makes them: a chunk below ``balance x bytes / 2`` rows streams the weight for longer than it
+    multiplies, each group beyond the first accumulates d weight once more (beta = 1, ``ACCUMULATION_BYTES``),
+    unless d weight is deferred the backward rescales the [V, D] the forward wrote (``D_WEIGHT_EXTRA_BYTES``),
+    and fp16's dx takes two more passes (``FP16_DX_EXTRA_BYTES``). (whether, why)."""
+    balance = gpu.flops_per_byte(w.dtype)
+    fused = _grad_in_forward_cost(w, balance, chunks, groups, deferred)
+    composable = _composable_cost(w, balance, tile_row_chunks, tile_vocab_tiles)
+    if fused <= composable:
+        return True, f"its products weigh {fused:.3g} flop-equivalents against the composable path's {composable:.3g}"
+    return False, f"the composable path's products weigh {composable:.3g} flop-equivalents against {fused:.3g}"
 
 
 def triton_grad_in_forward(w: Workload, gpu: GPU, chunk_rows: int) -> tuple[bool, str]:
     """The Triton backend's path: grad-in-forward when its chunks have ``GRAD_IN_FORWARD_MIN_ROWS`` rows, or hold
     every row. (whether, why)."""
-    least = min(w.n, GRAD_IN_FORWARD_MIN_ROWS[w.dtype if w.dtype in GRAD_IN_FORWARD_MIN_ROWS else "float32"])
+    least = min(w.n, 384 if w.dtype in ("bfloat16", "float16") else 1)
     if chunk_rows >= least:
         return True, f"grad-in-forward chunks of {chunk_rows} rows (at least {least})"
     return False, f"grad-in-forward chunks of {chunk_rows} rows, fewer than {least}"
@@ -52,24 +123,14 @@ def triton_grad_in_forward(w: Workload, gpu: GPU, chunk_rows: int) -> tuple[bool
 # ------------------------------------------------------------------------------------------------
 
 
-def defer_d_weight(w: Workload, chunks: int) -> bool:
-    """Deferred d weight wherever it applies (bf16, a weight gradient, N rows of dx no larger than [V, D]: the
-    plan offers it only there): the backward then writes d weight once instead of reading, scaling and writing
-    the [V, D] the forward wrote, and the forward's chunks hold only the fp32 tiles."""
-    return True
-
-
-# The fewest rows a grouped shape's chunks keep: below, its extra chunks' small launches and short products cost
-# more than the beta = 1 accumulations of d weight that grouping saves.
-GROUPED_MIN_CHUNK_ROWS = 1024
-
-
-def cuda_groups(w: Workload, chunk_rows: int, chunks: int, candidates: list) -> int:
-    """How many groups of chunks keep their dx together for one d weight product each (0: none, each chunk
-    its own products). ``candidates``: (groups, chunk rows) of the grouped shapes the workspace holds, fewest
-    groups first. The fewest groups whose chunks keep ``GROUPED_MIN_CHUNK_ROWS`` rows: every group fewer saves
-    one beta = 1 accumulation of the fp32 [V, D] d weight (8 bytes per entry)."""
-    for groups, rows in candidates:
-        if rows >= min(w.n, GROUPED_MIN_CHUNK_ROWS):
-            return groups
-    return 0
+def cuda_d_weight_layout(w: Workload, gpu: GPU, layouts: list) -> int:
+    """Which of ``layouts`` the grad-in-forward path takes: ``(chunks, groups, deferred)`` of each shape the
+    workspace allows (per chunk, grouped by each number of groups, deferred d weight), the ungrouped chunks first.
+    The one whose products weigh least (``_grad_in_forward_cost``): fewer groups save beta = 1 accumulations of
+    the fp32 [V, D] d weight, but the dx of a group shares the workspace with the chunk's tiles, so its chunks
+    are smaller and may stream the weight for longer than they multiply; deferring d weight saves the backward's
+    rescaling of it. Ties keep the earlier. Returns the index into ``layouts``."""
+    balance = gpu.flops_per_byte(w.dtype)
+    costs = [(_grad_in_forward_cost(w, balance, chunks, groups, deferred), i)
+             for i, (chunks, groups, deferred) in enumerate(layouts)]
+    return min(costs)[1]

@@ -303,8 +303,8 @@ def _grad_in_forward_shape_of(w: Workload, budget: int, caps: dict, kind: _GradI
 @functools.lru_cache(maxsize=1024)
 def _grad_in_forward_kind(key: tuple, budget: int, caps_items: tuple, gpu_key: tuple,
                           accumulate: bool) -> _GradInForwardKind:
-    """The grad-in-forward shape kind for the workload ``key`` (``_decision_key``: N at its decision rows), by the rules
-    ``rules.defer_d_weight`` and ``rules.cuda_groups``: the plan's cached part, so that calls whose N falls in the
+    """The grad-in-forward shape kind for the workload ``key`` (``_decision_key``: N at its decision rows), by the rule
+    ``rules.cuda_d_weight_layout``: the plan's cached part, so that calls whose N falls in the
     same step of ``decision_rows`` share it."""
     w, caps = _decided(key), dict(caps_items)
     base = _with_packing(w, budget, caps, _grad_in_forward_shape_as, w.dtype == "bfloat16")
@@ -316,11 +316,17 @@ def _grad_in_forward_kind(key: tuple, budget: int, caps_items: tuple, gpu_key: t
             return _GradInForwardKind("grouped")
     if "grad_in_forward_rows" in caps or "group_rows" in caps:  # a cap on the chunks (tests, device checks)
         return _CHUNKS
-    if deferred is not None and rules.defer_d_weight(w, base.row_chunks):
-        return _GradInForwardKind("deferred")
-    groups = rules.cuda_groups(w, base.rows, base.row_chunks,
-                               [(g, shape.rows) for g, shape in _group_candidates(w, budget, caps, base)])
-    return _GradInForwardKind("grouped", groups) if groups else _CHUNKS
+    kinds = [(_CHUNKS, base)] + [(_GradInForwardKind("grouped", g), shape)
+                                 for g, shape in _group_candidates(w, budget, caps, base)]
+    if deferred is not None:
+        kinds.append((_GradInForwardKind("deferred"), deferred))
+    if len(kinds) == 1:
+        return _CHUNKS
+    layouts = []
+    for _, shape in kinds:
+        sizes = _layout_sizes(w.n, shape)
+        layouts.append((sizes.chunks, sizes.groups, shape.deferred))
+    return kinds[rules.cuda_d_weight_layout(w, _gpu_of_key(gpu_key), layouts)][0]
 
 
 def decision_rows(n: int) -> int:
@@ -347,7 +353,7 @@ def _decided(key: tuple) -> Workload:
 
 def _gpu_key(gpu: GPU) -> tuple:
     """A hashable description of a GPU (the package's ``GPU`` or the model's spec of one), for the plan's caches."""
-    return (gpu.name, gpu.sm_count, gpu.memory_bytes, gpu.half_flops_per_byte)
+    return (gpu.name, gpu.sm_count, gpu.memory_bytes, gpu.half_flops_per_byte, gpu.fp32_flops_per_byte)
 
 
 def _gpu_of_key(key: tuple) -> GPU:
@@ -545,8 +551,8 @@ def _path_choice(key: tuple, gpu_key: tuple, budget: int, accumulate: bool, over
     chunk = _grad_in_forward_shape(w, budget, caps, gpu, accumulate)
     tile = _composable_shape(w, budget, caps)
     sizes = _layout_sizes(w.n, chunk)
-    pays, why = rules.cuda_grad_in_forward(w, gpu, chunk.rows, sizes.chunks, sizes.groups, chunk.deferred,
-                                           tile.row_chunks, tile.vocab_tiles)
+    pays, why = rules.cuda_grad_in_forward(w, gpu, sizes.chunks, sizes.groups, chunk.deferred, tile.row_chunks,
+                                           tile.vocab_tiles)
     path = "grad_in_forward" if pays else "composable"
     return _PathChoice(path, f"{path}: {why} (at {w.n} rows, the decision rows of N, of {w.v} at this workspace)")
 
