@@ -58,6 +58,10 @@ class GPUSpec:
     def fp32_flops_per_byte(self) -> float:
         return self.tflops["float32"] / self.hbm_tbps
 
+    @property
+    def tf32_flops_per_byte(self) -> float:
+        return self.tflops["tf32"] / self.hbm_tbps
+
     def flops_per_byte(self, dtype: str) -> float:
         return self.half_flops_per_byte if dtype in ("bfloat16", "float16") else self.fp32_flops_per_byte
 
@@ -136,7 +140,7 @@ GPUS = {
 def hardware_of(spec: "GPUSpec") -> Hardware:
     """The package's description of a GPU the model lists (what its plans take)."""
     return Hardware(spec.name, spec.sm_count, spec.memory_bytes, spec.half_flops_per_byte,
-                    spec.fp32_flops_per_byte)
+                    spec.fp32_flops_per_byte, spec.tf32_flops_per_byte)
 
 
 def spec_of(gpu) -> "GPUSpec":

@@ -109,13 +109,62 @@ def cuda_grad_in_forward(w: Workload, gpu: GPU, chunks: int, groups: int, deferr
     return False, f"the composable path's products weigh {composable:.3g} flop-equivalents against {fused:.3g}"
 
 
-def triton_grad_in_forward(w: Workload, gpu: GPU, chunk_rows: int) -> tuple[bool, str]:
-    """The Triton backend's path: grad-in-forward when its chunks have ``GRAD_IN_FORWARD_MIN_ROWS`` rows, or hold
-    every row. (whether, why)."""
-    least = min(w.n, 384 if w.dtype in ("bfloat16", "float16") else 1)
-    if chunk_rows >= least:
-        return True, f"grad-in-forward chunks of {chunk_rows} rows (at least {least})"
-    return False, f"grad-in-forward chunks of {chunk_rows} rows, fewer than {least}"
+# What a Triton grad-in-forward chunk's own small kernels cost, as HBM bytes: 70-115 launches (the split merge of its
+# statistics, the loss's per-token math, a teacher fold's merge; tests/test_triton_launches.py counts them) of a
+# few microseconds each, ~300 us, in which an H200 streams ~1.2 GB.
+TRITON_CHUNK_OVERHEAD_BYTES = 1.2e9
+# The Triton products' rates relative to each other, by the tiles their kernels compile to (triton/plan.py's
+# tables): a student's lean tile (128 x 128 for bf16/fp16, 128 x 64 for fp32) keeps its wgmma fed from shared
+# memory at about 0.8 (0.7 for fp32's) of the products' peak; a teacher's tile (64 x 64, two products per tile,
+# registers for both) at about 0.58, so a composable distillation's products take ~1.4x (fp32: ~1.2x) as long
+# per flop as the grad-in-forward student's; cuBLAS reaches the peak.
+TRITON_STUDENT_TILE_SHARE = {"half": 0.80, "fp32": 0.70}
+TRITON_TEACHER_TILE_SHARE = 0.58
+
+
+def triton_grad_in_forward(w: Workload, gpu: GPU, chunk_rows: int, backward_rows: int,
+                           backward_cols: int) -> tuple[bool, str]:
+    """The Triton backend's path, weighed as ``cuda_grad_in_forward`` (products at the larger of their flops and
+    their streamed bytes, bytes at the GPU's balance): the composable path forms the logits (both heads') in its
+    forward and again in its backward (a JSD thrice: its second sweep), on the teacher's tile where there is a
+    teacher (``TRITON_TEACHER_TILE_SHARE``); the grad-in-forward path forms the student's once on the student's tile
+    and the teacher's once through cuBLAS, but writes the logits tiles (4 bytes a logit, a head) and reads them
+    back for dx (a teacher fold and a JSD's second sweep read them again), accumulates d weight in fp32 over its
+    chunks and casts it once, and each chunk streams the weight and pays its small kernels
+    (``TRITON_CHUNK_OVERHEAD_BYTES``). The composable backward accumulates d hidden over its vocabulary chunks and
+    d weight over its row chunks (written in its dtype when one row chunk holds every row). (whether, why)."""
+    half = w.dtype in ("bfloat16", "float16")
+    share = TRITON_STUDENT_TILE_SHARE["half" if half else "fp32"]
+    # rates in units of the products' peak on the tensor cores: bf16/fp16, or TF32 thirds for fp32's tf32x3
+    peak_per_byte = gpu.half_flops_per_byte if half else gpu.tf32_flops_per_byte / 3
+    cublas = 1.0 if half else gpu.fp32_flops_per_byte / peak_per_byte  # cuBLAS's fp32 products run without TF32
+    n, v, d, b = float(w.n), float(w.v), float(w.d), w.operand_bytes
+    acc = 8 if w.dtype == "float64" else 4
+    teacher_d = float(w.teacher_d or w.d) if w.has_teacher else 0.0
+    heads = 2 if w.has_teacher else 1
+    chunks = -(-w.n // chunk_rows)
+    rows_r, cols_v = -(-w.n // backward_rows), -(-w.v // backward_cols)
+
+    def product(flops, rate, streamed):  # time in peak flops: flops at ``rate`` of the peak, or the stream
+        return max(flops / rate, peak_per_byte * streamed)
+
+    tile = TRITON_TEACHER_TILE_SHARE if w.has_teacher else share
+    forms = 2 + (1 if w.op == "distill_jsd" else 0)
+    composable = forms * product(2 * n * v * (d + teacher_d), tile, v * (d + teacher_d) * b)
+    fused = chunks * product(2 * n / chunks * v * d, share, v * d * b)
+    if w.has_teacher:
+        fused += chunks * product(2 * n / chunks * v * teacher_d, cublas, v * teacher_d * b)
+        fused += peak_per_byte * n * v * acc * (4 if w.op == "distill_jsd" else 2)  # the fold (and second sweep)
+    fused += peak_per_byte * (2 * n * v * acc * heads + TRITON_CHUNK_OVERHEAD_BYTES * (chunks - 1))
+    if w.weight_grad:
+        fused += peak_per_byte * v * d * (acc * (2 * chunks - 1) + acc + b)
+        composable += peak_per_byte * v * d * ((acc * (2 * rows_r - 1) + acc + b) if rows_r > 1 else b)
+    if w.hidden_grad:
+        fused += peak_per_byte * n * d * acc
+        composable += peak_per_byte * n * d * acc * (2 * cols_v - 1)
+    if fused <= composable:
+        return True, f"its passes weigh {fused:.3g} peak flop-equivalents, the composable path's {composable:.3g}"
+    return False, f"the composable path's passes weigh {composable:.3g} peak flop-equivalents against {fused:.3g}"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -132,42 +132,43 @@ class PlanChoice:
 @dataclass(frozen=True)
 class GPU:
     """What a plan needs to know of a GPU: its name, its SMs (the waves a grid fills), its memory (the
-    workspace policy's default), and ``half_flops_per_byte`` / ``fp32_flops_per_byte``: its dense bf16/fp16 and
-    fp32 product rates over the bandwidth a streaming kernel reaches, the balance points that say how many flops
-    of products one byte of HBM traffic is worth (how many tile steps streaming the weight once costs, the Triton
-    forward's grid, ``triton/plan.py::weight_stream_steps``; what a grad-in-forward chunk's extra traffic costs
-    against the product it saves, ``backends/rules.py``). The performance model's
-    rates (``benchmarks/model/cost.py::GPUS``) are the sources of these figures; a test there checks that the
-    two tables agree."""
+    workspace policy's default), and ``half_flops_per_byte`` / ``fp32_flops_per_byte`` / ``tf32_flops_per_byte``:
+    its dense bf16/fp16, fp32 and TF32 product rates over the bandwidth a streaming kernel reaches, the balance
+    points that say how many flops of products one byte of HBM traffic is worth (how many tile steps streaming
+    the weight once costs, the Triton forward's grid, ``triton/plan.py::weight_stream_steps``; what a
+    grad-in-forward chunk's extra traffic costs against the product it saves, ``backends/rules.py``). The
+    performance model's rates (``benchmarks/model/cost.py::GPUS``) are the sources of these figures;
+    ``tests/test_model_plan_rules.py`` checks that the two tables agree."""
 
     name: str
     sm_count: int
     memory_bytes: int
     half_flops_per_byte: float
     fp32_flops_per_byte: float
+    tf32_flops_per_byte: float
 
     def flops_per_byte(self, dtype: str) -> float:
         """The balance of products of ``dtype`` operands (fp32 and float64 at the fp32 figure)."""
         return self.half_flops_per_byte if dtype in ("bfloat16", "float16") else self.fp32_flops_per_byte
 
 
-# Datasheet figures (SMs or compute units, memory) and the balances of the model's rates: bf16 and fp32 TFLOP/s over
-# the effective TB/s (benchmarks/model/cost.py, where each rate's source is given).
+# Datasheet figures (SMs or compute units, memory) and the balances of the model's rates: bf16, fp32 and TF32
+# TFLOP/s over the effective TB/s (benchmarks/model/cost.py, where each rate's source is given).
 GPUS = {
-    "h200": GPU("H200", 132, 141 * 10**9, 790.0 / 4.0, 60.0 / 4.0),
-    "h100": GPU("H100", 132, 80 * 10**9, 760.0 / 3.0, 60.0 / 3.0),
-    "a100": GPU("A100", 108, 80 * 10**9, 280.0 / 1.7, 19.5 / 1.7),
-    "a100-40gb": GPU("A100 40GB", 108, 40 * 10**9, 280.0 / 1.32, 19.5 / 1.32),
-    "l40s": GPU("L40S", 142, 48 * 10**9, 362.0 / 0.73, 91.6 / 0.73),
-    "rtx4090": GPU("RTX 4090", 128, 24 * 10**9, 165.2 / 0.86, 82.6 / 0.86),
-    "b200": GPU("B200", 148, 180 * 10**9, 2000.0 / 7.0, 75.0 / 7.0),
-    "gb200": GPU("GB200", 148, 186 * 10**9, 2500.0 / 6.8, 80.0 / 6.8),
-    "b300": GPU("B300", 160, 288 * 10**9, 2250.0 / 6.8, 75.0 / 6.8),
-    "rtx5090": GPU("RTX 5090", 170, 32 * 10**9, 209.5 / 1.52, 104.8 / 1.52),
-    "rtx-pro-6000": GPU("RTX PRO 6000 Blackwell", 188, 96 * 10**9, 503.8 / 1.52, 126.0 / 1.52),
-    "mi300x": GPU("MI300X", 304, 192 * 10**9, 1307.4 / 4.5, 163.4 / 4.5),
-    "mi325x": GPU("MI325X", 304, 256 * 10**9, 1307.4 / 5.1, 163.4 / 5.1),
-    "mi355x": GPU("MI355X", 256, 288 * 10**9, 2516.6 / 6.8, 157.3 / 6.8),
+    "h200": GPU("H200", 132, 141 * 10**9, 790.0 / 4.0, 60.0 / 4.0, 395.0 / 4.0),
+    "h100": GPU("H100", 132, 80 * 10**9, 760.0 / 3.0, 60.0 / 3.0, 380.0 / 3.0),
+    "a100": GPU("A100", 108, 80 * 10**9, 280.0 / 1.7, 19.5 / 1.7, 140.0 / 1.7),
+    "a100-40gb": GPU("A100 40GB", 108, 40 * 10**9, 280.0 / 1.32, 19.5 / 1.32, 140.0 / 1.32),
+    "l40s": GPU("L40S", 142, 48 * 10**9, 362.0 / 0.73, 91.6 / 0.73, 183.0 / 0.73),
+    "rtx4090": GPU("RTX 4090", 128, 24 * 10**9, 165.2 / 0.86, 82.6 / 0.86, 82.6 / 0.86),
+    "b200": GPU("B200", 148, 180 * 10**9, 2000.0 / 7.0, 75.0 / 7.0, 1000.0 / 7.0),
+    "gb200": GPU("GB200", 148, 186 * 10**9, 2500.0 / 6.8, 80.0 / 6.8, 1250.0 / 6.8),
+    "b300": GPU("B300", 160, 288 * 10**9, 2250.0 / 6.8, 75.0 / 6.8, 1125.0 / 6.8),
+    "rtx5090": GPU("RTX 5090", 170, 32 * 10**9, 209.5 / 1.52, 104.8 / 1.52, 104.8 / 1.52),
+    "rtx-pro-6000": GPU("RTX PRO 6000 Blackwell", 188, 96 * 10**9, 503.8 / 1.52, 126.0 / 1.52, 251.9 / 1.52),
+    "mi300x": GPU("MI300X", 304, 192 * 10**9, 1307.4 / 4.5, 163.4 / 4.5, 653.7 / 4.5),
+    "mi325x": GPU("MI325X", 304, 256 * 10**9, 1307.4 / 5.1, 163.4 / 5.1, 653.7 / 5.1),
+    "mi355x": GPU("MI355X", 256, 288 * 10**9, 2516.6 / 6.8, 157.3 / 6.8, 157.3 / 6.8),
 }
 
 
@@ -215,4 +216,4 @@ def gpu_for_device(name: str, capability: tuple, sm_count: int, memory_bytes: in
                    or ("a100" if major < 9 else "b200"))
     spec = GPUS[key]
     return GPU(spec.name, int(sm_count) or spec.sm_count, int(memory_bytes) or spec.memory_bytes,
-               spec.half_flops_per_byte, spec.fp32_flops_per_byte)
+               spec.half_flops_per_byte, spec.fp32_flops_per_byte, spec.tf32_flops_per_byte)

@@ -353,7 +353,8 @@ def _decided(key: tuple) -> Workload:
 
 def _gpu_key(gpu: GPU) -> tuple:
     """A hashable description of a GPU (the package's ``GPU`` or the model's spec of one), for the plan's caches."""
-    return (gpu.name, gpu.sm_count, gpu.memory_bytes, gpu.half_flops_per_byte, gpu.fp32_flops_per_byte)
+    return (gpu.name, gpu.sm_count, gpu.memory_bytes, gpu.half_flops_per_byte, gpu.fp32_flops_per_byte,
+            gpu.tf32_flops_per_byte)
 
 
 def _gpu_of_key(key: tuple) -> GPU:

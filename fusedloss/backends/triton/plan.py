@@ -386,7 +386,8 @@ def plan(workload: Workload, gpu: GPU, free_bytes: Optional[int] = None, *,
         if workload.row_local and grads:
             rows = grad_in_forward_rows(workload.n, workload.v, workload.dtype, workload.has_teacher, budget,
                                         grad_in_forward_cfg)
-            pays, why = rules.triton_grad_in_forward(workload, gpu, rows)
+            pays, why = rules.triton_grad_in_forward(workload, gpu, rows, *backward_chunks(
+                workload.n, workload.v, workload.d, workload.dtype, budget, cfg))
             path = "grad_in_forward" if pays else "composable"
             reason = f"{path}: {why}"
     if path == "grad_in_forward":
