@@ -109,10 +109,10 @@ def cuda_grad_in_forward(w: Workload, gpu: GPU, chunks: int, groups: int, deferr
     return False, f"the composable path's products weigh {composable:.3g} flop-equivalents against {fused:.3g}"
 
 
-# What a Triton grad-in-forward chunk's own small kernels cost, as HBM bytes: 70-115 launches (the split merge of its
-# statistics, the loss's per-token math, a teacher fold's merge; tests/test_triton_launches.py counts them) of a
-# few microseconds each, ~300 us, in which an H200 streams ~1.2 GB.
-TRITON_CHUNK_OVERHEAD_BYTES = 1.2e9
+# What a Triton grad-in-forward chunk's own small kernels cost beyond the composable path's, as HBM bytes: ~20
+# launches of the loss's per-token math and masks, ~60 with a teacher (its fold's merge; tests/test_triton_launches.py
+# counts them), of a few microseconds each: ~60 and ~180 us, in which an H200 streams ~0.25 and ~0.75 GB.
+TRITON_CHUNK_OVERHEAD_BYTES = {"student": 0.25e9, "teacher": 0.75e9}
 # The Triton products' rates relative to each other, by the tiles their kernels compile to (triton/plan.py's
 # tables): a student's lean tile (128 x 128 for bf16/fp16, 128 x 64 for fp32) keeps its wgmma fed from shared
 # memory at about 0.8 (0.7 for fp32's) of the products' peak; a teacher's tile (64 x 64, two products per tile,
@@ -155,10 +155,11 @@ def triton_grad_in_forward(w: Workload, gpu: GPU, chunk_rows: int, backward_rows
     if w.has_teacher:
         fused += chunks * product(2 * n / chunks * v * teacher_d, cublas, v * teacher_d * b)
         fused += peak_per_byte * n * v * acc * (4 if w.op == "distill_jsd" else 2)  # the fold (and second sweep)
-    fused += peak_per_byte * (2 * n * v * acc * heads + TRITON_CHUNK_OVERHEAD_BYTES * (chunks - 1))
+    overhead = TRITON_CHUNK_OVERHEAD_BYTES["teacher" if w.has_teacher else "student"]
+    fused += peak_per_byte * (2 * n * v * acc * heads + overhead * chunks)
     if w.weight_grad:
-        fused += peak_per_byte * v * d * (acc * (2 * chunks - 1) + acc + b)
-        composable += peak_per_byte * v * d * ((acc * (2 * rows_r - 1) + acc + b) if rows_r > 1 else b)
+        fused += peak_per_byte * v * d * acc * (2 * chunks - 1)
+        composable += peak_per_byte * v * d * (acc * (2 * rows_r - 1) if rows_r > 1 else b)
     if w.hidden_grad:
         fused += peak_per_byte * n * d * acc
         composable += peak_per_byte * n * d * acc * (2 * cols_v - 1)
