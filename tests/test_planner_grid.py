@@ -19,10 +19,12 @@ import warnings
 
 import pytest
 
+from benchmarks.model import cost
+from benchmarks.model import cuda as cuda_model
+from benchmarks.model import triton as triton_model
 from fusedloss.backends import gpu as gpu_glue
 from fusedloss.backends.cuda import plan as cuda
 from fusedloss.backends.triton import backend as tb
-from fusedloss.core import cost
 
 OPS = tuple(cost.OPS)
 GPUS = tuple(cost.GPUS)
@@ -81,7 +83,7 @@ def _check_priced(plan: cost.Plan, w: cost.Workload, gpu: cost.GPUSpec, where) -
 def test_triton_plans_every_shape(strict_pricing):
     for n, op, v, d, dtype, name, workspace_mb in _samples(24, seed=1):
         w, gpu = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype), cost.GPUS[name]
-        plan = tb.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace_mb=workspace_mb)
+        plan = triton_model.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace_mb=workspace_mb)
         _check_priced(plan, w, gpu, (n, op, v, d, dtype, name, workspace_mb))
 
 
@@ -89,7 +91,7 @@ def test_cuda_plans_every_shape(strict_pricing):
     for n, op, v, d, dtype, name, workspace_mb in _samples(24, seed=2):
         w, gpu = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype), cost.GPUS[name]
         workspace = None if workspace_mb is None else workspace_mb << 20
-        plan = cuda.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace=workspace)
+        plan = cuda_model.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace=workspace)
         where = (n, op, v, d, dtype, name, workspace_mb)
         _check_priced(plan, w, gpu, where)
         if plan.path == "grad_in_forward":  # the chunks the run-time code cuts cover the rows, within the workspace
@@ -157,19 +159,19 @@ def test_a_plan_the_model_cannot_price_still_runs(planner, monkeypatch):
     try:
         if planner == "cuda":
             with pytest.warns(RuntimeWarning, match="could not price .*KeyError"):
-                plan = cuda.plan(w, gpu, 139 << 30)
+                plan = cuda_model.plan(w, gpu, 139 << 30)
             shape = cuda._grad_in_forward_shape(w, plan.params["workspace_bytes"], {}, gpu, True)
             assert plan.path == "grad_in_forward" and shape.group_rows == 0 and not shape.deferred  # the plain chunks
             assert shape.rows * shape.ld * cuda._bytes_per_element(w, shape.packed) <= 4 << 30
             assert "could not price" in plan.params["reason"]
             with pytest.warns(RuntimeWarning):  # 256 KiB hold one row of 152064 columns: composable
-                assert cuda.plan(small, gpu, workspace=256 << 10).path == "composable"
+                assert cuda_model.plan(small, gpu, workspace=256 << 10).path == "composable"
         else:
             with pytest.warns(RuntimeWarning, match="could not price .*KeyError"):
-                plan = tb.plan(w, gpu, 139 << 30)
+                plan = triton_model.plan(w, gpu, 139 << 30)
             assert plan.path == "grad_in_forward" and plan.params["grad_in_forward_rows"] >= 128
             with pytest.warns(RuntimeWarning):
-                assert tb.plan(small, gpu, workspace_mb=1).path == "composable"
+                assert triton_model.plan(small, gpu, workspace_mb=1).path == "composable"
     finally:
         cuda._path_choice.cache_clear()
         cuda._grad_in_forward_kind.cache_clear()
@@ -247,7 +249,7 @@ def test_the_plan_cache_hits_under_varying_sequence_lengths():
             path = cuda._choose_path(w, gpu, budget, True).path
             shape = cuda._grad_in_forward_shape(w, budget, {}, gpu, True) if path == "grad_in_forward" else None
             if i % 100 == 0:
-                plan = cuda.plan(w, gpu, workspace=budget)
+                plan = cuda_model.plan(w, gpu, workspace=budget)
                 assert plan.path == path
                 if shape is not None:
                     assert (plan.params["grad_in_forward_rows"], plan.params["chunks"]) == (shape.rows,
@@ -270,6 +272,6 @@ def test_planning_time_does_not_grow_with_n():
         for op in ("cross_entropy", "distill_jsd"):
             w = cost.Workload(op=op, n=n, d=8192, v=256000)
             start = time.perf_counter()
-            cost.evaluate(cuda.plan(w, gpu, gpu.memory_bytes // 2), w, gpu)
-            cost.evaluate(tb.plan(w, gpu), w, gpu)
+            cost.evaluate(cuda_model.plan(w, gpu, gpu.memory_bytes // 2), w, gpu)
+            cost.evaluate(triton_model.plan(w, gpu), w, gpu)
             assert time.perf_counter() - start < 1.0, (op, n)

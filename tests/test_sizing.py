@@ -8,9 +8,9 @@ import json
 import pytest
 
 import fusedloss
+from benchmarks.model import cost
 from fusedloss.__main__ import main
 from fusedloss.backends.cuda import backend as cuda_backend
-from fusedloss.core import cost
 
 GiB, MiB = 2**30, 2**20
 QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "vocab_size": 152064}

@@ -20,8 +20,9 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from benchmarks.model import cost
+from benchmarks.model import triton as triton_model
 from fusedloss.backends import gpu
-from fusedloss.core import cost
 from fusedloss.core.problem import LogitTransform, StatsProblem
 
 tb = pytest.importorskip("fusedloss.backends.triton.backend")
@@ -39,7 +40,7 @@ ACCEPTANCE = dict(n=16384, d=4096, v=151936, dtype="bfloat16")
                                 "distill_reverse_kl"])
 def test_modelled_time_within_1_3x_of_the_product_bound(op):
     w = cost.Workload(op=op, teacher_d=4096 if op.startswith("distill") else None, **ACCEPTANCE)
-    plan = tb.plan(w, H200)
+    plan = triton_model.plan(w, H200)
     estimate = cost.evaluate(plan, w, H200)
     # the grad-in-forward lean forward at 128 x 128's rate (1.19 here, with its cuBLAS products' exposed C traffic; with
     # a
@@ -60,7 +61,7 @@ def test_grad_in_forward_distillation_within_1_3x_of_the_product_bound(op, n, v)
     1.47-1.49. The plan prices what runs: one cuBLAS teacher product and one fold per chunk, no teacher
     product in the Triton forward."""
     w = cost.Workload(op=op, n=n, d=4096, v=v, dtype="bfloat16", teacher_d=4096)
-    plan = tb.plan(w, H200)
+    plan = triton_model.plan(w, H200)
     estimate = cost.evaluate(plan, w, H200)
     assert plan.path == "grad_in_forward" and plan.products == 3.0
     assert estimate.ratio <= 1.3, (op, n, estimate.model_ms, estimate.bound_ms, estimate.pass_ms)
@@ -82,7 +83,7 @@ def test_grad_in_forward_distillation_within_1_3x_of_the_product_bound(op, n, v)
 
 def test_a_frozen_head_drops_the_d_weight_product():
     w = cost.Workload(op="token_logprobs", weight_grad=False, **ACCEPTANCE)
-    plan = tb.plan(w, H200)
+    plan = triton_model.plan(w, H200)
     assert plan.products == 3.0 and not any(p.name.startswith("d weight") for p in plan.passes)
     assert cost.evaluate(plan, w, H200).ratio <= 1.3
 
@@ -91,9 +92,9 @@ def test_a_small_workspace_can_make_the_composable_path_the_cheaper():
     """Tiny grad-in-forward chunks re-read and re-write the fp32 d weight accumulator once per chunk: with a 16 MiB
     workspace the model prefers recomputing the logits, and says so."""
     w = cost.Workload(op="cross_entropy", **ACCEPTANCE)
-    small = tb.plan(w, H200, workspace_mb=16)
-    grad_in_forward = tb.plan(w, H200, workspace_mb=16, path="grad_in_forward")
-    composable = tb.plan(w, H200, workspace_mb=16, path="composable")
+    small = triton_model.plan(w, H200, workspace_mb=16)
+    grad_in_forward = triton_model.plan(w, H200, workspace_mb=16, path="grad_in_forward")
+    composable = triton_model.plan(w, H200, workspace_mb=16, path="composable")
     times = {p.path: cost.evaluate(p, w, H200).model_ms for p in (grad_in_forward, composable)}
     assert small.path == min(times, key=times.get)
     assert times["grad_in_forward"] > times["composable"]
@@ -183,12 +184,12 @@ def test_an_infinite_or_vanishing_workspace_is_refused_by_name(bad, monkeypatch)
     monkeypatch.setenv("FUSEDLOSS_WORKSPACE_MB", bad)
     w = cost.Workload(op="cross_entropy", **ACCEPTANCE)
     with pytest.raises(ValueError, match="environment variable FUSEDLOSS_WORKSPACE_MB must be a finite number"):
-        tb.plan(w, H200)
+        triton_model.plan(w, H200)
     monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB")
     with pytest.raises(ValueError, match="workspace_mb must be a finite number"):
-        tb.plan(w, H200, workspace_mb=float(bad))
+        triton_model.plan(w, H200, workspace_mb=float(bad))
     with pytest.raises(ValueError, match="workspace must be a positive int of bytes"):
-        tb.plan(w, H200, workspace=float(bad))
+        triton_model.plan(w, H200, workspace=float(bad))
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "grpo"])
@@ -199,7 +200,7 @@ def test_a_qwen_head_whose_last_chunk_is_shorter_is_priced(op, n, d):
     whose last wave leaves programs idle where the whole chunks' leaves none; the pass of that name then has
     flops in one shape and none in the other, which the model's detail merged with a KeyError ('tflops')."""
     w = cost.Workload(op=op, n=n, d=d, v=152064, dtype="bfloat16")
-    plan = tb.plan(w, H200, free_bytes=139 << 30)
+    plan = triton_model.plan(w, H200, free_bytes=139 << 30)
     est = cost.evaluate(plan, w, H200)
     assert plan.path == "grad_in_forward" and est.ratio < 1.3
     rows = plan.params["grad_in_forward_rows"]
@@ -212,7 +213,8 @@ def test_the_grad_in_forward_plan_prices_each_chunk_size_once():
     """Whole chunks are one pass of each kind with their count, the shorter last chunk another: the plan of a
     billion rows has as many passes as that of a few thousand, and the same time per row."""
     w = cost.Workload(op="distill_reverse_kl", **ACCEPTANCE)
-    small, huge = (tb.plan(dataclasses_replace(w, n=n), H200, path="grad_in_forward") for n in (16384, 16384 * 10**5))
+    small, huge = (triton_model.plan(dataclasses_replace(w, n=n), H200, path="grad_in_forward")
+                   for n in (16384, 16384 * 10**5))
     assert len(small.passes) == len(huge.passes)
     chunks = -(-16384 * 10**5 // huge.params["grad_in_forward_rows"])
     assert sum(p.count for p in huge.passes if p.name == "grad-in-forward teacher fold") == chunks
@@ -223,7 +225,7 @@ def test_the_grad_in_forward_plan_prices_each_chunk_size_once():
 def test_plan_parameters_are_the_ones_the_backend_runs_with():
     w = cost.Workload(op="token_logprobs", n=300, d=1000, v=32003, dtype="float16")
     cfg = tb.candidates(torch.float16, "lean")[0]
-    plan = tb.plan(w, H200, workspace_mb=8, tiles=cfg)
+    plan = triton_model.plan(w, H200, workspace_mb=8, tiles=cfg)
     budget = 8 << 20
     assert plan.params["workspace_bytes"] == budget
     assert plan.params["forward_grid"] == tb.grid_of(300, 32003, cfg, H200, "float16")
@@ -271,7 +273,7 @@ def test_fp32_precision_for_every_flag_state(torch_tf32, problem_tf32, env, monk
         assert tb._launch(p, cfg).tiles.PRECISION == expected[(9, 0)]
         # the cost model prices the same choice
         w = cost.Workload(op="token_logprobs", n=4096, d=4096, v=32000, dtype="float32")
-        pl = tb.plan(w, H200, precision=tb.fp32_precision(p, (9, 0)), allow_tf32=tb._allow_tf32(p))
+        pl = triton_model.plan(w, H200, precision=tb.fp32_precision(p, (9, 0)), allow_tf32=tb._allow_tf32(p))
         assert pl.params["precision"] == expected[(9, 0)]
     finally:
         torch.backends.cuda.matmul.allow_tf32 = previous
@@ -386,7 +388,8 @@ def test_choosing_the_path_times_no_kernel(monkeypatch):
 
     monkeypatch.setattr(tb, "autotune", no_timing)
     p = _gpu_problem()
-    assert tb.grad_in_forward_pays(p) == (tb.plan(cost.Workload.of(p, row_local=True), H200).path == "grad_in_forward")
+    taken = triton_model.plan(cost.Workload.of(p, row_local=True), H200).path
+    assert tb.grad_in_forward_pays(p) == (taken == "grad_in_forward")
     with pytest.raises(AssertionError, match="timed kernels"):  # the path taken is tuned
         tb.tiles_for(p)
 
@@ -428,7 +431,7 @@ def test_one_row_chunk_writes_d_weight_in_its_dtype_without_a_cast():
     """When all rows fit one chunk, each d weight block is one product straight into the weight's dtype: the
     plan drops the fp32 block's traffic and its cast (the backend allocates no fp32 block: test_triton_backend)."""
     w = cost.Workload(op="token_logprobs", n=4096, d=4096, v=128256, dtype="bfloat16")
-    plan = tb.plan(w, H200, path="composable")
+    plan = triton_model.plan(w, H200, path="composable")
     assert plan.params["row_chunk"] >= w.n
     d_weight = next(p for p in plan.passes if p.name == "d weight (cuBLAS)")
     chunks_v = -(-w.v // plan.params["vocab_chunk"])
