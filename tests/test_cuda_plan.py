@@ -272,9 +272,9 @@ def test_packed_dx_grows_the_grad_in_forward_chunks_as_modelled(op, dtype, packe
     shape = cuda_plan._grad_in_forward_shape(w, 4 * GIB, UNGROUPED, H200, True)
     assert shape.rows * shape.ld * cuda_plan._bytes_per_element(w, shape.packed) <= 4 * GIB
     dx_pass = next(ps for ps in p.passes if ps.name == "dx")
-    kernel = cuda_plan.kernel_name("dx", w, "float" if dtype == "float16" else None, shape.packed)
+    kernel = cuda_model.kernel_name("dx", w, "float" if dtype == "float16" else None, shape.packed)
     assert kernel.startswith("dx_packed_kernel" if packed_bytes else "dx_kernel")
-    assert dx_pass.instructions == pytest.approx(w.n * w.v * cuda_plan.sass_counts.KERNELS[kernel]["per_column"] / 32)
+    assert dx_pass.instructions == pytest.approx(w.n * w.v * cuda_model.sass_counts.KERNELS[kernel]["per_column"] / 32)
     if packed_bytes:
         with cuda.override_plan(packed_min_rows=10**9, **UNGROUPED):  # the copy: fewer rows, more chunks, slower
             unpacked = cuda_model.plan(w, H200, workspace=4 * GIB, path="grad_in_forward")
