@@ -9,7 +9,7 @@ It asks the model's ``plan(workload, gpu, free_bytes)`` of the backend (``benchm
 it with ``benchmarks.model.cost.evaluate``: GEMM flops, the bytes each pass moves through HBM, the modelled
 time (a roofline per pass, with the GEMM-shape efficiency and launch costs of ``benchmarks/model/cost.py``) and
 its ratio to the product-count bound (the fewest GEMM-sized products any exact method needs, at the
-GPU's dense peak). docs/design.md, "Plans and the cost model".
+GPU's dense peak). docs/design.md, "Plans and the performance model".
 
 Importable: ``estimate(op, backend, n, d, v, ...) -> dict`` is what the JSON prints, for the benchmark to
 store beside its measurements, with the modelled time split into the forward and the backward

@@ -1,10 +1,10 @@
 """The CUDA backend's plan: the decisions it takes for a call, checked without a GPU.
 
-``fusedloss.backends.cuda.backend.plan`` is what the backend uses at run time and what the cost model evaluates:
-workspace from free memory (bounded, overridable), tile and chunk shapes, the grad-in-forward path only where its
-chunks pay, accumulation inside the GEMM, padded leading dimensions. These tests pin those decisions at
-the acceptance shapes (H200, D=4096, bf16) and check that the run-time code follows the plan (tile shapes,
-chunk counts).
+``fusedloss.backends.cuda.backend.plan`` is what the backend uses at run time (its choices by the rules of
+``backends/rules.py``; the performance model's prices of them: tests/test_model_cuda_plan.py): workspace from free
+memory (bounded, overridable), tile and chunk shapes, the grad-in-forward path only where its chunks pay,
+accumulation inside the GEMM, padded leading dimensions. These tests pin those decisions at the acceptance shapes
+(H200, D=4096, bf16) and check that the run-time code follows the plan (tile shapes, chunk counts).
 """
 
 from __future__ import annotations

@@ -74,7 +74,7 @@ def test_target_ratio(op, n, v):
     """The cost model's ratio to the product-count bound at the default (4 GiB) workspace: <= 1.2 for
     cross-entropy, GRPO and token_logprobs (+entropy); reverse-KL distillation is priced above it (its two
     fp32 tiles halve the chunk rows, so d weight takes twice the beta = 1 accumulations, and the fold and dx
-    read both tiles: docs/design.md, "Plans and the cost model"), within 1.25. And no row-local op is slower
+    read both tiles: docs/design.md, "Plans and the performance model"), within 1.25. And no row-local op is slower
     than its 4-product (composable) plan."""
     w = workload(op, n=n, v=v)
     p = cuda_model.plan(w, H200, H200.memory_bytes // 2)

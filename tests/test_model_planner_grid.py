@@ -2,7 +2,7 @@
 checks over the same axes: tests/test_planner_grid.py.
 
 The backends take their run-time choices (grad-in-forward or composable path, chunk rows, grouped or deferred d weight)
-from their plans (docs/design.md, "Plans and the cost model"), so a planner that raises fails the loss that
+from their plans (docs/design.md, "Plans and the performance model"), so a planner that raises fails the loss that
 asked. The grid: every op of the cost model, rows from 1 to ~70k (every row up to 129, every row of
 7168..7296, primes, powers of two and their neighbours), the vocabularies of Llama 3, Qwen 2.5/3, Gemma 2/3 and
 Mistral and small primes, widths 896..8192, bf16, fp16 and fp32, and every GPU of the model, sampled so that

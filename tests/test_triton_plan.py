@@ -1,8 +1,8 @@
-"""The Triton backend's plan (``core/cost.py``) and its run-time choices, on the CPU.
+"""The Triton backend's plan and its run-time choices, on the CPU.
 
-``backend.plan`` is what the cost model evaluates and what the backend runs with (chunks, grid, path), so
-these tests check both: the modelled time against the product-count bound at the acceptance shape, and that
-the parameters the plan reports are the ones the launches use. Also the choices that no interpreter run can
+``backend.plan`` is what the backend runs with (chunks, grid, path; the performance model's prices of it:
+tests/test_model_triton_plan.py), so these tests check that the parameters the plan reports are the ones the
+launches use. Also the choices that no interpreter run can
 see: the fp32 product precision under every state of PyTorch's TF32 flags, the cuBLAS flag handling, the
 autotuner's cache, the scalars' device tensor.
 """

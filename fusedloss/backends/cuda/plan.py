@@ -49,13 +49,13 @@ from .. import torch as torch_backend
 from . import epilogue
 
 # ------------------------------------------------------------------------------------------------
-# The plan (docs/design.md, "Plans and the cost model")
+# The plan (docs/design.md, "Plans and the performance model")
 # ------------------------------------------------------------------------------------------------
 # The floor of the workspace policy (``gpu.workspace_bytes``): a tile takes all rows of at least
 # ``MIN_TILE_COLS`` columns. The policy's 4 GiB cap, priced by the model against 8 GiB at N = 16384,
 # V = 151936: ~+3% for cross-entropy (two groups of 3 row chunks instead of one group of 3: one more beta = 1
 # accumulation of d weight) and ~+2% for reverse-KL distillation (two groups of 6 instead of one of 6); none at
-# N = 4096, V = 128256 (one chunk either way) (docs/design.md, "Plans and the cost model").
+# N = 4096, V = 128256 (one chunk either way) (docs/design.md, "Plans and the performance model").
 WORKSPACE_MIN_BYTES = 256 * 2**20
 # Rows of the fold's running-state buffer (csrc/fusedloss/args.h kStateFields: the RowState fields and the
 # target logit): the plan sizes it, and the backend refuses an extension with another layout.
@@ -176,8 +176,8 @@ class _Shape(NamedTuple):
 def _grad_in_forward_layout(n: int, s: _Shape) -> list:
     """The grad-in-forward plan's row groups and their chunks, ``[(g0, g1, [(r0, r1), ...]), ...]``: groups of
     ``s.group_rows`` rows (one chunk each when the shape has no groups), chunks of ``s.rows`` rows inside each
-    group, the last of each shorter. The model prices exactly these products, and grad_in_forward_gradients runs
-    them."""
+    group, the last of each shorter. The performance model prices exactly these products, and
+    grad_in_forward_gradients runs them."""
     group = s.group_rows or s.rows
     layout = []
     for g0 in range(0, n, group):
@@ -267,9 +267,9 @@ def _grad_in_forward_shape(w: Workload, budget: int, caps: dict, gpu: GPU, accum
     dx where the chunk has the rows; never fp16's, which is formed in fp32 in place and pre-scaled into a copy
     by torch ops (``_scaled_half_dx``: torch ops over overlapping memory are undefined). A bf16 problem with a
     weight gradient over several chunks may instead group its rows (``_grouped_shapes``) or defer d weight
-    (``_deferred_shape``): the model takes whichever of these candidates it prices fastest at the plan's
-    decision rows (``decision_rows``; docs/design.md, "Grouped d weight", "Plans and the cost model"), and the
-    chosen kind is then cut for N itself."""
+    (``_deferred_shape``): the rule ``rules.cuda_d_weight_layout`` takes one of these candidates at the plan's
+    decision rows (``decision_rows``; docs/design.md, "Grouped d weight", "Plans and the performance model"), and
+    the chosen kind is then cut for N itself."""
     kind = _grad_in_forward_kind(_decision_key(w), budget, tuple(sorted(caps.items())), _gpu_key(gpu), accumulate)
     return _grad_in_forward_shape_of(w, budget, caps, kind)
 
@@ -331,8 +331,7 @@ def _grad_in_forward_kind(key: tuple, budget: int, caps_items: tuple, gpu_key: t
 
 def decision_rows(n: int) -> int:
     """The rows at which the plan's choices (grad-in-forward or composable path, grouped or deferred d weight) are
-    priced
-    for a call of ``n`` rows: ``n`` rounded up to a step of 1/32 of its power of two, at least ``ROW_ALIGN``
+    taken for a call of ``n`` rows: ``n`` rounded up to a step of 1/32 of its power of two, at least ``ROW_ALIGN``
     (exact at multiples of 128 below 8192, and at 16384, 32768, ...). The choices are cached per step, so that
     calls of varying sequence lengths share them; the chunks are then cut for ``n`` itself."""
     return _round_up(n, max(ROW_ALIGN, 1 << max(0, n.bit_length() - 6)))
@@ -424,7 +423,7 @@ def _group_candidates(w: Workload, budget: int, caps: dict, base: _Shape):
             if shape is not None:
                 yield groups, shape
         # the next size worth trying: the next multiple of ROW_ALIGN below, or 1/64 below above 64 of them
-        # (more than 64 groups: sizes that close differ in the model by less than its precision)
+        # (more than 64 groups: sizes that close differ in their products' weight by less than the rules' precision)
         gap = size // 64 if size > 64 * ROW_ALIGN else 1
         below = min(largest, size - gap) // ROW_ALIGN * ROW_ALIGN
         if below < ROW_ALIGN:
@@ -597,8 +596,7 @@ def _grad_in_forward_chunk(p: StatsProblem, needs: GradientNeeds = GradientNeeds
 @_call_options
 def grad_in_forward_pays(p: StatsProblem) -> bool:
     """The plan's choice for a loss known in the forward (core/grad_in_forward.py): the 3-product grad-in-forward path
-    where the
-    cost model says its chunks are big enough to beat the composable path."""
+    where the rule ``rules.cuda_grad_in_forward`` says its chunks are big enough to beat the composable path."""
     if p.acc_dtype == torch.float64:
         return torch_backend.grad_in_forward_pays(p)
     if epilogue.wanted(p):  # FUSEDLOSS_CUDA_EPILOGUE=1: the composable path on the epilogue kernels

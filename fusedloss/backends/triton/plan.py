@@ -57,7 +57,7 @@ class TileConfig:
 # Candidates for the autotuner, by operand dtype and epilogue ("lean": the logits' normaliser and the target;
 # "heavy": entropy, TRL's extras, the mean logit or a soft-cap, whose per-element terms need twice the
 # registers; "teacher": a second product); the first is the default (deterministic mode, CUDA graph capture
-# and the cost model). A 128 x 128 tile on 8 warps holds 64 fp32 values per thread per tile-sized temporary:
+# and the performance model). A 128 x 128 tile on 8 warps holds 64 fp32 values per thread per tile-sized temporary:
 # enough for the lean epilogue, a spill for the heavy ones, which take 64 x 128; a teacher's second product
 # and its statistics fit 64 x 64 (64 x 128 sits at 255 registers and spills with some feature sets). fp32
 # operands step K by 16: tf32x3 holds each operand as two tf32 halves in registers, and a 32-wide step spills
@@ -152,7 +152,7 @@ SHARED_LIMITS = {"sm_90": 227 * 1024, "sm_100": 227 * 1024, "sm_120": 99 * 1024,
 
 def device_target(device: torch.device) -> str:
     """The architecture the kernels compile for on ``device``: ``sm_<major><minor>`` on NVIDIA, the ``gfx`` name
-    on AMD (ROCm); "sm_90" (the H200 the model targets) for CPU and meta tensors."""
+    on AMD (ROCm); "sm_90" (the H200 the rules were set for) for CPU and meta tensors."""
     if device.type != "cuda":
         return "sm_90"
     return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
@@ -429,8 +429,8 @@ def workload_of(p: StatsProblem, needs: GradientNeeds, row_local: bool) -> Workl
 
 
 def gpu_of(device: torch.device) -> GPU:
-    """The GPU a problem runs on (``registry.device_gpu``, the CUDA backend's too); the H200 the model targets
-    for CPU (interpreter) and meta tensors."""
+    """The GPU a problem runs on (``registry.device_gpu``, the CUDA backend's too); the H200 for CPU (interpreter)
+    and meta tensors."""
     return registry.device_gpu(device)
 
 
