@@ -1,11 +1,14 @@
 """The plans' choices, as named rules: which path a call takes and how its grad-in-forward rows are grouped.
 
-Each rule is a plain function of the call's shapes (``core/workload.py``) and the shapes its backend's plan can
-run (chunk rows, chunks, tiles); no rate, no price. The thresholds are where the performance model
-(``benchmarks/model/``, docs/design.md, "Plans and the performance model") puts the crossing of the two choices;
-``tests/test_model_plan_rules.py`` checks over a grid of shapes, dtypes, GPUs and workspaces that each rule
-takes the plan the model prices cheapest, or one within 2% of it. A choice is a matter of speed, never of
-correctness: every path runs any shape the rules may give it.
+Each rule is a plain function of the call's shapes (``core/workload.py``), the shapes its backend's plan can run
+(chunks, groups, tiles) and one figure of the GPU, the balance of its products' rate and its bandwidth
+(``GPU.flops_per_byte``), which weighs bytes against flops; no rate, efficiency or time. The rules weigh each
+candidate's GEMM-sized products (flops, or the bytes they stream where that takes longer) and the traffic the
+products cannot hide, with the named constants below saying what each candidate moves and why.
+``tests/test_model_plan_rules.py`` prices the rules' choices with the performance model (``benchmarks/model/``,
+docs/design.md, "Plans and the performance model") against every plan the backend could run, over a grid of
+shapes, dtypes, GPUs and workspaces, and pins how often and how far they miss the cheapest. A choice is a matter
+of speed, never of correctness: every path runs any shape the rules may give it.
 """
 
 from __future__ import annotations
@@ -31,10 +34,6 @@ FP16_DX_EXTRA_BYTES = 12
 # and masks (tests/test_cost_model_launches.py counts them) of a few microseconds each, ~100 us, in which an
 # H200 streams ~0.5 GB. Many small chunks lose more to these than a grouped d weight saves.
 CHUNK_OVERHEAD_BYTES = 0.5e9
-# Bytes per logit fp16's grad-in-forward dx moves beyond the composable path's: it is formed in fp32 in place
-# (4 written) and pre-scaled into an fp16 copy by torch ops (4 read, 2 written, and its maximum's 4 read before):
-# GradScaler's scale is not known in the forward.
-FP16_DX_EXTRA_BYTES = 12
 
 
 def _product(balance: float, m: float, n: float, k: float, count: float, streamed: float, after: float) -> float:
@@ -100,7 +99,8 @@ def cuda_grad_in_forward(w: Workload, gpu: GPU, chunks: int, groups: int, deferr
     workspace makes them: a chunk below ``balance x bytes / 2`` rows streams the weight for longer than it
     multiplies, each group beyond the first accumulates d weight once more (beta = 1, ``ACCUMULATION_BYTES``),
     unless d weight is deferred the backward rescales the [V, D] the forward wrote (``D_WEIGHT_EXTRA_BYTES``),
-    and fp16's dx takes two more passes (``FP16_DX_EXTRA_BYTES``). (whether, why)."""
+    fp16's dx takes two more passes (``FP16_DX_EXTRA_BYTES``), and every chunk beyond the first pays its small
+    kernels (``CHUNK_OVERHEAD_BYTES``). (whether, why)."""
     balance = gpu.flops_per_byte(w.dtype)
     fused = _grad_in_forward_cost(w, balance, chunks, groups, deferred)
     composable = _composable_cost(w, balance, tile_row_chunks, tile_vocab_tiles)
