@@ -28,7 +28,7 @@ dpo_loss, distillation_loss (beta 1, reverse KL)), each implementation and each 
   (``errors`` has each one).
 
 On a GPU (or with ``--model-gpu``) each record also carries the cost model's figures for the same call
-(benchmarks/cost_model.py; docs/design.md, "Plans and the cost model"): ``modelled_ms`` /
+(benchmarks/cost_model.py; docs/design.md, "Plans and the performance model"): ``modelled_ms`` /
 ``modelled_fwd_ms`` / ``modelled_bwd_ms`` from fusedloss's CUDA and Triton backends' own plans, the
 product-count bound ``modelled_bound_ms`` for every implementation, one GEMM-sized product measured in the
 same process (``product_ms``), and the measured time over each (benchmarks/NOTES.md, "The model beside the
@@ -292,7 +292,7 @@ def _median(xs):
 
 
 # ============================================================================ the cost model beside the measurement
-# The benchmark's ops as the cost model names them (benchmarks/cost_model.py, fusedloss/core/cost.py OPS):
+# The benchmark's ops as the cost model names them (benchmarks/cost_model.py, fusedloss/core/workload.py OPS):
 # token_logprobs is timed with its entropy; distillation_loss with beta 1 is the reverse KL.
 MODEL_OP = {"token_logprobs": "token_logprobs_entropy", "cross_entropy": "cross_entropy", "grpo_loss": "grpo",
             "dpo_loss": "dpo", "distillation_loss": "distill_reverse_kl"}
@@ -304,8 +304,8 @@ MODEL_FIELDS = ("modelled_ms", "modelled_fwd_ms", "modelled_bwd_ms", "modelled_b
 
 
 def gpu_model_key(name: Optional[str]) -> Optional[str]:
-    """The cost model's GPU (``fusedloss.core.cost.GPUS`` key) for a device name, or None."""
-    from fusedloss.core import cost
+    """The cost model's GPU (``benchmarks.model.cost.GPUS`` key) for a device name, or None."""
+    from .model import cost
 
     upper = (name or "").upper()
     for key, spec in cost.GPUS.items():
@@ -1447,7 +1447,7 @@ def main(argv=None) -> int:
     if model_gpu in ("none", ""):
         model_gpu = None
     if model_gpu is not None:
-        from fusedloss.core import cost
+        from .model import cost
 
         if model_gpu not in cost.GPUS:
             print(f"--model-gpu must be one of {', '.join(cost.GPUS)} or none, got {model_gpu!r}", file=sys.stderr)

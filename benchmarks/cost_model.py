@@ -1,15 +1,15 @@
-"""The cost model on the command line: what a backend's own plan for one call costs on a GPU, no GPU needed.
+"""The performance model on the command line: what a backend's own plan for one call costs on a GPU, no GPU needed.
 
     python benchmarks/cost_model.py --op cross_entropy --backend cuda --N 16384 --D 4096 --V 151936 \\
         --dtype bfloat16 --gpu h200 --json
     python benchmarks/cost_model.py --table            # the plans' table (markdown)
 
-It asks the backend's ``plan(workload, gpu, free_bytes)`` (``fusedloss.backends.cuda.backend.plan``,
-``fusedloss.backends.triton.backend.plan``: the functions the backends use for their run-time choices) and evaluates
-it with ``fusedloss.core.cost.evaluate``: GEMM flops, the bytes each pass moves through HBM, the modelled
-time (a roofline per pass, with the GEMM-shape efficiency and launch costs of ``fusedloss.core.cost``) and
+It asks the model's ``plan(workload, gpu, free_bytes)`` of the backend (``benchmarks/model/cuda.py``,
+``benchmarks/model/triton.py``: the passes of the choice the backend's own plan makes at run time) and evaluates
+it with ``benchmarks.model.cost.evaluate``: GEMM flops, the bytes each pass moves through HBM, the modelled
+time (a roofline per pass, with the GEMM-shape efficiency and launch costs of ``benchmarks/model/cost.py``) and
 its ratio to the product-count bound (the fewest GEMM-sized products any exact method needs, at the
-GPU's dense peak). docs/design.md, "Plans and the cost model".
+GPU's dense peak). docs/design.md, "Plans and the performance model".
 
 Importable: ``estimate(op, backend, n, d, v, ...) -> dict`` is what the JSON prints, for the benchmark to
 store beside its measurements, with the modelled time split into the forward and the backward
@@ -33,7 +33,7 @@ from typing import Optional
 if __package__ in (None, ""):  # run as a script: make `fusedloss` importable from the checkout
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fusedloss.core import cost  # noqa: E402
+from benchmarks.model import cost  # noqa: E402
 
 GIB = 2**30
 # the shapes of the table: the H200 target and the peers' published shape (QuACK 17.3 ms, Liger Triton 141 ms)
@@ -46,9 +46,9 @@ class NoPlan(RuntimeError):
 
 
 def backend_plan_function(backend: str):
-    """The backend module's ``plan(workload, gpu, free_bytes=None)``, or NoPlan saying why there is none."""
-    module_name = {"cuda": "fusedloss.backends.cuda.backend",
-                   "triton": "fusedloss.backends.triton.backend"}.get(backend)
+    """The model's ``plan(workload, gpu, free_bytes=None)`` of the backend, or NoPlan saying why there is none."""
+    module_name = {"cuda": "benchmarks.model.cuda",
+                   "triton": "benchmarks.model.triton"}.get(backend)
     if module_name is None:
         raise NoPlan(f"--backend must be 'cuda' or 'triton' (the GPU backends), got {backend!r}")
     try:

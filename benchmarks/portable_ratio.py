@@ -21,7 +21,7 @@ import time
 import torch
 
 from benchmarks import cases
-from fusedloss.core import cost
+from fusedloss.core import workload as cost
 
 # The ops and their cost-model workloads (distillation: the benchmark's case, beta = 1, reverse KL).
 MODEL_OPS = {"cross_entropy": "cross_entropy", "grpo_loss": "grpo", "token_logprobs": "token_logprobs_entropy",

@@ -10,15 +10,19 @@ computing a loss over ``N`` tokens with hidden size ``D`` and vocabulary ``V`` (
   ``[N]`` statistics held; one ``[min(N, 4096), min(V, 32768)]`` tile in the operand dtype per pass; the backward
   recomputes the logits: 4 products.
 * fusedloss: ``[N]`` statistics held (and, on the grad-in-forward path, the gradients themselves); the logits workspace
-  of the GPU backend's plan (``fusedloss.backends.cuda.backend.plan``, the function the
-  cost model evaluates and the backend runs by) and its products (3 on the grad-in-forward path of a loss known in the
+  of the GPU backend's plan (``fusedloss.backends.cuda.plan.plan``, the function the backend runs by) and its
+  products (3 on the grad-in-forward path of a loss known in the
   forward, 4 for log-probs whose loss comes later); on a CPU, the torch backend's ``[1024, 4096]`` fp32 tiles
   (a few live at a time) and its 4 products (without a teacher it takes the recomputing path there).
 
-Products are GEMM-sized (``2 N V D`` flops each, ``fusedloss.core.cost.Workload.product_flops``); the fewest
-any exact method needs is ``fusedloss.core.cost.product_bound``. These are the formulas of the cost model
-(docs/design.md, "Plans and the cost model"): sizes of buffers, not measured peaks. The weight gradient
-``[V, D]`` and the per-token statistics (a few ``[N]`` vectors) are left out: every path has them.
+Products are GEMM-sized (``2 N V D`` flops each, ``fusedloss.core.workload.Workload.product_flops``); the fewest
+any exact method needs is ``fusedloss.core.workload.product_bound``: sizes of buffers, not measured peaks. The
+weight gradient ``[V, D]`` and the per-token statistics (a few ``[N]`` vectors) are left out: every path has them.
+
+A modelled time of the GPU backend's plan is added where the performance model is importable (``benchmarks.model``,
+which ships with the source tree, not with the wheel: run from a checkout, e.g. ``pip install -e .`` or with the
+checkout on ``PYTHONPATH``); it is the model's figure, not a measurement (docs/design.md, "Plans and the
+performance model"). Without it the column is left out and the table says how to get it.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ from typing import Optional
 from . import config as _config
 from .backends import torch as _torch_backend
 from .backends.cuda import plan as cuda_plan
-from .core import cost
+from .core import workload as _workload
 
 __all__ = ["SizingEstimate", "estimate"]
 
@@ -40,7 +44,7 @@ __all__ = ["SizingEstimate", "estimate"]
 TRL_TOKEN_CHUNK = 4096
 TRL_VOCAB_CHUNK = 32768
 # The ops without a teacher head (a distillation loss also materialises the teacher's logits on the naive path).
-OPS = tuple(op for op, spec in cost.OPS.items() if not spec["teacher"])
+OPS = tuple(op for op, spec in _workload.OPS.items() if not spec["teacher"])
 DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16", "half": "float16",
           "float32": "float32", "fp32": "float32", "float": "float32"}
 
@@ -70,6 +74,11 @@ class SizingEstimate:
     gpu: str
     paths: tuple
     bound_products: float
+    # the performance model's time of the GPU backend's plan and of the bound (ms), None where benchmarks.model is
+    # not importable; ``modelled_note`` says which (``_modelled``)
+    modelled_ms: Optional[float] = None
+    modelled_bound_ms: Optional[float] = None
+    modelled_note: str = ""
 
     @property
     def logits_fp32_bytes(self) -> int:
@@ -81,7 +90,7 @@ class SizingEstimate:
     def __str__(self) -> str:
         lines = [f"{self.op}: N={self.tokens} tokens, D={self.hidden_size}, V={self.vocab_size}, {self.dtype}; "
                  f"the fp32 logits alone: {_size(self.logits_fp32_bytes)}",
-                 "[N, V]-sized buffers by the cost model's formulas, not measured peaks ([V, D] gradients left out)",
+                 "[N, V]-sized buffers by their sizes, not measured peaks ([V, D] gradients left out)",
                  "",
                  f"{'path':<34} {'held fwd->bwd':>14} {'transient':>14} {'products':>9}"]
         for p in self.paths:
@@ -89,6 +98,11 @@ class SizingEstimate:
                          f"{p.products:>9g}" + (f"  {p.note}" if p.note else ""))
         lines.append(f"{'fewest any exact method needs':<34} {'':>14} {'':>14} {self.bound_products:>9g}  "
                      f"(2 N V D = {2.0 * self.tokens * self.vocab_size * self.hidden_size:.3g} flops each)")
+        if self.modelled_ms is not None:
+            lines.append(f"modelled (not measured) on {self.gpu}: fusedloss, GPU {self.modelled_ms:.3g} ms, the bound "
+                         f"{self.modelled_bound_ms:.3g} ms ({self.modelled_note})")
+        else:
+            lines.append(f"modelled time: {self.modelled_note}")
         return "\n".join(lines)
 
 
@@ -135,7 +149,7 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
              dtype: str = "bfloat16", op: str = "cross_entropy", gpu: str = "h200",
              workspace_mb: Optional[float] = None) -> SizingEstimate:
     """The ``[tokens x vocab]``-sized memory and the products of one forward+backward of ``op``, for the naive path
-    (materialised logits), TRL 1.16's chunked kernel and fusedloss, from the cost model's formulas
+    (materialised logits), TRL 1.16's chunked kernel and fusedloss, from their buffers' sizes
     (module docstring: ``help(fusedloss.sizing)``). Nothing is allocated or run.
 
     Args:
@@ -145,11 +159,12 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         tokens: N, the tokens of one loss call (batch x sequence length, or the completion tokens of an RL batch).
         hidden_size, vocab_size: D and V, instead of (or overriding) ``config``'s.
         dtype: the operands' dtype: ``"bfloat16"`` (``"bf16"``), ``"float16"`` (``"fp16"``) or ``"float32"``.
-        op: the loss as the cost model names it: ``"cross_entropy"`` (SFT), ``"grpo"`` (token-level GRPO),
-            ``"token_logprobs"``, ``"token_logprobs_entropy"``, ``"grpo_sequence"`` (GSPO) or ``"dpo"``.
+        op: the loss as ``fusedloss.core.workload.OPS`` names it: ``"cross_entropy"`` (SFT), ``"grpo"``
+            (token-level GRPO), ``"token_logprobs"``, ``"token_logprobs_entropy"``, ``"grpo_sequence"`` (GSPO) or
+            ``"dpo"``.
         gpu: whose memory sizes fusedloss's default workspace (an eighth of the free memory, bounded; half the
-            GPU's memory is taken as free): one of ``fusedloss.core.cost.GPUS``, in any case, or a name that
-            contains one ("a100-80gb", "NVIDIA H100 80GB HBM3", "RTX 5090").
+            GPU's memory is taken as free): one of ``fusedloss.core.workload.GPUS``, in any case, or a name that
+            contains one ("A100 40GB", "a100-80gb", "NVIDIA H100 80GB HBM3", "L40S", "RTX 4090", "MI300X").
         workspace_mb: fusedloss's workspace, as ``workspace_mb=`` or ``FUSEDLOSS_WORKSPACE_MB`` set it: a finite
             number of MiB, at least 1/1024 (a large number for an unbounded workspace).
 
@@ -169,22 +184,22 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         raise ValueError(f"dtype must be one of {tuple(DTYPES)}, got {dtype!r}")
     if op not in OPS:
         raise ValueError(f"op must be one of {OPS}, got {op!r}")
-    gpu = cost.gpu_key(gpu)  # ValueError naming the known GPUs
+    gpu = _workload.gpu_key(gpu)  # ValueError naming the known GPUs
     if workspace_mb is not None:
         workspace_mb = _config.workspace_megabytes(workspace_mb, "workspace_mb")
 
-    w = cost.Workload(op=op, n=n, d=d, v=v, dtype=DTYPES[dtype])
+    w = _workload.Workload(op=op, n=n, d=d, v=v, dtype=DTYPES[dtype])
     b, logits = w.operand_bytes, n * v
-    spec = cost.GPUS[gpu]
+    spec = _workload.GPUS[gpu]
     workspace = int(workspace_mb * 2**20) if workspace_mb is not None else None
     plan = cuda_plan.plan(w, spec, spec.memory_bytes // 2, workspace=workspace)
     # The workspace never needs more than the fp32 logits of the whole call.
     fused = min(int(plan.params["workspace_bytes"]), 4 * logits)
     trl_tile = min(n, TRL_TOKEN_CHUNK) * min(v, TRL_VOCAB_CHUNK) * b
     torch_tile = min(n, _torch_backend.ROW_CHUNK) * min(v, _torch_backend.VOCAB_TILE) * 4
-    composable, _ = cost.product_bound(cost.Workload(op="token_logprobs", n=n, d=d, v=v))
-    row_local, _ = cost.product_bound(cost.Workload(op="cross_entropy", n=n, d=d, v=v))
-    bound, _ = cost.product_bound(w)
+    composable, _ = _workload.product_bound(_workload.Workload(op="token_logprobs", n=n, d=d, v=v))
+    row_local, _ = _workload.product_bound(_workload.Workload(op="cross_entropy", n=n, d=d, v=v))
+    bound, _ = _workload.product_bound(w)
     paths = (
         PathCost("materialised logits (naive)", logits * (b + 4), logits * (4 + b), row_local,
                  "logits, fp32 log-softmax; their grads"),
@@ -195,5 +210,29 @@ def estimate(config=None, *, tokens: int, hidden_size: Optional[int] = None, voc
         PathCost("fusedloss, torch backend (CPU)", 0, torch_tile, composable,
                  f"per [{min(n, _torch_backend.ROW_CHUNK)}, {min(v, _torch_backend.VOCAB_TILE)}] fp32 tile"),
     )
+    modelled, modelled_bound, note = _modelled(w, gpu, spec.memory_bytes // 2, workspace)
     return SizingEstimate(tokens=n, hidden_size=d, vocab_size=v, dtype=DTYPES[dtype], op=op, gpu=spec.name,
-                          paths=paths, bound_products=bound)
+                          paths=paths, bound_products=bound, modelled_ms=modelled, modelled_bound_ms=modelled_bound,
+                          modelled_note=note)
+
+
+# How to get the modelled column where the performance model is not importable.
+MODEL_HINT = ("not available: the performance model (benchmarks/model/) ships with the source tree; run from a "
+              "checkout (pip install -e ., or the checkout on PYTHONPATH) to add it")
+
+
+def _modelled(w, gpu: str, free_bytes: int, workspace: Optional[int]) -> tuple:
+    """(modelled ms, bound ms, note) of the CUDA backend's plan from the performance model, where it is
+    importable; (None, None, how to get it) otherwise. The package never needs the model: only this optional
+    column asks for it, at the call."""
+    import importlib
+
+    try:
+        model_cost = importlib.import_module("benchmarks.model.cost")
+        model_cuda = importlib.import_module("benchmarks.model.cuda")
+    except ImportError:
+        return None, None, MODEL_HINT
+    spec = model_cost.GPUS[gpu]
+    est = model_cost.evaluate(model_cuda.plan(w, spec, free_bytes, workspace=workspace), w, spec)
+    return est.model_ms, est.bound_ms, f"{est.ratio:.2f}x the bound; benchmarks/model/, rates not yet measured"
+

@@ -53,6 +53,7 @@ def pytest_configure(config):
 TOOLING_MODULES = {
     "test_build.py", "test_driver_compat.py", "test_device_check.py", "test_bench_main.py",
     "test_bench_worker.py", "test_bench_model.py", "test_cost_model.py", "test_cost_model_launches.py",
+    "test_model_plan_rules.py", "test_model_cuda_plan.py", "test_model_triton_plan.py", "test_model_planner_grid.py",
     "test_sass_counts.py", "test_triton_compile.py", "test_frameworks_env.py", "test_transformers_zoo.py",
     "test_skip_summary.py", "test_triton_launches.py", "test_epilogue_kernels_compile.py",
 }

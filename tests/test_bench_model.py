@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import bench, cost_model  # noqa: E402
-from fusedloss.core import cost  # noqa: E402
+from benchmarks.model import cost  # noqa: E402
 
 H200 = cost.GPUS["h200"]
 SHAPE = (16384, 4096, 151936)
@@ -124,7 +124,8 @@ def test_gpu_names_map_to_the_model():
     assert bench.gpu_model_key("NVIDIA H200") == "h200"
     assert bench.gpu_model_key("NVIDIA H100 80GB HBM3") == "h100"
     assert bench.gpu_model_key("NVIDIA A100-SXM4-80GB") == "a100"
-    assert bench.gpu_model_key("NVIDIA GeForce RTX 4090") is None
+    assert bench.gpu_model_key("NVIDIA GeForce RTX 4090") == "rtx4090"
+    assert bench.gpu_model_key("Tesla V100-SXM2-32GB") is None
 
 
 def _rec(op, impl, n, status, **kw):

@@ -1,4 +1,4 @@
-"""benchmarks/cost_model.py: the command line over fusedloss.core.cost and the backends' plans."""
+"""benchmarks/cost_model.py: the command line over benchmarks/model/cost.py and the backends' plans."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from fusedloss.core import cost
+from benchmarks.model import cost
+from benchmarks.model import cuda as cuda_model
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -41,11 +42,10 @@ def test_the_issue_command_prints_one_json_object():
 
 def test_estimate_evaluates_the_backends_own_plan():
     """The model's figures are those of fusedloss.backends.cuda.backend.plan, not of a copy of it."""
-    from fusedloss.backends.cuda import plan as cuda
 
     w = cost.Workload(op="token_logprobs", n=4096, d=4096, v=128256)
     free = cost.GPUS["h200"].memory_bytes // 2
-    want = cost.evaluate(cuda.plan(w, cost.GPUS["h200"], free), w, cost.GPUS["h200"])
+    want = cost.evaluate(cuda_model.plan(w, cost.GPUS["h200"], free), w, cost.GPUS["h200"])
     got = cost_model.estimate("token_logprobs", "cuda", 4096, 4096, 128256)
     assert got["model_ms"] == pytest.approx(want.model_ms) and got["hbm_bytes"] == pytest.approx(want.hbm_bytes)
 

@@ -4,7 +4,7 @@ A ``TorchDispatchMode`` logs every aten op of one forward and backward of each g
 CUDA backend's code on CPU tensors, the kernels' host twins in place of the launches), at two chunk counts;
 the difference is what one more row chunk costs, the rest what the call costs once. Views and allocations
 (no kernel on a GPU) and the GEMM-sized products (priced apart) are left out. The model's constants
-(backends/cuda/plan.py, ``small_launches``) must cover what the trace
+(benchmarks/model/cuda.py, ``small_launches``) must cover what the trace
 counts without overstating it, so the model follows the code.
 """
 
@@ -15,6 +15,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedloss
+from benchmarks.model import cuda as cuda_model
 from fusedloss.backends.cuda import backend as cuda
 from fusedloss.core import registry
 
@@ -72,7 +73,7 @@ def test_small_launches_per_chunk_and_per_call_are_what_the_model_counts(host_mo
     per_chunk = (four - two) / 2
     per_call = two - 2 * per_chunk
     assert per_chunk > 0 and per_call > 0, (two, four)
-    model_chunk, model_call = cuda.small_launches(op)
+    model_chunk, model_call = cuda_model.small_launches(op)
     # the model's figures cover the traced ops and overstate them by at most a third
     assert per_chunk <= model_chunk <= 1.34 * per_chunk, (op, per_chunk)
     assert per_call <= model_call <= 1.34 * per_call, (op, per_call)

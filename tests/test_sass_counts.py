@@ -1,5 +1,5 @@
-"""The CUDA kernels' instruction counts the cost model reads (fusedloss/backends/cuda/sass_counts.py) are those of the
-kernels as built: tools/sass_counts.py compiles csrc/kernels.cu for sm_90a and counts them again."""
+"""The CUDA kernels' instruction counts the performance model reads (benchmarks/model/sass_counts.py) are those of the
+kernels as built: benchmarks/model/make_sass_counts.py compiles csrc/kernels.cu for sm_90a and counts them again."""
 
 from __future__ import annotations
 
@@ -10,12 +10,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("sass_counts_tool", ROOT / "tools" / "sass_counts.py")
+spec = importlib.util.spec_from_file_location("sass_counts_tool", ROOT / "benchmarks" / "model" / "make_sass_counts.py")
 tool = importlib.util.module_from_spec(spec)
 sys.modules["sass_counts_tool"] = tool
 spec.loader.exec_module(tool)
 
-from fusedloss.backends.cuda import sass_counts  # noqa: E402
+sys.path.insert(0, str(ROOT))
+from benchmarks.model import sass_counts  # noqa: E402
 
 
 def _toolchain() -> str:
@@ -30,15 +31,14 @@ def _toolchain() -> str:
 def test_checked_in_table_matches_the_kernels_as_built():
     sass, version = tool.compile_sass()
     counts = tool.table(sass)
-    assert counts == sass_counts.KERNELS, ("run python tools/sass_counts.py and commit "
-                                           "fusedloss/backends/cuda/sass_counts.py")
-    assert tool.render(counts, version) == (ROOT / "fusedloss" / "backends" / "cuda" / "sass_counts.py").read_text()
+    assert counts == sass_counts.KERNELS, ("run python benchmarks/model/make_sass_counts.py and commit "
+                                           "benchmarks/model/sass_counts.py")
+    assert tool.render(counts, version) == (ROOT / "benchmarks" / "model" / "sass_counts.py").read_text()
 
 
 def test_every_kernel_the_plans_launch_has_counts():
     """fold / dx over fp32 tiles for every (entropy, teacher, plain) and dx output dtype the CUDA plan names."""
-    from fusedloss.backends.cuda import plan as cuda
-    from fusedloss.core import cost
+    from benchmarks.model import cost, cuda
 
     for op in cost.OPS:
         for dtype in ("bfloat16", "float16", "float32"):

@@ -10,7 +10,7 @@ import pytest
 import fusedloss
 from fusedloss.__main__ import main
 from fusedloss.backends.cuda import backend as cuda_backend
-from fusedloss.core import cost
+from fusedloss.core import workload as cost
 
 GiB, MiB = 2**30, 2**20
 QWEN_7B = {"architectures": ["Qwen2ForCausalLM"], "hidden_size": 3584, "vocab_size": 152064}
@@ -114,6 +114,19 @@ def test_a_huge_token_count_takes_milliseconds(tokens):
     assert est.logits_fp32_bytes == 4 * tokens * 256000
     fused = next(p for p in est.paths if p.name.startswith("fusedloss, GPU"))
     assert fused.products == 3 and fused.transient_bytes == 4 * GiB
+
+
+def test_the_modelled_time_is_the_models_and_marked_so():
+    """From a checkout the performance model is importable: the table adds its time of the GPU backend's plan, marked
+    as modelled (without it, tests/test_planner_grid.py: the line says how to get it)."""
+    model_cost = pytest.importorskip("benchmarks.model.cost")
+    model_cuda = pytest.importorskip("benchmarks.model.cuda")
+    est = fusedloss.estimate(hidden_size=4096, vocab_size=151936, tokens=16384, gpu="H200")
+    spec = model_cost.GPUS["h200"]
+    w = cost.Workload(op="cross_entropy", n=16384, d=4096, v=151936)
+    want = model_cost.evaluate(model_cuda.plan(w, spec, spec.memory_bytes // 2), w, spec)
+    assert est.modelled_ms == pytest.approx(want.model_ms) and est.modelled_bound_ms == pytest.approx(want.bound_ms)
+    assert "modelled (not measured) on H200" in str(est)
 
 
 def test_a_missing_config_says_what_it_wants():

@@ -5,7 +5,7 @@ the backend's Python is the GPU's), and the backend's own kernel launches are co
 allocations (no kernel on a GPU) and the GEMM-sized products (priced apart) are left out, and so are the aten
 ops the interpreter itself runs inside a kernel. The grad-in-forward path runs at two chunk counts (the difference is
 what one more chunk costs, the rest what the call costs once); the composable one at two backward block
-counts. The model's figures (fusedloss/backends/triton/plan.py, ``small_launches``) must cover what the trace counts
+counts. The model's figures (benchmarks/model/triton.py, ``small_launches``) must cover what the trace counts
 without overstating it by more than a third, so the model follows the code.
 """
 
@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedloss
+from benchmarks.model import triton as triton_model
 from fusedloss.backends.triton import backend as tb
 from fusedloss.backends.triton import plan as tb_plan
 
@@ -103,10 +104,10 @@ def test_grad_in_forward_small_launches_are_what_the_model_counts(trace, monkeyp
     per_chunk = (four - two) / 2
     per_call = two - 2 * per_chunk
     assert per_chunk > 0 and per_call > 0, (two, four)
-    s = tb.small_launches(op)
+    s = triton_model.small_launches(op)
     # a chunk: its statistics kernel (1) and merge, with a teacher the fold (its kernel and merge) and the
     # JSD's second sweep (its kernel and a stack), and the rest of the chunk
-    teacher = 1 + tb_plan.TEACHER_FOLD_MERGE_LAUNCHES if op.startswith("distill") else 0
+    teacher = 1 + triton_model.TEACHER_FOLD_MERGE_LAUNCHES if op.startswith("distill") else 0
     jsd = 2 if op == "distill_jsd" else 0
     assert _within(1 + s.merge + teacher + jsd + s.chunk, per_chunk), (op, per_chunk, s)
     assert _within(s.call, per_call), (op, per_call, s)
@@ -119,7 +120,7 @@ def test_composable_small_launches_are_what_the_model_counts(trace, monkeypatch)
     one, eight = _count(trace, op, 1.0), _count(trace, op, 0.005)  # 1 and 8 backward blocks
     per_block = (eight - one) / 7
     per_call = one - per_block
-    s = tb.small_launches(op)
-    assert _within(tb_plan.BACKWARD_BLOCK_LAUNCHES, per_block), per_block
+    s = triton_model.small_launches(op)
+    assert _within(triton_model.BACKWARD_BLOCK_LAUNCHES, per_block), per_block
     # the forward's statistics kernel (1) and its merge, and the backward's own small ops
     assert _within(1 + s.merge + s.call, per_call), (per_call, s)

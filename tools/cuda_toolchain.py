@@ -34,7 +34,8 @@ SASS_OPS = {  # reported name: opcode prefix
     "LDL": "LDL",
 }
 
-_spec = importlib.util.spec_from_file_location("_sass_counts_for_toolchain", ROOT / "tools" / "sass_counts.py")
+_spec = importlib.util.spec_from_file_location("_sass_counts_for_toolchain",
+                                               ROOT / "benchmarks" / "model" / "make_sass_counts.py")
 _sass_counts = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_sass_counts)
 find_nvcc = _sass_counts.find_nvcc

@@ -41,8 +41,10 @@ if "--cpu-smoke" in sys.argv:  # must precede the first use of the Triton kernel
 import torch
 
 from benchmarks import cases
+from benchmarks.model import cost
+from benchmarks.model import triton as triton_model
 from fusedloss import reference
-from fusedloss.core import LogitTransform, TeacherHead, cost, token_statistics
+from fusedloss.core import LogitTransform, TeacherHead, token_statistics
 from fusedloss.core.problem import GradientNeeds, Statistics, StatsProblem
 from fusedloss.core.statistics import build_problem, dz_coefficients
 
@@ -402,8 +404,8 @@ def timing(device, smoke: bool) -> list:
                 gpu = tb.gpu_of(device)
                 rec["grad_in_forward_tiles"] = repr(tb.tiles_for(p, "grad_in_forward"))
                 for path in ("composable", "grad_in_forward"):
-                    pl = tb.plan(w_model, gpu, tiles=cfg, grad_in_forward_tiles=tb.tiles_for(p, "grad_in_forward"),
-                                 path=path)
+                    pl = triton_model.plan(w_model, gpu, tiles=cfg,
+                                           grad_in_forward_tiles=tb.tiles_for(p, "grad_in_forward"), path=path)
                     est = cost.evaluate(pl, w_model, gpu)
                     rec[f"model_{path}_ms"] = round(est.model_ms, 2)
                     rec[f"model_{path}_passes_ms"] = {k: round(x, 2) for k, x in est.pass_ms.items()}
@@ -423,14 +425,13 @@ def timing(device, smoke: bool) -> list:
 
 
 def cost_table() -> list:
-    from fusedloss.backends.triton import backend as tb
 
     gpu = cost.GPUS["h200"]
     rows = []
     for op in ("cross_entropy", "token_logprobs", "token_logprobs_entropy", "grpo", "distill_reverse_kl"):
         w = cost.Workload(op=op, n=16384, d=4096, v=151936, dtype="bfloat16",
                           teacher_d=4096 if op.startswith("distill") else None)
-        plan = tb.plan(w, gpu)
+        plan = triton_model.plan(w, gpu)
         after = cost.evaluate(plan, w, gpu)
         rows.append(dict(op=op, bound_ms=round(after.bound_ms, 1), model_ms=round(after.model_ms, 1),
                          ratio=round(after.ratio, 3), path=plan.path))

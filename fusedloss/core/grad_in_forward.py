@@ -40,7 +40,7 @@ def _chunk_function(row_loss: RowLoss, problem: StatsProblem, rows_of: Optional[
     ``stats`` may be the backend's own buffers, valid during the call: they are read, never written or kept.
     Each statistic is its own leaf, so autograd gives None for those the loss does not use, and
     ``dz_coefficients`` skips them: no zero gradient rows are formed and stacked per chunk (the small kernels
-    of a chunk, docs/design.md, "Plans and the cost model").
+    of a chunk, docs/design.md, "Plans and the performance model").
 
     ``rows_of``: where ``problem``'s rows sit in the loss's batch (an index tensor) when the problem holds
     only some of them; ``row_loss`` is then called with those positions."""

@@ -19,7 +19,7 @@ from typing import Callable, Optional, Protocol, runtime_checkable
 import torch
 
 from .. import config
-from . import cost
+from . import workload
 from .problem import GradientNeeds, Statistics, StatsProblem
 
 
@@ -189,25 +189,25 @@ def _interpreting() -> bool:
     return config.interpreting_triton()
 
 
-def device_gpu(device: torch.device) -> cost.GPUSpec:
-    """The cost model's GPU for tensors on ``device`` (``cost.gpu_for_device``: by the device's name, else its
-    architecture, with its own SM count and memory); the H200 the model targets for CPU (host mode) and meta
-    tensors. Both GPU backends plan with it."""
+def device_gpu(device: torch.device) -> workload.GPU:
+    """The GPU the plans take tensors on ``device`` for (``workload.gpu_for_device``: by the device's name, else its
+    architecture, with its own SM count and memory); the H200 for CPU (host mode) and meta tensors, so that tests
+    on a CPU take the plans of the GPU the rules were set for. Both GPU backends plan with it."""
     if device.type != "cuda":
-        return cost.GPUS["h200"]
+        return workload.GPUS["h200"]
     return _device_gpu(device.index if device.index is not None else torch.cuda.current_device())
 
 
 @lru_cache(maxsize=16)
-def _device_gpu(index: int) -> cost.GPUSpec:
+def _device_gpu(index: int) -> workload.GPU:
     props = torch.cuda.get_device_properties(index)
     arch = (getattr(props, "gcnArchName", "") or "").split(":")[0] if torch.version.hip is not None else ""
-    return cost.gpu_for_device(props.name, (props.major, props.minor), props.multi_processor_count,
-                               props.total_memory, arch)
+    return workload.gpu_for_device(props.name, (props.major, props.minor), props.multi_processor_count,
+                                   props.total_memory, arch)
 
 
 def gpu_model() -> str:
-    """What ``backend_status()["gpu"]`` says: the GPU model the cost model prices the current device as."""
+    """What ``backend_status()["gpu"]`` says: the GPU model the plans take the current device for."""
     try:
         visible = torch.cuda.is_available()
     except Exception:  # a broken driver install: the backends say why

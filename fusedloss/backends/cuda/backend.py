@@ -65,7 +65,6 @@ from .plan import (  # noqa: F401 - the plan's public names are the backend's to
     grad_in_forward_rows,
     override_plan,
     plan,
-    small_launches,
     workload_of,
     workspace_bytes,
 )

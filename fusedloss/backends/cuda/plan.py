@@ -3,10 +3,10 @@ allocated, nothing launched; ``backend.py`` runs what they decide).
 
 The plan
     ``plan(workload, gpu, free_bytes)`` decides everything about a call (workspace, tile shape, grad-in-forward or
-    composable path, how gradients are accumulated) and describes it as a ``fusedloss.core.cost.Plan``,
-    whose modelled time ``cost.evaluate`` computes without a GPU (``benchmarks/cost_model.py``). The backend
-    takes the same choices at run time (``_choose_path``, ``_grad_in_forward_shape``: priced at ``decision_rows(N)`` and
-    cached per step of it, then cut for N), so what the model evaluates is what runs:
+    composable path, how gradients are accumulated) by the named rules of ``backends/rules.py`` and describes it
+    as a ``fusedloss.core.workload.PlanChoice``; the performance model (``benchmarks/model/cuda.py``) lists and
+    prices the passes of that same choice. The backend takes the same choices at run time (``_choose_path``,
+    ``_grad_in_forward_shape``: decided at ``decision_rows(N)`` and cached per step of it, then cut for N):
 
     * workspace: ``FUSEDLOSS_WORKSPACE_MB`` (fusedloss/config.py) if set, else an eighth of the memory free for
       torch on the device when the backend first runs there, between 256 MiB and 4 GiB (then fixed for the process, so
@@ -18,8 +18,8 @@ The plan
     rows, cut at
       multiples of 128 rows; bf16 d weight once per group of chunks whose dx the workspace keeps together,
       or deferred to the backward where dx is no larger than d weight (docs/design.md, "Grouped d weight",
-      "Deferred d weight"), whichever the model prices fastest; taken only where the model says it beats the
-      composable path (big enough chunks), so no op is slower than its 4-product plan;
+      "Deferred d weight"); taken where its chunks are big enough to beat the composable path (the rules
+      ``rules.cuda_grad_in_forward``, ``rules.defer_d_weight``, ``rules.cuda_groups``);
     * d hidden and d weight accumulate inside the GEMM (beta = 1 into fp32 accumulators) where torch
       supports it on the device (probed once per device), else a product block and an add; a gradient that
       one product completes is written in its own dtype directly.
@@ -41,20 +41,21 @@ from typing import NamedTuple, Optional
 import torch
 
 from ... import config
-from ...core import cost, registry
+from ...core import registry
 from ...core.problem import GradientNeeds, StatsProblem
-from .. import gpu
+from ...core.workload import GPU, PlanChoice, Workload
+from .. import gpu, rules
 from .. import torch as torch_backend
-from . import epilogue, sass_counts
+from . import epilogue
 
 # ------------------------------------------------------------------------------------------------
-# The plan (docs/design.md, "Plans and the cost model")
+# The plan (docs/design.md, "Plans and the performance model")
 # ------------------------------------------------------------------------------------------------
 # The floor of the workspace policy (``gpu.workspace_bytes``): a tile takes all rows of at least
 # ``MIN_TILE_COLS`` columns. The policy's 4 GiB cap, priced by the model against 8 GiB at N = 16384,
 # V = 151936: ~+3% for cross-entropy (two groups of 3 row chunks instead of one group of 3: one more beta = 1
 # accumulation of d weight) and ~+2% for reverse-KL distillation (two groups of 6 instead of one of 6); none at
-# N = 4096, V = 128256 (one chunk either way) (docs/design.md, "Plans and the cost model").
+# N = 4096, V = 128256 (one chunk either way) (docs/design.md, "Plans and the performance model").
 WORKSPACE_MIN_BYTES = 256 * 2**20
 # Rows of the fold's running-state buffer (csrc/fusedloss/args.h kStateFields: the RowState fields and the
 # target logit): the plan sizes it, and the backend refuses an extension with another layout.
@@ -72,21 +73,6 @@ ROW_ALIGN = 128
 # the separate copy and the (rows, column blocks) grid, and there the workspace does not limit the rows anyway
 # (few rows: N is small, or V so large that a packed tile holds fewer rows than two waves).
 PACKED_MIN_ROWS = 2048
-# Small kernels (aten ops that are neither views nor the GEMM-sized products) of the grad-in-forward path: (per row
-# chunk, per call). Per chunk: the loss module's autograd on [rows] vectors, the dz coefficients, the masks;
-# per call: validation, the targets, the loss's reductions and the backward's scaling. As a trace of the aten
-# ops of one forward and backward counts them with the losses' defaults (tests/test_cost_model_launches.py);
-# other ops take the largest.
-_SMALL_LAUNCHES = {"cross_entropy": (20, 25), "grpo": (41, 35), "distill_reverse_kl": (13, 14),
-                   "distill_forward_kl": (14, 14), "distill_jsd": (18, 14)}
-_SMALL_LAUNCHES_DEFAULT = (41, 33)
-
-
-def small_launches(op: str) -> tuple[int, int]:
-    """(per row chunk, per call): the small kernels the model charges ``cost.LAUNCH_US`` each for."""
-    return _SMALL_LAUNCHES.get(op, _SMALL_LAUNCHES_DEFAULT)
-
-
 _OVERRIDES: contextvars.ContextVar = contextvars.ContextVar("fusedloss_cuda_plan_overrides", default=())
 _OVERRIDE_KEYS = ("tile_rows", "tile_cols", "grad_in_forward_rows", "workspace_mb", "packed_min_rows", "group_rows",
                   "defer_d_weight")
@@ -190,8 +176,8 @@ class _Shape(NamedTuple):
 def _grad_in_forward_layout(n: int, s: _Shape) -> list:
     """The grad-in-forward plan's row groups and their chunks, ``[(g0, g1, [(r0, r1), ...]), ...]``: groups of
     ``s.group_rows`` rows (one chunk each when the shape has no groups), chunks of ``s.rows`` rows inside each
-    group, the last of each shorter. The model prices exactly these products, and grad_in_forward_gradients runs
-    them."""
+    group, the last of each shorter. The performance model prices exactly these products, and
+    grad_in_forward_gradients runs them."""
     group = s.group_rows or s.rows
     layout = []
     for g0 in range(0, n, group):
@@ -233,13 +219,13 @@ def _layout_sizes(n: int, s: _Shape) -> _Sizes:
                   sum(chunk_rows.values()), whole + (1 if last else 0), multi, min(n, group))
 
 
-def _bytes_per_element(w: cost.Workload, packed: bool) -> int:
+def _bytes_per_element(w: Workload, packed: bool) -> int:
     """Workspace bytes per logit: the fp32 student tile, the fp32 teacher tile, and the half-precision dx copy
     unless dx is fp32 (in place) or packed over the student tile."""
     return 4 + (4 if w.has_teacher else 0) + (0 if w.dtype == "float32" or packed else w.operand_bytes)
 
 
-def _with_packing(w: cost.Workload, budget: int, caps: dict, shape_fn, can_pack: bool) -> _Shape:
+def _with_packing(w: Workload, budget: int, caps: dict, shape_fn, can_pack: bool) -> _Shape:
     """``shape_fn(w, budget, caps, packed)`` packed where dx is half precision and the packed tile has at least
     ``PACKED_MIN_ROWS`` rows, else with a separate dx copy."""
     if can_pack and w.dtype != "float32":
@@ -249,7 +235,7 @@ def _with_packing(w: cost.Workload, budget: int, caps: dict, shape_fn, can_pack:
     return shape_fn(w, budget, caps, False)
 
 
-def _composable_shape(w: cost.Workload, budget: int, caps: dict) -> _Shape:
+def _composable_shape(w: Workload, budget: int, caps: dict) -> _Shape:
     """One tile shape for the forward and the recompute backward (rule: the backward recomputes exactly the
     forward's row blocks and GEMM shapes). All rows when that leaves >= MIN_TILE_COLS columns (one row chunk:
     d weight needs no accumulator and W is read once per pass), else a square tile (fewest accumulator
@@ -257,7 +243,7 @@ def _composable_shape(w: cost.Workload, budget: int, caps: dict) -> _Shape:
     return _with_packing(w, budget, caps, _composable_shape_as, True)
 
 
-def _composable_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool) -> _Shape:
+def _composable_shape_as(w: Workload, budget: int, caps: dict, packed: bool) -> _Shape:
     elements = max(1, budget // _bytes_per_element(w, packed))
     v_pad = _round_up(w.v, ALIGN)
     if elements // w.n >= min(v_pad, MIN_TILE_COLS):
@@ -276,14 +262,14 @@ def _composable_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool
     return _Shape(rows, row_chunks, cols, vocab_tiles, _round_up(cols, ALIGN), packed)
 
 
-def _grad_in_forward_shape(w: cost.Workload, budget: int, caps: dict, gpu: cost.GPUSpec, accumulate: bool) -> _Shape:
+def _grad_in_forward_shape(w: Workload, budget: int, caps: dict, gpu: GPU, accumulate: bool) -> _Shape:
     """Chunks of whole rows (all V columns), as many rows as the workspace holds (``_chunked``). Packs a bf16
     dx where the chunk has the rows; never fp16's, which is formed in fp32 in place and pre-scaled into a copy
     by torch ops (``_scaled_half_dx``: torch ops over overlapping memory are undefined). A bf16 problem with a
     weight gradient over several chunks may instead group its rows (``_grouped_shapes``) or defer d weight
-    (``_deferred_shape``): the model takes whichever of these candidates it prices fastest at the plan's
-    decision rows (``decision_rows``; docs/design.md, "Grouped d weight", "Plans and the cost model"), and the
-    chosen kind is then cut for N itself."""
+    (``_deferred_shape``): the rule ``rules.cuda_d_weight_layout`` takes one of these candidates at the plan's
+    decision rows (``decision_rows``; docs/design.md, "Grouped d weight", "Plans and the performance model"), and
+    the chosen kind is then cut for N itself."""
     kind = _grad_in_forward_kind(_decision_key(w), budget, tuple(sorted(caps.items())), _gpu_key(gpu), accumulate)
     return _grad_in_forward_shape_of(w, budget, caps, kind)
 
@@ -300,7 +286,7 @@ class _GradInForwardKind(NamedTuple):
 _CHUNKS = _GradInForwardKind("chunks")
 
 
-def _grad_in_forward_shape_of(w: cost.Workload, budget: int, caps: dict, kind: _GradInForwardKind) -> _Shape:
+def _grad_in_forward_shape_of(w: Workload, budget: int, caps: dict, kind: _GradInForwardKind) -> _Shape:
     """The shape of ``kind`` for ``w``'s own N (a few divisions: the kind was chosen at the decision rows).
     The ungrouped chunks where the kind does not apply at this N (fewer chunks than groups)."""
     base = _with_packing(w, budget, caps, _grad_in_forward_shape_as, w.dtype == "bfloat16")
@@ -317,72 +303,64 @@ def _grad_in_forward_shape_of(w: cost.Workload, budget: int, caps: dict, kind: _
 @functools.lru_cache(maxsize=1024)
 def _grad_in_forward_kind(key: tuple, budget: int, caps_items: tuple, gpu_key: tuple,
                           accumulate: bool) -> _GradInForwardKind:
-    """The grad-in-forward shape kind the model prices fastest for the workload ``key`` (``_decision_key``: N at its
-    decision rows): the plan's cached part, so that calls whose N falls in the same step of ``decision_rows``
-    share it."""
+    """The grad-in-forward shape kind for the workload ``key`` (``_decision_key``: N at its decision rows), by the rule
+    ``rules.cuda_d_weight_layout``: the plan's cached part, so that calls whose N falls in the
+    same step of ``decision_rows`` share it."""
     w, caps = _decided(key), dict(caps_items)
     base = _with_packing(w, budget, caps, _grad_in_forward_shape_as, w.dtype == "bfloat16")
     deferred = _deferred_shape(w, budget, caps, base)
     if "defer_d_weight" in caps and deferred is not None:
         return _GradInForwardKind("deferred")
-    grouped = []
     if "group_rows" in caps:
         if next(iter(_grouped_shapes(w, budget, caps, base)), None) is not None:
             return _GradInForwardKind("grouped")
-    else:
-        grouped = [(_GradInForwardKind("grouped", g), shape) for g, shape in _group_candidates(w, budget, caps, base)]
-    if "grad_in_forward_rows" in caps:  # a cap on the chunk's rows (tests, device checks): the chunks it asks for
+    if "grad_in_forward_rows" in caps or "group_rows" in caps:  # a cap on the chunks (tests, device checks)
         return _CHUNKS
-    candidates = [(_CHUNKS, base)] + grouped
+    kinds = [(_CHUNKS, base)] + [(_GradInForwardKind("grouped", g), shape)
+                                 for g, shape in _group_candidates(w, budget, caps, base)]
     if deferred is not None:
-        candidates.append((_GradInForwardKind("deferred"), deferred))
-    if len(candidates) == 1:
+        kinds.append((_GradInForwardKind("deferred"), deferred))
+    if len(kinds) == 1:
         return _CHUNKS
-    gpu = _gpu_of_key(gpu_key)
-    try:
-        timed = [(cost.evaluate(cost.Plan("cuda", "grad_in_forward", 3.0, _grad_in_forward_passes(w, gpu, s,
-                                                                                                  accumulate)), w,
-                                gpu).model_ms, i) for i, (_, s) in enumerate(candidates)]
-    except Exception as exc:  # the choice is a matter of speed: the ungrouped chunks run correctly
-        cost.unpriced(f"the CUDA grad-in-forward shapes of {w}", exc)
-        return _CHUNKS
-    return candidates[min(timed)[1]][0]  # ties keep the earlier candidate: the ungrouped shape first
+    layouts = []
+    for _, shape in kinds:
+        sizes = _layout_sizes(w.n, shape)
+        layouts.append((sizes.chunks, sizes.groups, shape.deferred))
+    return kinds[rules.cuda_d_weight_layout(w, _gpu_of_key(gpu_key), layouts)][0]
 
 
 def decision_rows(n: int) -> int:
     """The rows at which the plan's choices (grad-in-forward or composable path, grouped or deferred d weight) are
-    priced
-    for a call of ``n`` rows: ``n`` rounded up to a step of 1/32 of its power of two, at least ``ROW_ALIGN``
+    taken for a call of ``n`` rows: ``n`` rounded up to a step of 1/32 of its power of two, at least ``ROW_ALIGN``
     (exact at multiples of 128 below 8192, and at 16384, 32768, ...). The choices are cached per step, so that
     calls of varying sequence lengths share them; the chunks are then cut for ``n`` itself."""
     return _round_up(n, max(ROW_ALIGN, 1 << max(0, n.bit_length() - 6)))
 
 
-_WORKLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(cost.Workload))
+_WORKLOAD_FIELDS = tuple(f.name for f in dataclasses.fields(Workload))
 
 
-def _decision_key(w: cost.Workload) -> tuple:
+def _decision_key(w: Workload) -> tuple:
     """``w``'s fields in order, N at its decision rows: the key of the plan's cached choices
     (``_decided``)."""
     return tuple(decision_rows(w.n) if name == "n" else getattr(w, name) for name in _WORKLOAD_FIELDS)
 
 
-def _decided(key: tuple) -> cost.Workload:
-    return cost.Workload(**dict(zip(_WORKLOAD_FIELDS, key)))
+def _decided(key: tuple) -> Workload:
+    return Workload(**dict(zip(_WORKLOAD_FIELDS, key)))
 
 
-def _gpu_key(gpu: cost.GPUSpec) -> tuple:
-    """A hashable description of a GPU spec (its ``tflops`` is a dict), for the plan's caches."""
-    return (gpu.name, tuple(sorted(gpu.tflops.items())), gpu.hbm_tbps, gpu.l2_bytes, gpu.sm_count,
-            gpu.memory_bytes, gpu.sm_clock_ghz)
+def _gpu_key(gpu: GPU) -> tuple:
+    """A hashable description of a GPU (the package's ``GPU`` or the model's spec of one), for the plan's caches."""
+    return (gpu.name, gpu.sm_count, gpu.memory_bytes, gpu.half_flops_per_byte, gpu.fp32_flops_per_byte,
+            gpu.tf32_flops_per_byte)
 
 
-def _gpu_of_key(key: tuple) -> cost.GPUSpec:
-    name, tflops, *rest = key
-    return cost.GPUSpec(name, dict(tflops), *rest)
+def _gpu_of_key(key: tuple) -> GPU:
+    return GPU(*key)
 
 
-def _grad_in_forward_shape_as(w: cost.Workload, budget: int, caps: dict, packed: bool) -> _Shape:
+def _grad_in_forward_shape_as(w: Workload, budget: int, caps: dict, packed: bool) -> _Shape:
     ld = _round_up(w.v, ALIGN)
     rows_max = max(1, budget // (ld * _bytes_per_element(w, packed)))
     rows_max = min(rows_max, caps.get("grad_in_forward_rows", rows_max))
@@ -390,7 +368,7 @@ def _grad_in_forward_shape_as(w: cost.Workload, budget: int, caps: dict, packed:
     return _Shape(rows, chunks, w.v, 1, ld, packed)
 
 
-def _deferred_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape) -> Optional[_Shape]:
+def _deferred_shape(w: Workload, budget: int, caps: dict, base: _Shape) -> Optional[_Shape]:
     """The grad-in-forward shape that defers d weight to the backward (docs/design.md, "Deferred d weight"): a bf16
     weight gradient over at most D rows. The forward keeps dx ([N, V] bf16 with padded rows, outside the
     workspace) instead of d weight ([V, D]): no more memory from the forward to the backward (N ld <= V D).
@@ -407,7 +385,7 @@ def _deferred_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape) -> 
     return _Shape(rows, _chunk_count(w.n, w.n, rows), w.v, 1, base.ld, False, w.n, True)
 
 
-def _grouped_shapes(w: cost.Workload, budget: int, caps: dict, base: _Shape):
+def _grouped_shapes(w: Workload, budget: int, caps: dict, base: _Shape):
     """Grad-in-forward shapes whose dx of ``group_rows`` rows (bf16, 2 bytes a logit) stays in a region of the workspace
     beside the chunk's fp32 tiles, so that d weight takes one product per group (K = group rows) instead of
     one beta = 1 accumulation of the fp32 [V, D] accumulator per chunk (8 bytes per entry each), and d hidden
@@ -425,7 +403,7 @@ def _grouped_shapes(w: cost.Workload, budget: int, caps: dict, base: _Shape):
         yield shape
 
 
-def _group_candidates(w: cost.Workload, budget: int, caps: dict, base: _Shape):
+def _group_candidates(w: Workload, budget: int, caps: dict, base: _Shape):
     """``(groups, shape)`` for each distinct group size of ``_grouped_shapes`` (groups of ``ceil(N / groups)``
     rows rounded up to ``ROW_ALIGN``, for 1 <= groups < the ungrouped chunks), in increasing numbers of groups,
     the fewest groups of each size. Only sizes whose region leaves room for a chunk are visited, and above
@@ -445,7 +423,7 @@ def _group_candidates(w: cost.Workload, budget: int, caps: dict, base: _Shape):
             if shape is not None:
                 yield groups, shape
         # the next size worth trying: the next multiple of ROW_ALIGN below, or 1/64 below above 64 of them
-        # (more than 64 groups: sizes that close differ in the model by less than its precision)
+        # (more than 64 groups: sizes that close differ in their products' weight by less than the rules' precision)
         gap = size // 64 if size > 64 * ROW_ALIGN else 1
         below = min(largest, size - gap) // ROW_ALIGN * ROW_ALIGN
         if below < ROW_ALIGN:
@@ -453,7 +431,7 @@ def _group_candidates(w: cost.Workload, budget: int, caps: dict, base: _Shape):
         groups = max(groups + 1, -(-n // below))
 
 
-def _grouped_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape, group: int) -> Optional[_Shape]:
+def _grouped_shape(w: Workload, budget: int, caps: dict, base: _Shape, group: int) -> Optional[_Shape]:
     """Groups of ``group`` rows, their chunks as large as the workspace left beside the group's dx region holds
     (None where no row fits)."""
     region = 4 if w.dtype == "float32" else 2
@@ -465,185 +443,7 @@ def _grouped_shape(w: cost.Workload, budget: int, caps: dict, base: _Shape, grou
     return _Shape(rows, _chunk_count(w.n, group, rows), w.v, 1, base.ld, False, group)
 
 
-def _gemm(name, m, n, k, count, w, gpu, hbm_bytes, launches, epilogue_bytes) -> cost.Pass:
-    """A product of ``count`` GEMMs with [m, n] outputs over k (the totals: 2 m n k count flops), of whose
-    ``hbm_bytes`` ``epilogue_bytes`` are C (written in fp32 or the operands' dtype, read too for beta = 1)."""
-    math_ = "float32" if w.dtype == "float32" else w.dtype
-    return cost.Pass(name, flops=2.0 * m * n * k * count, hbm_bytes=hbm_bytes, math=math_,
-                     efficiency=cost.gemm_efficiency(m, n, k, gpu), fixed_us=launches * cost.LAUNCH_US,
-                     epilogue_bytes=epilogue_bytes)
-
-
-def _sweep(name, elements, bytes_per_element, flops_per_element, launches) -> cost.Pass:
-    return cost.Pass(name, flops=float(elements) * flops_per_element, hbm_bytes=float(elements) * bytes_per_element,
-                     math="cuda_core", fixed_us=launches * cost.LAUNCH_US)
-
-
-def _flag(b: bool) -> str:
-    return "true" if b else "false"
-
-
-def kernel_name(kind: str, w: cost.Workload, dx_out: Optional[str] = None, packed: bool = False) -> str:
-    """The fp32-tile kernel instantiation a pass of ``w`` launches (kernels.cu), as sass_counts.py names it."""
-    teacher, plain = _flag(w.has_teacher), _flag(w.plain)
-    if kind == "fold":
-        return f"fold_kernel<float, {_flag(w.op == 'token_logprobs_entropy')}, {teacher}, {plain}>"
-    if kind == "dx":
-        out = dx_out or {"bfloat16": "bf16", "float16": "fp16", "float32": "float"}[w.dtype]
-        if packed:
-            return f"dx_packed_kernel<{out}, {teacher}, {plain}>"
-        return f"dx_kernel<float, {out}, {teacher}, {plain}>"
-    return "jsd_kernel<float>"
-
-
-def _kernel(name: str, kind: str, w: cost.Workload, elements: float, bytes_per_element: float, launches: int,
-            extra_bytes: float = 0.0, dx_out: Optional[str] = None, packed: bool = False) -> cost.Pass:
-    """An elementwise kernel over ``elements`` logits: its bytes, and the warp-instructions of its vector loop
-    per logit as compiled (fusedloss/backends/cuda/sass_counts.py, from tools/sass_counts.py)."""
-    counts = sass_counts.KERNELS[kernel_name(kind, w, dx_out, packed)]
-    return cost.Pass(name, hbm_bytes=float(elements) * bytes_per_element + extra_bytes, math="cuda_core",
-                     fixed_us=launches * cost.LAUNCH_US, instructions=float(elements) * counts["per_column"] / 32,
-                     mufu=float(elements) * counts["mufu_per_column"] / 32)
-
-
-def _token_math(w: cost.Workload, chunks: int, extra: int = 0) -> cost.Pass:
-    """The loss's per-token math (GRPO clipping, DPO sigmoid, KL penalty, normalisation, dz coefficients) and
-    the call's own small ops: tens of elementwise kernels on [tokens] vectors, ~1 KB per token in all. At
-    N = 16384 that is 16 MB: microseconds beside the GEMM-sized products; launches, not bytes, are its cost."""
-    per_chunk, per_call = small_launches(w.op)
-    return cost.Pass("token math", flops=200.0 * w.n, hbm_bytes=1024.0 * w.n, math="cuda_core",
-                     fixed_us=(per_chunk * chunks + per_call + extra) * cost.LAUNCH_US)
-
-
-def _composable_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
-    n, v, d, b = w.n, w.v, w.d, w.operand_bytes
-    dt = w.teacher_d or d
-    tiles = s.row_chunks * s.vocab_tiles
-    nv = float(n) * v
-    teacher = w.has_teacher
-    jsd = w.op == "distill_jsd"
-    grads = w.hidden_grad or w.weight_grad
-
-    def logits(name, dim):
-        return _gemm(name, s.rows, s.cols, dim, tiles, w, gpu,
-                     n * dim * b * s.vocab_tiles + v * dim * b * s.row_chunks + nv * 4, tiles, nv * 4)
-
-    passes = [logits("logits", d)]
-    if teacher:
-        passes.append(logits("teacher logits", dt))
-    # the state merges of a fold over several vocabulary tiles: [kStateFields, rows] read and written per tile
-    state = 2 * STATE_FIELDS * 4 * n * (s.vocab_tiles - 1)
-    passes.append(_kernel("fold", "fold", w, nv, 8 if teacher else 4, tiles, extra_bytes=state))
-    if jsd:
-        if tiles > 1:  # the JSD's second sweep recomputes the tiles (one tile stays in the workspace)
-            passes += [logits("jsd recompute", d), logits("jsd teacher recompute", dt)]
-        passes.append(_kernel("jsd", "jsd", w, nv, 8, tiles))
-    passes.append(_token_math(w, 1))
-    if not grads:
-        return passes
-    dx_bytes = 4 if w.dtype == "float32" else b
-    passes.append(logits("recompute", d))
-    if teacher:
-        passes.append(logits("teacher recompute", dt))
-    # the same bytes packed or not: a packed dx is written over the tile instead of beside it
-    passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + dx_bytes, tiles, packed=s.packed))
-    if w.hidden_grad:
-        # d hidden [rows, D] over the vocabulary tiles: one product when one tile covers V, else fp32
-        # accumulation (beta = 1: the accumulator read and written by each later tile's product)
-        acc = n * d * 4 * (1 + 2 * (s.vocab_tiles - 1)) if s.vocab_tiles > 1 else n * d * b
-        moved = nv * dx_bytes + v * d * b * s.row_chunks + acc
-        passes.append(_gemm("d hidden", s.rows, d, s.cols, tiles, w, gpu, moved, tiles, acc))
-        if s.vocab_tiles > 1 and not accumulate:  # a product block, then a separate add kernel
-            passes.append(_sweep("d hidden add", n * d * (s.vocab_tiles - 1), 12, 1, tiles))
-    if w.weight_grad:
-        acc = v * d * 4 * (1 + 2 * (s.row_chunks - 1)) if s.row_chunks > 1 else v * d * b
-        moved = nv * dx_bytes + n * d * b * s.vocab_tiles + acc
-        passes.append(_gemm("d weight", s.cols, d, s.rows, tiles, w, gpu, moved, tiles, acc))
-        if s.row_chunks > 1 and not accumulate:
-            passes.append(_sweep("d weight add", v * d * (s.row_chunks - 1), 12, 1, tiles))
-        # rows outside the loss must not bring NaN padding into d weight: a masked copy of hidden
-        passes.append(_sweep("hidden mask", n * d, 2 * b, 1, 1))
-    rounding = (v * d * (4 + b) if w.weight_grad and s.row_chunks > 1 else 0) + (
-        n * d * (4 + b) if w.hidden_grad and s.vocab_tiles > 1 else 0)
-    if rounding:
-        passes.append(_sweep("round gradients", rounding / 6, 6, 1, 2))
-    return passes
-
-
-def _grad_in_forward_passes(w: cost.Workload, gpu: cost.GPUSpec, s: _Shape, accumulate: bool) -> list:
-    n, v, d, b = w.n, w.v, w.d, w.operand_bytes
-    dt = w.teacher_d or d
-    sizes = _layout_sizes(n, s)
-    chunk_rows, group_rows = sizes.chunk_rows, sizes.group_rows
-    c, groups = sizes.chunks, sizes.groups
-    nv = float(n) * v
-    teacher = w.has_teacher
-    fp16 = w.dtype == "float16"
-    dx_bytes = 4 if w.dtype == "float32" else b
-    accumulated = groups > 1 or fp16  # d weight in an fp32 accumulator, not written once in its own dtype
-
-    def per_size(counts, make):
-        """One pass per distinct chunk or group size (each product priced at its own shape)."""
-        return [make(m, k) for m, k in sorted(counts.items())]
-
-    def logits(name, dim):
-        return per_size(chunk_rows, lambda m, k: _gemm(name, m, v, dim, k, w, gpu,
-                                                      m * k * dim * b + v * dim * b * k + m * k * v * 4, k,
-                                                      m * k * v * 4))
-
-    passes = logits("logits", d)
-    if teacher:
-        passes += logits("teacher logits", dt)
-    passes.append(_kernel("fold", "fold", w, nv, 8 if teacher else 4, c))
-    if w.op == "distill_jsd":
-        passes.append(_kernel("jsd", "jsd", w, nv, 8, c))
-    # a group of several chunks joins its chunks' row masks (one small op)
-    passes.append(_token_math(w, c, sizes.multi_chunk_groups if w.weight_grad else 0))
-    if fp16:
-        # dx in fp32 in place, its max, then x 2^k rounded to fp16 (GradScaler's scale is not known yet)
-        passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + 4, c, dx_out="float"))
-        passes.append(_sweep("dx pre-scale", nv, 4 + 4 + 2, 2, 3 * c))
-    else:
-        passes.append(_kernel("dx", "dx", w, nv, (8 if teacher else 4) + dx_bytes, c, packed=s.packed))
-    if w.hidden_grad:  # one product per group (per chunk without groups), written in fp32
-        passes += per_size(group_rows, lambda m, k: _gemm("d hidden", m, d, v, k, w, gpu,
-                                                          m * k * v * dx_bytes + v * d * b * k + m * k * d * 4, k,
-                                                          m * k * d * 4))
-    if w.weight_grad and s.deferred:
-        # the backward: hidden scaled by the incoming gradient and masked (read, write; read, write), then one
-        # product written in the weight's dtype
-        passes.append(_sweep("scale hidden in the backward", n * d, 4 * b, 1, 3))
-        passes.append(_gemm("d weight in the backward", v, d, n, 1, w, gpu, nv * dx_bytes + n * d * b + v * d * b,
-                            1, v * d * b))
-    elif w.weight_grad:
-        # the first group's product writes the fp32 accumulator, each later one reads and writes it (beta = 1);
-        # one group writes d weight once in its own dtype
-        first = sizes.first_group
-
-        def d_weight(m, k):
-            acc = (v * d * 4 * (2 * k - (m == first)) if accumulated else v * d * b * k)
-            return _gemm("d weight", v, d, m, k, w, gpu, m * k * v * dx_bytes + m * k * d * b + acc, k, acc)
-
-        passes += per_size(group_rows, d_weight)
-        if groups > 1 and not accumulate:  # a product block, then a separate add kernel
-            passes.append(_sweep("d weight add", v * d * (groups - 1), 12, 1, groups - 1))
-    if w.weight_grad and not s.deferred:
-        passes.append(_sweep("hidden mask", n * d, 2 * b, 1, groups))
-        if fp16 and groups > 1:  # the accumulator follows each chunk's power-of-two scale
-            passes.append(_sweep("d weight rescale", v * d * (groups - 1), 8, 1, groups - 1))
-    # core/grad_in_forward.py's backward (scaled_gradient): one kernel per gradient reads it once and writes the scaled
-    # result once in the parameter's dtype
-    scale_bytes = 0
-    if w.weight_grad and not s.deferred:
-        scale_bytes += v * d * (2 * b if not (accumulated or w.dtype == "float32") else 4 + b)
-    if w.hidden_grad:
-        scale_bytes += n * d * (4 + b)
-    if scale_bytes:
-        passes.append(_sweep("scale and round gradients", scale_bytes, 1, 0.1, 2))
-    return passes
-
-
-def _products(w: cost.Workload, path: str) -> tuple[float, float]:
+def _products(w: Workload, path: str) -> tuple[float, float]:
     grads = int(w.hidden_grad) + int(w.weight_grad)
     if path == "grad_in_forward":
         return float(1 + grads), 1.0 if w.has_teacher else 0.0
@@ -651,10 +451,15 @@ def _products(w: cost.Workload, path: str) -> tuple[float, float]:
     return float(forms + grads), float(forms) if w.has_teacher else 0.0
 
 
-def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
-    shape = (_grad_in_forward_shape(w, budget, caps, gpu, accumulate) if path == "grad_in_forward"
-             else _composable_shape(w, budget, caps))
-    passes = (_grad_in_forward_passes if path == "grad_in_forward" else _composable_passes)(w, gpu, shape, accumulate)
+def shape_of(w: Workload, gpu: GPU, budget: int, caps: dict, path: str, accumulate: bool) -> _Shape:
+    """The chunk (grad-in-forward) or tile (composable) shape of ``path`` for ``w`` (the performance model lists
+    its passes from it)."""
+    return (_grad_in_forward_shape(w, budget, caps, gpu, accumulate) if path == "grad_in_forward"
+            else _composable_shape(w, budget, caps))
+
+
+def _candidate(w, gpu, budget, caps, path, accumulate) -> PlanChoice:
+    shape = shape_of(w, gpu, budget, caps, path, accumulate)
     products, teacher_products = _products(w, path)
     if path == "composable" and w.op == "distill_jsd" and shape.row_chunks * shape.vocab_tiles > 1:
         products += 1
@@ -689,19 +494,19 @@ def _candidate(w, gpu, budget, caps, path, accumulate) -> cost.Plan:
                   accumulate=("inside the GEMM (beta=1 into fp32)" if accumulate else "product block, then add"),
                   fp32_products=("ieee" if _fp32_precision() == "ieee" else "tf32") if w.dtype == "float32" else None,
                   overlap=False)
-    return cost.Plan(backend="cuda", path=path, products=products, passes=passes, params=params)
+    return PlanChoice(backend="cuda", path=path, products=products, params=params)
 
 
-def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] = None, *,
-         path: Optional[str] = None, workspace: Optional[int] = None, accumulate_in_gemm: bool = True) -> cost.Plan:
-    """How the CUDA backend runs ``workload`` on ``gpu`` (``fusedloss.core.cost``'s interface).
+def plan(workload: Workload, gpu: GPU, free_bytes: Optional[int] = None, *,
+         path: Optional[str] = None, workspace: Optional[int] = None, accumulate_in_gemm: bool = True) -> PlanChoice:
+    """How the CUDA backend runs ``workload`` on ``gpu``: the path, the products and the parameters it runs with.
 
     ``free_bytes``: memory free for torch on the device (sizes the workspace, ``workspace_bytes``), or
     ``workspace`` the workspace itself. ``path``: "grad_in_forward" or "composable" to force one (the forward and the
     backward of the composable op force "composable"); None takes the grad-in-forward path for a loss known in the
-    forward (``workload.row_local``) with a gradient to compute when the model says it is faster than the
-    composable one, else the composable path. ``accumulate_in_gemm``: whether torch can accumulate half
-    products into fp32 inside the GEMM on the device (``gpu.capabilities``; assumed for the model).
+    forward (``workload.row_local``) with a gradient to compute where the rule ``rules.cuda_grad_in_forward`` says
+    its chunks beat the composable path, else the composable path. ``accumulate_in_gemm``: whether torch can
+    accumulate half products into fp32 inside the GEMM on the device (``gpu.capabilities``).
     The same inputs always give the same plan."""
     if path not in (None, "grad_in_forward", "composable"):
         raise ValueError(f"path must be None, 'grad_in_forward' or 'composable', got {path!r}")
@@ -721,80 +526,51 @@ def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] =
     choice = _choose_path(workload, gpu, budget, accumulate)
     chosen = _candidate(workload, gpu, budget, caps, choice.path, accumulate)
     chosen.params["reason"] = choice.reason
-    if choice.model_ms is None:  # unpriced (cost.unpriced said why): the rule of _path_of_unpriced
-        return chosen
-    other = _candidate(workload, gpu, budget, caps,
-                       "composable" if choice.path == "grad_in_forward" else "grad_in_forward", accumulate)
-    try:
-        chosen.params["alternative"] = {"path": other.path,
-                                        "model_ms": round(cost.evaluate(other, workload, gpu).model_ms, 3)}
-    except Exception as exc:  # the choice stands; only its description lacks the figure
-        cost.unpriced(f"the CUDA {other.path} plan of {workload}", exc)
     return chosen
 
 
 class _PathChoice(NamedTuple):
-    """The path a plan takes, and why: the modelled times of both paths at the decision rows (None where they
-    could not be priced)."""
+    """The path a plan takes, and the rule's reason."""
 
     path: str
-    model_ms: Optional[tuple]
     reason: str
 
 
-def _choose_path(w: cost.Workload, gpu: cost.GPUSpec, budget: int, accumulate: bool) -> _PathChoice:
+def _choose_path(w: Workload, gpu: GPU, budget: int, accumulate: bool) -> _PathChoice:
     """The grad-in-forward or the composable path for ``w``: the composable one where the grad-in-forward path cannot
-    run, else the
-    one the model prices faster at the decision rows (cached per step of ``decision_rows``: the host time of a
-    call whose N was seen in that step is a dictionary lookup)."""
+    run, else ``rules.cuda_grad_in_forward`` at the decision rows (cached per step of ``decision_rows``: the host
+    time of a call whose N was seen in that step is a dictionary lookup)."""
     if not (w.row_local and (w.hidden_grad or w.weight_grad)):
-        return _PathChoice("composable", None, f"{w.op} needs the composable path")
+        return _PathChoice("composable", f"{w.op} needs the composable path")
     return _path_choice(_decision_key(w), _gpu_key(gpu), budget, accumulate, _OVERRIDES.get())
 
 
 @functools.lru_cache(maxsize=1024)
 def _path_choice(key: tuple, gpu_key: tuple, budget: int, accumulate: bool, overrides: tuple) -> _PathChoice:
     w, gpu, caps = _decided(key), _gpu_of_key(gpu_key), dict(overrides)
-    try:
-        grad_in_forward = _candidate(w, gpu, budget, caps, "grad_in_forward", accumulate)
-        composable = _candidate(w, gpu, budget, caps, "composable", accumulate)
-        t_grad_in_forward = cost.evaluate(grad_in_forward, w, gpu).model_ms
-        t_comp = cost.evaluate(composable, w, gpu).model_ms
-    except Exception as exc:  # the choice is a matter of speed: either path runs correctly
-        cost.unpriced(f"the CUDA plans of {w}", exc)
-        return _path_of_unpriced(w, budget, caps)
-    chosen, other = ("grad_in_forward", "composable") if t_grad_in_forward <= t_comp else ("composable",
-                                                                                           "grad_in_forward")
-    fast, slow = min(t_grad_in_forward, t_comp), max(t_grad_in_forward, t_comp)
-    return _PathChoice(chosen, (t_grad_in_forward, t_comp),
-                       f"{chosen} is modelled faster than {other} ({fast:.3g} ms vs {slow:.3g} ms) at {w.n} rows "
-                       f"(the decision rows of N) of {w.v} at this workspace")
+    chunk = _grad_in_forward_shape(w, budget, caps, gpu, accumulate)
+    tile = _composable_shape(w, budget, caps)
+    sizes = _layout_sizes(w.n, chunk)
+    pays, why = rules.cuda_grad_in_forward(w, gpu, sizes.chunks, sizes.groups, chunk.deferred, tile.row_chunks,
+                                           tile.vocab_tiles)
+    path = "grad_in_forward" if pays else "composable"
+    return _PathChoice(path, f"{path}: {why} (at {w.n} rows, the decision rows of N, of {w.v} at this workspace)")
 
 
-def _path_of_unpriced(w: cost.Workload, budget: int, caps: dict) -> _PathChoice:
-    """The path without the model's prices: the grad-in-forward path (3 products instead of 4) where its chunks fill
-    cuBLAS's 128-row output tiles (or hold every row), else the composable path."""
-    rows = _with_packing(w, budget, caps, _grad_in_forward_shape_as, w.dtype == "bfloat16").rows
-    path = "grad_in_forward" if rows >= min(w.n, ROW_ALIGN) else "composable"
-    return _PathChoice(path, None,
-                       f"{path}: the cost model could not price the plans, and the grad-in-forward chunks have "
-                                   f"{rows} rows")
-
-
-def gpu_of(device: torch.device) -> cost.GPUSpec:
-    """The cost model's spec for the device's GPU (``registry.device_gpu``, the Triton backend's too: by name,
-    else by architecture); the H200's for CPU tensors (host mode)."""
+def gpu_of(device: torch.device) -> GPU:
+    """The device's GPU as the plans know it (``registry.device_gpu``, the Triton backend's too: by name, else by
+    architecture); the H200 for CPU tensors (host mode)."""
     return registry.device_gpu(device)
 
 
-workload_of = cost.Workload.of  # the cost model's description of a problem
+workload_of = Workload.of  # the plan's description of a problem
 
 
 _free_bytes = gpu.free_bytes  # fixed per device for the process (backends/gpu.py)
 
 
 def _problem_plan(p: StatsProblem, *, row_local: bool, path: Optional[str],
-                  needs: GradientNeeds = GradientNeeds(True, True, False)) -> cost.Plan:
+                  needs: GradientNeeds = GradientNeeds(True, True, False)) -> PlanChoice:
     dev = p.hidden.device
     w = workload_of(p, row_local=row_local, hidden_grad=needs.hidden, weight_grad=needs.weight)
     return plan(w, gpu_of(dev), _free_bytes(dev), path=path, accumulate_in_gemm=gpu.capabilities(dev).accumulate)
@@ -820,8 +596,7 @@ def _grad_in_forward_chunk(p: StatsProblem, needs: GradientNeeds = GradientNeeds
 @_call_options
 def grad_in_forward_pays(p: StatsProblem) -> bool:
     """The plan's choice for a loss known in the forward (core/grad_in_forward.py): the 3-product grad-in-forward path
-    where the
-    cost model says its chunks are big enough to beat the composable path."""
+    where the rule ``rules.cuda_grad_in_forward`` says its chunks are big enough to beat the composable path."""
     if p.acc_dtype == torch.float64:
         return torch_backend.grad_in_forward_pays(p)
     if epilogue.wanted(p):  # FUSEDLOSS_CUDA_EPILOGUE=1: the composable path on the epilogue kernels

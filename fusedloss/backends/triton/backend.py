@@ -24,8 +24,8 @@ Grad-in-forward path (``grad_in_forward_gradients``, ``core/grad_in_forward.py``
     teacher fold (``teacher_fold``) forms its statistics from both kept tiles once the student's are final
     (docs/design.md, "The Triton teacher on the grad-in-forward path"); the loss gives the chunk's coefficients; the
     gradient kernel reads the tiles back instead of forming them again; cuBLAS does d hidden and d weight.
-    Three products instead of four. ``plan`` (the shared cost model, ``core/cost.py``) decides between the two
-    paths, and sizes the chunks: the same function the model evaluates runs the backend.
+    Three products instead of four. ``plan`` (``plan.py``, by the rules of ``backends/rules.py``) chooses the path
+    and sizes the chunks.
 
 Precision
     fp32 inputs multiply with ``tf32x3`` on the GPU (three TF32 products, about fp32's accuracy, on the
@@ -58,6 +58,7 @@ from ... import config
 from ...core import partials
 from ...core.problem import GradientNeeds, Statistics, StatsProblem
 from .. import gpu
+from .interpreter_compat import numpy_compat as _interpreter_numpy_compat
 from .plan import (  # noqa: F401 - the plan's public names are the backend's too (plan, tiles, workspace)
     _DTYPE_NAMES,
     ARCH_ELEMENTWISE_TILES,
@@ -81,7 +82,6 @@ from .plan import (  # noqa: F401 - the plan's public names are the backend's to
     grad_in_forward_rows,
     grid_of,
     plan,
-    small_launches,
     tile_family,
     workload_of,
     workspace_budget,
@@ -166,31 +166,6 @@ def _kernels() -> SimpleNamespace:
                                    fold=teacher_fold_kernel, tm=tile_math,
                                    interpreted=_interpret_requested())
     return _KERNELS
-
-
-def _interpreter_numpy_compat() -> None:
-    """Triton's interpreter (3.4 to 3.6 at least) turns a scalar tensor into a Python int with
-    ``int(array)``, which NumPy >= 2.4 rejects for its 1-element arrays, so every loop with a runtime bound
-    (``range(0, D, BLOCK_K)``) fails there. Wrap the interpreter's tensor patch to convert with ``.item()``."""
-    from triton.runtime import interpreter
-
-    original = getattr(interpreter, "_patch_lang_tensor", None)
-    if original is None or getattr(original, "_fusedloss_compat", False):
-        return
-
-    def index(self):
-        return int(self.handle.data.item())
-
-    # Triton >= 3.6 patches through a scope that restores the class afterwards; older ones set attributes.
-    def patched(tensor, *scope):
-        original(tensor, *scope)
-        if scope:
-            scope[0].set_attr(tensor, "__index__", index)
-        else:
-            tensor.__index__ = index
-
-    patched._fusedloss_compat = True
-    interpreter._patch_lang_tensor = patched
 
 
 # ----------------------------------------------------------------------------------------------
@@ -793,8 +768,8 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
 
 
 def grad_in_forward_pays(p: StatsProblem) -> bool:
-    """Whether the cost model puts the grad-in-forward path below the composable one for this problem (on CPU tensors,
-    i.e. the interpreter, the model of the H200 decides, so tests take the path a GPU would)."""
+    """Whether the plan's rule takes the grad-in-forward path for this problem (on CPU tensors, i.e. the interpreter,
+    as on an H200, so that tests take the path a GPU would)."""
     needs = GradientNeeds(p.hidden.requires_grad, p.weight.requires_grad, p.bias is not None and p.bias.requires_grad)
     if not (needs.hidden or needs.weight):
         needs = GradientNeeds(True, True, needs.bias)

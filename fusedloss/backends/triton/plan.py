@@ -1,6 +1,8 @@
 """The Triton backend's plan: tiles, grids, chunks, the workspace and the path, pure functions of a problem's
 shapes, its GPU and its workspace (no tensors allocated, nothing launched; ``backend.py`` runs what they decide).
-``plan`` describes a call as a ``fusedloss.core.cost.Plan`` (docs/design.md, "Plans and the cost model").
+``plan`` decides a call by the named rules of ``backends/rules.py`` and describes it as a
+``fusedloss.core.workload.PlanChoice``, which the performance model prices (``benchmarks/model/triton.py``;
+docs/design.md, "Plans and the performance model").
 
 Memory
     Besides the gradients, O(N) per-row vectors and the ``[F, splits, N]`` partials (F = len(partials.FIELDS)):
@@ -23,14 +25,15 @@ from __future__ import annotations
 
 import dataclasses
 from functools import lru_cache
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
 from ... import config
-from ...core import cost, partials, registry
+from ...core import registry
 from ...core.problem import GradientNeeds, StatsProblem
-from .. import gpu
+from ...core.workload import GPU, PlanChoice, Workload
+from .. import gpu, rules
 
 # ----------------------------------------------------------------------------------------------
 # Tile configurations
@@ -54,7 +57,7 @@ class TileConfig:
 # Candidates for the autotuner, by operand dtype and epilogue ("lean": the logits' normaliser and the target;
 # "heavy": entropy, TRL's extras, the mean logit or a soft-cap, whose per-element terms need twice the
 # registers; "teacher": a second product); the first is the default (deterministic mode, CUDA graph capture
-# and the cost model). A 128 x 128 tile on 8 warps holds 64 fp32 values per thread per tile-sized temporary:
+# and the performance model). A 128 x 128 tile on 8 warps holds 64 fp32 values per thread per tile-sized temporary:
 # enough for the lean epilogue, a spill for the heavy ones, which take 64 x 128; a teacher's second product
 # and its statistics fit 64 x 64 (64 x 128 sits at 255 registers and spills with some feature sets). fp32
 # operands step K by 16: tf32x3 holds each operand as two tf32 halves in registers, and a 32-wide step spills
@@ -149,7 +152,7 @@ SHARED_LIMITS = {"sm_90": 227 * 1024, "sm_100": 227 * 1024, "sm_120": 99 * 1024,
 
 def device_target(device: torch.device) -> str:
     """The architecture the kernels compile for on ``device``: ``sm_<major><minor>`` on NVIDIA, the ``gfx`` name
-    on AMD (ROCm); "sm_90" (the H200 the model targets) for CPU and meta tensors."""
+    on AMD (ROCm); "sm_90" (the H200 the rules were set for) for CPU and meta tensors."""
     if device.type != "cuda":
         return "sm_90"
     return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
@@ -231,7 +234,7 @@ def deterministic() -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# Grids, chunks and the plan (core/cost.py): the same functions size the launches and the model
+# Grids, chunks and the plan: the same functions size the launches and the performance model's passes
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -267,23 +270,23 @@ def forward_grid(n: int, v: int, block_m: int, block_v: int, slots: int, weight_
     return row_blocks, per, splits, group
 
 
-def weight_stream_steps(v: int, cfg: TileConfig, gpu: cost.GPUSpec, dtype: str) -> float:
+def weight_stream_steps(v: int, cfg: TileConfig, gpu: GPU, dtype: str) -> float:
     """The time to stream a half-precision weight [V, D] from HBM once, in tile steps of one program (a
-    BLOCK_M x BLOCK_V x D product at the GPU's rate shared by its SMs); D cancels. 0 where the products are
-    far slower than the stream (fp32, float64) and for the interpreter's fixed slots."""
-    if cfg.slots is not None or dtype not in ("bfloat16", "float16") or dtype not in gpu.tflops:
+    BLOCK_M x BLOCK_V x D product at the GPU's rate shared by its SMs, ``GPU.half_flops_per_byte``); D cancels.
+    0 where the products are far slower than the stream (fp32, float64) and for the interpreter's fixed slots."""
+    if cfg.slots is not None or dtype not in ("bfloat16", "float16"):
         return 0.0
-    flops_per_byte = gpu.tflops[dtype] / gpu.hbm_tbps
+    flops_per_byte = gpu.half_flops_per_byte
     return _cdiv(v, cfg.block_v) * _BYTES[dtype] * flops_per_byte / (2.0 * gpu.sm_count * cfg.block_m)
 
 
-def grid_of(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec, dtype: str) -> tuple:
+def grid_of(n: int, v: int, cfg: TileConfig, gpu: GPU, dtype: str) -> tuple:
     """``forward_grid`` of ``n`` rows for these tiles on this GPU."""
     return forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count,
                         weight_stream_steps(v, cfg, gpu, dtype))
 
 
-def elementwise_grid(n: int, v: int, cfg: TileConfig, gpu: cost.GPUSpec) -> tuple:
+def elementwise_grid(n: int, v: int, cfg: TileConfig, gpu: GPU) -> tuple:
     """``forward_grid`` of an elementwise sweep over the grad-in-forward workspace (the teacher fold, the JSD's second
     sweep): the same whole waves of (row block, split) programs, no weight to stream."""
     return forward_grid(n, v, cfg.block_m, cfg.block_v, cfg.slots or gpu.sm_count, 0.0)
@@ -297,7 +300,7 @@ GRADIENT_GROUP = 8  # row blocks per group of the gradient kernel's one-tile pro
 MIN_WORKSPACE = 64 << 20
 
 
-def workspace_budget(workspace_mb: Optional[float], free_bytes: Optional[int], gpu_spec: cost.GPUSpec) -> int:
+def workspace_budget(workspace_mb: Optional[float], free_bytes: Optional[int], gpu_spec: GPU) -> int:
     """Bytes of workspace for one call (``gpu.workspace_bytes``): ``workspace_mb`` if given (problem field or
     FUSEDLOSS_WORKSPACE_MB), else 1/8 of the free memory (half the GPU's memory if unknown) within
     [64 MiB, 4 GiB]; fixed at 1 GiB in deterministic mode."""
@@ -358,146 +361,61 @@ def grad_in_forward_rows(n: int, v: int, dtype: str, teacher: bool, budget: int,
     return max(cfg.block_m, min(rows, _cdiv(n, cfg.block_m) * cfg.block_m))
 
 
-class SmallLaunches(NamedTuple):
-    """Small launches the model charges ``cost.LAUNCH_US`` each for. ``merge``: per statistics forward, the
-    splits merged and finalised (torch ops on the [fields, splits, rows] partials); ``chunk``: per grad-in-forward
-    chunk besides its statistics kernel and merge (the loss's per-token math, the dz coefficients, the
-    normalisers, the masks, the gradient kernel); ``call``: per call (validation, the targets, the
-    reductions, the gradients' scaling; on the composable path the backward's own small ops)."""
-
-    merge: int
-    chunk: int
-    call: int
-
-
-# As a trace of the aten ops and kernel launches of one forward and backward counts them with the losses'
-# defaults (tests/test_triton_launches.py); other ops take the largest. Per composable backward block: the
-# gradient kernel (its two cuBLAS products are priced as products).
-_SMALL_LAUNCHES = {
-    "cross_entropy": SmallLaunches(50, 20, 28),
-    "grpo": SmallLaunches(50, 41, 38),
-    "distill_reverse_kl": SmallLaunches(50, 35, 17),
-    "distill_forward_kl": SmallLaunches(50, 29, 17),
-    "distill_jsd": SmallLaunches(50, 11, 17),
-    "token_logprobs": SmallLaunches(14, 41, 32),
-    "token_logprobs_entropy": SmallLaunches(14, 41, 33),
-}
-_SMALL_LAUNCHES_DEFAULT = SmallLaunches(50, 41, 42)
-BACKWARD_BLOCK_LAUNCHES = 1
-
-
-def small_launches(op: str) -> SmallLaunches:
-    """The small launches of an op's call (``SmallLaunches``)."""
-    return _SMALL_LAUNCHES.get(op, _SMALL_LAUNCHES_DEFAULT)
-# The teacher fold (grad-in-forward distillation): its partials, and the small ops of its frame and split merge
-# (partials.merge_teacher_sweep), per grad-in-forward chunk; tests/test_triton_launches.py counts them with the rest.
-TEACHER_FOLD_MERGE_LAUNCHES = 26
-TEACHER_FOLD_FIELDS = 5  # the fold's partials: mt, st, a, b, ztm
-
-
-def _pass(name: str, flops: float, hbm_bytes: float, math: str, *, efficiency: float = 1.0,
-          launches: int = 0, epilogue_bytes: float = 0.0) -> cost.Pass:
-    """A ``cost.Pass`` with the efficiency of a skinny product, the fixed cost of its small launches and, for a
-    cuBLAS product, the part of its bytes that is its epilogue."""
-    return cost.Pass(name, flops, hbm_bytes, math, efficiency=efficiency, fixed_us=launches * cost.LAUNCH_US,
-                     epilogue_bytes=epilogue_bytes)
-
-
-def _product_math(dtype: str, precision: str, gpu: Optional[cost.GPUSpec] = None) -> tuple:
-    """(cost-model rate key, products per GEMM-sized product) of a Triton product: tf32x3 is three TF32
-    products; float64 at the float64 rate (the fp32 one where the model has none)."""
-    if dtype in ("bfloat16", "float16"):
-        return dtype, 1
-    if dtype == "float64":
-        return ("float64" if gpu is not None and "float64" in gpu.tflops else "float32"), 1
-    return ("tf32", 3) if precision == "tf32x3" else ("tf32", 1) if precision == "tf32" else ("float32", 1)
-
-
-def _forward_passes(w: cost.Workload, n: int, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, prefix: str,
-                    store_bytes: float = 0.0, teacher_product: bool = True) -> list:
-    """The statistics kernel over ``n`` rows: products, operand traffic (the weight once per group of row
-    blocks, which share it through L2), the programs the last wave leaves idle, and the split merge.
-    ``teacher_product``: the teacher's product is formed in the tile (the grad-in-forward path's comes from cuBLAS)."""
-    e, acc, _ = _sizes(w.dtype)
-    math_key, factor = _product_math(w.dtype, precision, gpu)
-    slots = cfg.slots or gpu.sm_count
-    row_blocks, per, splits, group = grid_of(n, w.v, cfg, gpu, w.dtype)
-    d_all = w.d + (_teacher_d(w) if teacher_product else 0)
-    flops = 2.0 * n * w.v * d_all * factor
-    groups = _cdiv(row_blocks, group)
-    partials_bytes = len(partials.FIELDS) * splits * n * acc
-    traffic = groups * w.v * d_all * e + n * d_all * e + partials_bytes + store_bytes
-    busy = row_blocks * _cdiv(w.v, cfg.block_v)
-    capacity = _cdiv(row_blocks * splits, slots) * slots * per
-    tile = cost.triton_tile_efficiency(cfg.block_m, cfg.block_v)  # the rate this tile's products reach
-    passes = [_pass(f"{prefix}: logits and statistics", flops, traffic, math_key, efficiency=tile, launches=1),
-              _pass(f"{prefix}: idle in the last wave", flops * (capacity / busy - 1.0), 0.0, math_key,
-                    efficiency=tile),
-              _pass(f"{prefix}: split merge", 0.0, 4 * partials_bytes, "cuda_core",
-                    launches=small_launches(w.op).merge)]
-    # the mixture's second sweep (the grad-in-forward path's: _grad_in_forward_plan)
-    if w.op == "distill_jsd" and teacher_product:
-        passes.append(_pass(f"{prefix}: JSD pass", flops, traffic, math_key, efficiency=tile, launches=1))
-    return passes
-
-
-def _teacher_d(w: cost.Workload) -> int:
-    return (w.teacher_d or w.d) if w.has_teacher else 0
-
-
-def _cublas_math(dtype: str, allow_tf32: bool, gpu: cost.GPUSpec) -> str:
-    if dtype in ("bfloat16", "float16"):
-        return dtype
-    if dtype == "float64":
-        return "float64" if "float64" in gpu.tflops else "float32"
-    return "tf32" if allow_tf32 else "float32"
-
-
-def plan(workload: cost.Workload, gpu: cost.GPUSpec, free_bytes: Optional[int] = None, *,
+def plan(workload: Workload, gpu: GPU, free_bytes: Optional[int] = None, *,
          tiles: Optional[TileConfig] = None, grad_in_forward_tiles: Optional[TileConfig] = None,
          workspace_mb: Optional[float] = None, workspace: Optional[int] = None, precision: Optional[str] = None,
-         allow_tf32: bool = False, path: Optional[str] = None) -> cost.Plan:
-    """This backend's execution of ``workload`` on ``gpu`` as a ``cost.Plan``: the grad-in-forward 3-product path for a
-    row-local loss when the model finds it cheaper, else the composable statistics op (forward, then the
+         allow_tf32: bool = False, path: Optional[str] = None) -> PlanChoice:
+    """This backend's execution of ``workload`` on ``gpu``: the grad-in-forward 3-product path for a row-local loss
+    where the rule ``rules.triton_grad_in_forward`` takes it, else the composable statistics op (forward, then the
     gradient kernel and two cuBLAS products per vocabulary chunk). ``params`` carries what the backend runs
     with: ``tiles``, ``forward_grid``, ``row_chunk`` and ``vocab_chunk`` (composable), ``grad_in_forward_rows``,
     ``workspace_bytes`` (``workspace``, in bytes, or ``workspace_mb`` fix it; else the free memory sizes it).
     ``tiles`` / ``grad_in_forward_tiles`` (the composable and the grad-in-forward path's) default to the first
-    candidates (what the
-    autotuner starts from); ``path`` ("grad_in_forward" or "composable") asks for one path instead of the cheaper."""
-    student = "heavy" if workload.op == "token_logprobs_entropy" else "lean"
-    kind = "teacher" if workload.has_teacher else student
-    dtype = getattr(torch, workload.dtype)
-    cfg = tiles or candidates(dtype, kind)[0]
-    grad_in_forward_cfg = grad_in_forward_tiles or candidates(dtype, student, "grad_in_forward")[0]
-    precision = precision or ("tf32" if allow_tf32 else "tf32x3")
+    candidates (what the autotuner starts from); ``path`` ("grad_in_forward" or "composable") asks for one path
+    instead of the rule's. The performance model (``benchmarks/model/triton.py``) prices the same choice."""
+    cfg, grad_in_forward_cfg, precision = _plan_tiles(workload, tiles, grad_in_forward_tiles, precision, allow_tf32)
     if path not in (None, "grad_in_forward", "composable"):
         raise ValueError(f"path must be None, 'grad_in_forward' or 'composable', got {path!r}")
     if workspace is not None and (isinstance(workspace, bool) or not isinstance(workspace, int) or workspace < 1):
         raise ValueError(f"workspace must be a positive int of bytes or None, got {workspace!r}")
     budget = workspace if workspace is not None else workspace_budget(workspace_mb, free_bytes, gpu)
+    grads = int(workload.hidden_grad) + int(workload.weight_grad)
+    reason = None
+    if path is None:
+        path = "composable"
+        if workload.row_local and grads:
+            rows = grad_in_forward_rows(workload.n, workload.v, workload.dtype, workload.has_teacher, budget,
+                                        grad_in_forward_cfg)
+            pays, why = rules.triton_grad_in_forward(workload, gpu, rows, *backward_chunks(
+                workload.n, workload.v, workload.d, workload.dtype, budget, cfg))
+            path = "grad_in_forward" if pays else "composable"
+            reason = f"{path}: {why}"
     if path == "grad_in_forward":
-        return _grad_in_forward_plan(workload, gpu, grad_in_forward_cfg, precision, allow_tf32, budget)
-    composable = _composable_plan(workload, gpu, cfg, precision, allow_tf32, budget)
-    grads = workload.hidden_grad or workload.weight_grad
-    if path == "composable" or not (workload.row_local and grads):
-        return composable
-    grad_in_forward = _grad_in_forward_plan(workload, gpu, grad_in_forward_cfg, precision, allow_tf32, budget)
-    model = workload
-    if workload.dtype not in gpu.tflops:  # a model without float64 rates: compare the two paths at fp32's
-        model = dataclasses.replace(workload, dtype="float32")
-    try:
-        faster = cost.evaluate(grad_in_forward, model, gpu).model_ms <= cost.evaluate(composable, model, gpu).model_ms
-    except Exception as exc:  # the choice is a matter of speed: either path runs correctly
-        cost.unpriced(f"the Triton plans of {workload}", exc)
-        # without prices: the grad-in-forward path (3 products instead of 4) where the workspace holds 128 rows of its
-        # chunks (or every row), as the CUDA backend's rule
-        rows = budget // grad_in_forward_row_bytes(workload.v, workload.dtype, workload.has_teacher)
-        faster = rows >= min(workload.n, 128)
-    return grad_in_forward if faster else composable
+        params = _common_params(workload, gpu, grad_in_forward_cfg, precision, budget)
+        products = 1.0 + grads
+    else:
+        params = _common_params(workload, gpu, cfg, precision, budget)
+        if grads:
+            rows, cols = backward_chunks(workload.n, workload.v, workload.d, workload.dtype, budget, cfg)
+            params.update(row_chunk=rows, vocab_chunk=cols)
+        products = 1.0 + (1.0 + grads if grads else 0.0)
+    if reason is not None:
+        params["reason"] = reason
+    return PlanChoice(backend="triton", path=path, products=products, params=params)
 
 
-def _common_params(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, budget: int) -> dict:
+def _plan_tiles(workload: Workload, tiles, grad_in_forward_tiles, precision, allow_tf32) -> tuple:
+    """(composable tiles, grad-in-forward tiles, fp32 precision) of a plan: the given ones, else the first
+    candidates and tf32x3 (tf32 where allowed)."""
+    student = "heavy" if workload.op == "token_logprobs_entropy" else "lean"
+    kind = "teacher" if workload.has_teacher else student
+    dtype = getattr(torch, workload.dtype)
+    cfg = tiles or candidates(dtype, kind)[0]
+    grad_in_forward_cfg = grad_in_forward_tiles or candidates(dtype, student, "grad_in_forward")[0]
+    return cfg, grad_in_forward_cfg, precision or ("tf32" if allow_tf32 else "tf32x3")
+
+
+def _common_params(w: Workload, gpu: GPU, cfg: TileConfig, precision: str, budget: int) -> dict:
     return dict(tiles=dataclasses.asdict(cfg), precision=precision if w.dtype == "float32" else "native",
                 teacher_products=float(w.has_teacher),
                 forward_grid=grid_of(w.n, w.v, cfg, gpu, w.dtype),
@@ -505,124 +423,14 @@ def _common_params(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precisi
                                                                                   budget, cfg))
 
 
-def _gradient_products(w: cost.Workload, gpu: cost.GPUSpec, rows: int, cols: int, math: str,
-                       dx_bytes: float, direct_weight: bool = False) -> list:
-    """d hidden and d weight through cuBLAS from dx blocks of ``rows`` x ``cols``, with their fp32
-    accumulators' traffic and the efficiency of products of that shape. Their C (written, and read for a
-    beta = 1 accumulation) is the products' epilogue, priced as the CUDA backend's are (``cost.Pass``'s
-    ``epilogue_bytes``). ``direct_weight``: a d weight block that one product completes is written in the
-    weight's dtype (no fp32 block, no cast) when all rows fit."""
-    e, acc, e_dx = _sizes(w.dtype)
-    rows, cols = min(rows, w.n), min(cols, w.v)
-    chunks_r, chunks_v = _cdiv(w.n, rows), _cdiv(w.v, cols)
-    flops = 2.0 * w.n * w.v * w.d
-    passes = []
-    if w.hidden_grad:
-        out_bytes = (2 * chunks_v - 1) * w.n * w.d * acc
-        passes.append(_pass("d hidden (cuBLAS)", flops, dx_bytes + chunks_r * w.v * w.d * e + out_bytes, math,
-                            efficiency=cost.gemm_efficiency(rows, w.d, cols, gpu), epilogue_bytes=out_bytes))
-        if e != acc:
-            passes.append(_pass("d hidden: round to the input dtype", 0.0, w.n * w.d * (acc + e), "cuda_core"))
-    if w.weight_grad:
-        direct = direct_weight and chunks_r == 1
-        cast = w.v * w.d * (acc + e) if e != acc and not direct else 0
-        out_bytes = w.v * w.d * e if direct else (2 * chunks_r - 1) * w.v * w.d * acc
-        passes.append(_pass("d weight (cuBLAS)", flops, dx_bytes + chunks_v * w.n * w.d * e + out_bytes + cast, math,
-                            efficiency=cost.gemm_efficiency(cols, w.d, rows, gpu), epilogue_bytes=out_bytes))
-        passes.append(_pass("d weight: rows without gradient masked", 0.0, 2 * w.n * w.d * e, "cuda_core"))
-    return passes
+def workload_of(p: StatsProblem, needs: GradientNeeds, row_local: bool) -> Workload:
+    """The plan's description of a problem with these gradients (``Workload.of``)."""
+    return Workload.of(p, row_local=row_local, hidden_grad=needs.hidden, weight_grad=needs.weight)
 
 
-def _call_ops(w: cost.Workload) -> cost.Pass:
-    """The call's own small ops (``SmallLaunches.call``): [tokens] vectors, ~1 KB per token in all."""
-    return _pass("small ops of the call", 0.0, 1024.0 * w.n, "cuda_core", launches=small_launches(w.op).call)
-
-
-def _composable_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
-                     budget: int) -> cost.Plan:
-    e, acc, e_dx = _sizes(w.dtype)
-    params = _common_params(w, gpu, cfg, precision, budget)
-    passes = _forward_passes(w, w.n, gpu, cfg, precision, "forward")
-    grads = int(w.hidden_grad) + int(w.weight_grad)
-    if grads:
-        rows, cols = backward_chunks(w.n, w.v, w.d, w.dtype, budget, cfg)
-        chunks_r, chunks_v = _cdiv(w.n, rows), _cdiv(w.v, cols)
-        params.update(row_chunk=rows, vocab_chunk=cols)
-        math_key, factor = _product_math(w.dtype, precision, gpu)
-        teacher_d = _teacher_d(w)
-        flops = 2.0 * w.n * w.v * (w.d + teacher_d) * factor
-        groups = chunks_v * _cdiv(_cdiv(min(rows, w.n), cfg.block_m), GRADIENT_GROUP) * chunks_r
-        dx_bytes = w.n * w.v * e_dx
-        passes.append(_pass("backward: logits again and dx", flops,
-                            groups * cols * (w.d + teacher_d) * e + chunks_v * w.n * (w.d + teacher_d) * e
-                            + dx_bytes, math_key, efficiency=cost.triton_tile_efficiency(cfg.block_m, cfg.block_v),
-                            launches=chunks_r * chunks_v * BACKWARD_BLOCK_LAUNCHES))
-        passes += _gradient_products(w, gpu, rows, cols, _cublas_math(w.dtype, allow_tf32, gpu), dx_bytes,
-                                     direct_weight=True)
-        passes.append(_call_ops(w))
-    return cost.Plan(backend="triton", path="composable", products=1.0 + (1.0 + grads if grads else 0.0),
-                     passes=passes, params=params)
-
-
-def _grad_in_forward_plan(w: cost.Workload, gpu: cost.GPUSpec, cfg: TileConfig, precision: str, allow_tf32: bool,
-                budget: int) -> cost.Plan:
-    """Per row chunk: the teacher's raw logits through cuBLAS into the workspace (an fp32-output product whose
-    C write is its epilogue), the student's forward keeping its tiles (with no teacher product), the teacher
-    fold over the kept tiles (and the JSD's second sweep); then dx from the kept tiles and the two cuBLAS
-    gradient products (``grad_in_forward_gradients``)."""
-    e, acc, e_dx = _sizes(w.dtype)
-    params = _common_params(w, gpu, cfg, precision, budget)
-    rows = params["grad_in_forward_rows"]
-    chunks = _cdiv(w.n, rows)
-    logits = w.n * w.v * acc * (2 if w.has_teacher else 1)
-    cublas = _cublas_math(w.dtype, allow_tf32, gpu)
-    dt = _teacher_d(w)
-    passes = []
-    whole, last = divmod(w.n, rows)
-    for m, count in ((rows, whole), (last, 1)):  # the chunks of each size, priced once and counted
-        if not (m and count):
-            continue
-        first = len(passes)
-        if w.has_teacher:
-            out = m * w.v * acc
-            passes.append(cost.Pass("grad-in-forward logits: teacher (cuBLAS)", flops=2.0 * m * w.v * dt,
-                                    hbm_bytes=(m + w.v) * dt * e + out, math=cublas,
-                                    efficiency=cost.gemm_efficiency(m, w.v, dt, gpu), fixed_us=cost.LAUNCH_US,
-                                    epilogue_bytes=out))
-        passes += _forward_passes(w, m, gpu, cfg, precision, "grad-in-forward logits", store_bytes=m * w.v * acc,
-                                  teacher_product=False)
-        if w.has_teacher:
-            # the fold reads the teacher's kept tile once (and the student's, for a KL); for a reverse KL each of
-            # its programs first reads, per row, the forward tile holding the student's maximum and x_t at the
-            # first maximum column (ztm; a 32-byte sector); its partials are written, then merged (~4 passes)
-            fold_splits = elementwise_grid(m, w.v, TEACHER_FOLD_TILES, gpu)[2]
-            fold_partials = TEACHER_FOLD_FIELDS * fold_splits * m * acc
-            tiles_read = 1 if w.op == "distill_jsd" else 2
-            ztm = fold_splits * m * (cfg.block_v * acc + 32) if w.op == "distill_reverse_kl" else 0
-            passes.append(_pass("grad-in-forward teacher fold", 0.0,
-                                tiles_read * m * w.v * acc + ztm + 5 * fold_partials,
-                                "cuda_core", launches=1 + TEACHER_FOLD_MERGE_LAUNCHES))
-            if w.op == "distill_jsd":
-                passes.append(_pass("grad-in-forward JSD pass", 0.0, 2 * m * w.v * acc, "cuda_core", launches=2))
-        passes[first:] = [dataclasses.replace(p, count=count) for p in passes[first:]]
-    dx_bytes = w.n * w.v * e_dx
-    # dx: the kept logits read back, dx written over them (in place for fp32 / float64, packed for bf16 / fp16)
-    passes.append(_pass("grad-in-forward dx from the kept logits", 0.0, logits + dx_bytes, "cuda_core",
-                        launches=chunks * small_launches(w.op).chunk))
-    passes += _gradient_products(w, gpu, rows, w.v, cublas, dx_bytes)
-    passes.append(_call_ops(w))
-    return cost.Plan(backend="triton", path="grad_in_forward", products=1.0 + int(w.hidden_grad) + int(w.weight_grad),
-                     passes=passes, params=params)
-
-
-def workload_of(p: StatsProblem, needs: GradientNeeds, row_local: bool) -> cost.Workload:
-    """The cost model's description of a problem with these gradients (``cost.Workload.of``)."""
-    return cost.Workload.of(p, row_local=row_local, hidden_grad=needs.hidden, weight_grad=needs.weight)
-
-
-def gpu_of(device: torch.device) -> cost.GPUSpec:
-    """The GPU a problem runs on (``registry.device_gpu``, the CUDA backend's too); the H200 the model targets
-    for CPU (interpreter) and meta tensors."""
+def gpu_of(device: torch.device) -> GPU:
+    """The GPU a problem runs on (``registry.device_gpu``, the CUDA backend's too); the H200 for CPU (interpreter)
+    and meta tensors."""
     return registry.device_gpu(device)
 
 

@@ -1,28 +1,33 @@
-"""The cost model: what a backend's plan for one call costs on a given GPU, without a GPU.
+"""The performance model: what a backend's plan for one call costs on a given GPU, without a GPU.
 
-Every GPU backend describes how it will execute a call as a ``Plan``: a list of ``Pass``es (a GEMM-sized
-product, an elementwise sweep over a workspace, a reduction ...) each with the flops it performs and the
-bytes it moves through HBM, and for elementwise kernels the instructions they issue (counted in their
-compiled SASS). ``evaluate`` turns a plan into a modelled time per pass (``max(flops / rate, bytes /
-bandwidth, instructions / issue rate)``, plus a product's exposed epilogue and its small launches; passes summed
-unless a pass says it overlaps the previous one; ``pass_breakdown`` says which limit bounds each) and
-compares it with the *product-count bound* of the workload: the time of the fewest GEMM-sized products any
-exact method needs for that op at the GPU's dense peak (``product_bound``).
-
-The backends' own plan functions are what the model evaluates (``fusedloss.backends.cuda.backend.plan``,
-``fusedloss.backends.triton.backend.plan``), and the same functions drive their run-time choices (grad-in-forward or
-composable path, chunk rows, vocabulary tile), so the model and the code cannot drift apart.
-``benchmarks/cost_model.py`` is the command line over this module, and the benchmark stores the modelled
-figures beside the measured ones. See docs/design.md, "Plans and the cost model".
+Every GPU backend's plan (``fusedloss/backends/*/plan.py::plan``) decides a call by named rules and describes
+it as a ``fusedloss.core.workload.PlanChoice``; the model's plan functions (``benchmarks/model/cuda.py``,
+``benchmarks/model/triton.py``) list that choice's ``Pass``es (a GEMM-sized product, an elementwise sweep over a
+workspace, a reduction ...) each with the flops it performs and the bytes it moves through HBM, and for
+elementwise kernels the instructions they issue (counted in their compiled SASS). ``evaluate`` turns a plan
+into a modelled time per pass (``max(flops / rate, bytes / bandwidth, instructions / issue rate)``, plus a
+product's exposed epilogue and its small launches; passes summed unless a pass says it overlaps the previous
+one; ``pass_breakdown`` says which limit bounds each) and compares it with the *product-count bound* of the
+workload: the time of the fewest GEMM-sized products any exact method needs for that op at the GPU's dense
+peak (``product_bound``). ``tests/test_model_plan_rules.py`` checks that the package's rules pick the plan this
+model prices cheapest, or one within 2% of it. ``benchmarks/cost_model.py`` is the command line over this
+module. See docs/design.md, "Plans and the performance model".
 """
 
 from __future__ import annotations
 
 import math
-import numbers
-import warnings
 from dataclasses import dataclass, field
-from typing import Optional
+
+from fusedloss.core.workload import GPU as Hardware
+from fusedloss.core.workload import (  # noqa: F401 - the model's workloads are the package's
+    OPERAND_BYTES,
+    OPS,
+    PlanChoice,
+    Workload,
+    gpu_key,
+    product_bound,
+)
 
 # ------------------------------------------------------------------------------------------------
 # GPUs
@@ -44,6 +49,22 @@ class GPUSpec:
     memory_bytes: int
     sm_clock_ghz: float = 1.98
 
+    @property
+    def half_flops_per_byte(self) -> float:
+        """The balance the package's plans know the GPU by (``fusedloss.core.workload.GPU``)."""
+        return self.tflops["bfloat16"] / self.hbm_tbps
+
+    @property
+    def fp32_flops_per_byte(self) -> float:
+        return self.tflops["float32"] / self.hbm_tbps
+
+    @property
+    def tf32_flops_per_byte(self) -> float:
+        return self.tflops["tf32"] / self.hbm_tbps
+
+    def flops_per_byte(self, dtype: str) -> float:
+        return self.half_flops_per_byte if dtype in ("bfloat16", "float16") else self.fp32_flops_per_byte
+
 
 # Every rate below is a named figure with its source. The first device run's per-kernel times (the benchmark's
 # profile of one call) replace them: each is what one kind of kernel is assumed to reach until then.
@@ -60,6 +81,10 @@ GPUS = {
     # 1.41 GHz boost.
     "a100": GPUSpec("A100", {"bfloat16": 280.0, "float16": 280.0, "tf32": 140.0, "float32": 19.5, "float64": 19.5},
                     hbm_tbps=1.7, l2_bytes=40 * 2**20, sm_count=108, memory_bytes=80 * 10**9, sm_clock_ghz=1.41),
+    # A100 40 GB: the 80 GB part's SMs with 1.555 TB/s HBM2 (datasheet), 0.85 of it effective.
+    "a100-40gb": GPUSpec("A100 40GB", {"bfloat16": 280.0, "float16": 280.0, "tf32": 140.0, "float32": 19.5,
+                                       "float64": 19.5},
+                         hbm_tbps=1.32, l2_bytes=40 * 2**20, sm_count=108, memory_bytes=40 * 10**9, sm_clock_ghz=1.41),
     # B200: ~2250 TFLOP/s bf16 dense (datasheet), 8 TB/s datasheet, ~7 effective; ~1.9 GHz boost.
     "b200": GPUSpec("B200", {"bfloat16": 2000.0, "float16": 2000.0, "tf32": 1000.0, "float32": 75.0, "float64": 37.0},
                     hbm_tbps=7.0, l2_bytes=126 * 2**20, sm_count=148, memory_bytes=180 * 10**9, sm_clock_ghz=1.9),
@@ -85,6 +110,15 @@ GPUS = {
                                                         "float32": 126.0, "float64": 2.0},
                             hbm_tbps=1.52, l2_bytes=128 * 2**20, sm_count=188, memory_bytes=96 * 10**9,
                             sm_clock_ghz=2.62),
+    # L40S (sm_89): 362 TFLOP/s bf16 dense with fp32 accumulation, 864 GB/s GDDR6, 48 GB, 142 SMs, 96 MB L2,
+    # 2.52 GHz boost; fp32 91.6 TFLOP/s, tf32 183 dense, fp64 1/64 of fp32.
+    "l40s": GPUSpec("L40S", {"bfloat16": 362.0, "float16": 362.0, "tf32": 183.0, "float32": 91.6, "float64": 1.4},
+                    hbm_tbps=0.73, l2_bytes=96 * 2**20, sm_count=142, memory_bytes=48 * 10**9, sm_clock_ghz=2.52),
+    # GeForce RTX 4090 (sm_89): 165.2 TFLOP/s bf16 dense with fp32 accumulation, 1.01 TB/s GDDR6X, 24 GB, 128 SMs,
+    # 72 MB L2, 2.52 GHz boost; fp32 82.6 TFLOP/s, tf32 82.6 dense, fp64 1/64 of fp32.
+    "rtx4090": GPUSpec("RTX 4090", {"bfloat16": 165.2, "float16": 165.2, "tf32": 82.6, "float32": 82.6,
+                                    "float64": 1.3},
+                       hbm_tbps=0.86, l2_bytes=72 * 2**20, sm_count=128, memory_bytes=24 * 10**9, sm_clock_ghz=2.52),
     # AMD Instinct (CDNA3 gfx942, CDNA4 gfx950): sm_count is the compute units, l2 the L2 caches of all XCDs (the
     # 256 MB Infinity Cache behind them is not counted). MI300X: 1307.4 TFLOP/s bf16 dense, 5.3 TB/s HBM3,
     # 192 GB, 304 CUs, 2.1 GHz; fp32 and fp64 matrix 163.4 TFLOP/s.
@@ -103,47 +137,22 @@ GPUS = {
 }
 
 
-def gpu_key(name: str) -> str:
-    """The ``GPUS`` key of a GPU named by the user ("H100", "a100-80gb", "B200", "RTX 5090", "MI300X", a device
-    name as torch reports it); ValueError naming the known ones when none matches."""
-    key = _key_by_name(name) if isinstance(name, str) else None
-    if key is None:
-        raise ValueError(f"gpu must be one of {tuple(GPUS)} (any case; a device name such as 'NVIDIA H100 80GB HBM3' "
-                         f"works too), got {name!r}")
-    return key
+def hardware_of(spec: "GPUSpec") -> Hardware:
+    """The package's description of a GPU the model lists (what its plans take)."""
+    return Hardware(spec.name, spec.sm_count, spec.memory_bytes, spec.half_flops_per_byte,
+                    spec.fp32_flops_per_byte, spec.tf32_flops_per_byte)
 
 
-def _key_by_name(name: str) -> Optional[str]:
-    squashed = "".join(ch for ch in name.upper() if ch.isalnum())
-    if name.lower() in GPUS:
-        return name.lower()
-    # the most specific names first: GB200 before B200, GH200 (an H100 or H200 die beside a Grace CPU) before H200
-    for key, markers in (("rtx-pro-6000", ("RTXPRO6000",)), ("rtx5090", ("RTX5090", "5090")),
-                         ("gb200", ("GB200",)), ("b300", ("GB300", "B300")), ("b200", ("B200", "B100")),
-                         ("h100", ("GH200", "H100", "H800")), ("h200", ("H200",)), ("a100", ("A100", "A800")),
-                         ("mi355x", ("MI355", "MI350")), ("mi325x", ("MI325",)), ("mi300x", ("MI300",))):
-        if any(m in squashed for m in markers):
-            return key
-    return None
-
-
-def gpu_for_device(name: str, capability: tuple, sm_count: int, memory_bytes: int, arch: str = "") -> GPUSpec:
-    """The cost model's figures for a device (what both GPU backends plan with): the ``GPUS`` entry its name
-    names, else the closest by architecture (``capability`` (major, minor) on NVIDIA; ``arch``, the gfx name,
-    on AMD): sm_100 a B200, sm_103 a B300, sm_12x an RTX PRO 6000, sm_90 an H200, older an A100, gfx950 an
-    MI355X, other gfx an MI300X. The entry keeps its name (the model's, which ``backend_status()`` reports); the
-    SM count and memory are the device's own (a partitioned or cut-down part)."""
-    key = _key_by_name(name or "")
-    if key is None:
-        if arch.startswith("gfx"):
-            key = "mi355x" if arch.startswith("gfx95") else "mi300x"
-        else:
-            major, minor = capability
-            key = ({10: "b300" if minor >= 3 else "b200", 11: "b200", 12: "rtx-pro-6000", 9: "h200"}.get(major)
-                   or ("a100" if major < 9 else "b200"))
+def spec_of(gpu) -> "GPUSpec":
+    """The model's figures for a GPU the package describes by its hardware (``fusedloss.core.workload.GPU``, what
+    ``registry.device_gpu`` gives): the entry of its name, with the device's own SM count and memory."""
+    if isinstance(gpu, GPUSpec):
+        return gpu
+    key = gpu_key(gpu.name)
     spec = GPUS[key]
-    return GPUSpec(spec.name, spec.tflops, spec.hbm_tbps, spec.l2_bytes, int(sm_count) or spec.sm_count,
-                   int(memory_bytes) or spec.memory_bytes, spec.sm_clock_ghz)
+    return GPUSpec(spec.name, spec.tflops, spec.hbm_tbps, spec.l2_bytes, gpu.sm_count, gpu.memory_bytes,
+                   spec.sm_clock_ghz)
+
 
 # What one small kernel launch costs on the device when the host keeps ahead of it (the gap between
 # back-to-back kernels, plus the kernel's own minimum): many launches of tiny kernels (the per-token loss
@@ -224,102 +233,7 @@ def gemm_efficiency(m: int, n: int, k: int, gpu: GPUSpec) -> float:
 # Workloads
 # ------------------------------------------------------------------------------------------------
 
-# What each op asks of the core, for the bound: whether the loss is known in the forward (row-local:
-# a chunk can be finished in the forward, 3 products) and whether it has a teacher head.
-OPS = {
-    "token_logprobs": dict(row_local=False, teacher=False),
-    "token_logprobs_entropy": dict(row_local=False, teacher=False),
-    "cross_entropy": dict(row_local=True, teacher=False),
-    "grpo": dict(row_local=True, teacher=False),  # token-level importance sampling
-    "grpo_sequence": dict(row_local=False, teacher=False),  # GSPO: the ratio needs the whole sequence
-    "dpo": dict(row_local=False, teacher=False),
-    "distill_reverse_kl": dict(row_local=True, teacher=True),
-    "distill_forward_kl": dict(row_local=True, teacher=True),
-    "distill_jsd": dict(row_local=True, teacher=True),
-}
-
-OPERAND_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-
-
-@dataclass(frozen=True)
-class Workload:
-    """One call: ``n`` tokens, hidden size ``d`` (teacher hidden size ``teacher_d``), vocabulary ``v``,
-    operand dtype, and which gradients are wanted (a frozen head: ``weight_grad=False``). ``plain``: the
-    logits are the raw products (no bias, no logit scale, soft-cap or temperature), which the CUDA kernels
-    fold through an instantiation of their own."""
-
-    op: str
-    n: int
-    d: int
-    v: int
-    dtype: str = "bfloat16"
-    teacher_d: Optional[int] = None
-    hidden_grad: bool = True
-    weight_grad: bool = True
-    plain: bool = True
-
-    def __post_init__(self):
-        if self.op not in OPS:
-            raise ValueError(f"op must be one of {tuple(OPS)}, got {self.op!r}")
-        for name in ("n", "d", "v", "teacher_d"):
-            value = getattr(self, name)
-            if not (value is None and name == "teacher_d") and (
-                    isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1):
-                raise ValueError(f"Workload.{name} must be a positive int, got {value!r}")
-        if self.dtype not in OPERAND_BYTES:
-            raise ValueError(f"Workload.dtype must be one of {tuple(OPERAND_BYTES)}, got {self.dtype!r}")
-
-    @property
-    def row_local(self) -> bool:
-        return OPS[self.op]["row_local"]
-
-    @property
-    def has_teacher(self) -> bool:
-        return OPS[self.op]["teacher"]
-
-    @property
-    def product_flops(self) -> float:
-        """One GEMM-sized student product: 2 N V D."""
-        return 2.0 * self.n * self.v * self.d
-
-    @property
-    def teacher_product_flops(self) -> float:
-        return 2.0 * self.n * self.v * (self.teacher_d or self.d) if self.has_teacher else 0.0
-
-    @property
-    def operand_bytes(self) -> int:
-        return OPERAND_BYTES[self.dtype]
-
-    @classmethod
-    def of(cls, p, *, row_local: bool, hidden_grad: bool = True, weight_grad: bool = True) -> "Workload":
-        """The workload of a statistics problem (``core/problem.py::StatsProblem``; every backend's plan
-        describes its calls this way). Only what the plan depends on matters: the shapes (at least one row),
-        the dtype, a teacher and a JSD (its second sweep), and whether the loss is known in the forward."""
-        if p.has_teacher:
-            op = ("distill_jsd" if p.jsd_beta is not None else
-                  "distill_forward_kl" if p.want_kl_fwd and not p.want_kl_rev else "distill_reverse_kl")
-        else:
-            op = "cross_entropy" if row_local else "token_logprobs_entropy" if p.want_entropy else "token_logprobs"
-        def identity(t) -> bool:
-            return t is None or (t.logit_scale == 1.0 and t.softcap is None and t.temperature == 1.0)
-
-        plain = p.bias is None and identity(p.transform) and not (
-            p.has_teacher and (p.teacher_bias is not None or not identity(p.teacher_transform)))
-        return cls(op=op, n=max(1, p.hidden.shape[0]), d=max(1, p.hidden.shape[1]), v=max(1, p.weight.shape[0]),
-                   dtype=str(p.hidden.dtype).replace("torch.", ""),
-                   teacher_d=max(1, p.teacher_hidden.shape[1]) if p.has_teacher else None,
-                   hidden_grad=hidden_grad, weight_grad=weight_grad, plain=bool(plain))
-
-
-def product_bound(w: Workload) -> tuple[float, float]:
-    """(student products, teacher products) the fewest an exact method needs: the logits once, then d hidden
-    and d weight from them. A loss known in the forward can use each chunk's logits right away (1 + 2); a
-    composable one (log-probs whose loss comes later) must recompute them in the backward (1 + 1 + 2). The
-    teacher's logits are needed once per student logits formation."""
-    grads = int(w.hidden_grad) + int(w.weight_grad)
-    forms = 1 if w.row_local or grads == 0 else 2
-    teacher = forms * (2 if w.op == "distill_jsd" and not w.row_local else 1) if w.has_teacher else 0
-    return float(forms + grads), float(teacher)
+# ``Workload``, ``OPS`` and ``product_bound`` are the package's shape math (fusedloss/core/workload.py).
 
 
 # ------------------------------------------------------------------------------------------------
@@ -458,6 +372,7 @@ def _merge_rates(entry: dict, rates: dict, flops: float) -> None:
 
 
 def bound_ms(w: Workload, gpu: GPUSpec) -> float:
+    gpu = spec_of(gpu)
     student, teacher = product_bound(w)
     math = w.dtype
     rate = gpu.tflops[math] * 1e12
@@ -465,6 +380,7 @@ def bound_ms(w: Workload, gpu: GPUSpec) -> float:
 
 
 def evaluate(plan: Plan, w: Workload, gpu: GPUSpec) -> Estimate:
+    gpu = spec_of(gpu)
     total = 0.0
     prev = 0.0
     per_pass, detail = {}, {}
@@ -493,14 +409,3 @@ def evaluate(plan: Plan, w: Workload, gpu: GPUSpec) -> Estimate:
                     hbm_bytes=sum(p.hbm_bytes * p.count for p in plan.passes),
                     model_ms=total, bound_ms=b, ratio=total / b if b else float("inf"), pass_ms=per_pass,
                     pass_detail=detail)
-
-
-def unpriced(what: str, exc: Exception) -> None:
-    """Say that pricing ``what`` failed. A backend's choice between plans (grad-in-forward or composable, chunk shapes)
-    is
-    a matter of speed, never of correctness: where the model cannot price a candidate, the backend takes the
-    choice it makes without prices and the call runs (correct, perhaps slower); a defect of the model must not
-    fail a loss. The warning names the exception, so that the shape can be reported."""
-    warnings.warn(f"fusedloss: the cost model could not price {what} ({type(exc).__name__}: {exc}); the plan "
-                  "takes its choice without the model's prices: the call is correct, perhaps slower. Please report "
-                  "the shape.", RuntimeWarning, stacklevel=3)
