@@ -47,6 +47,8 @@ ESSENTIAL_CALLS = 7.0
 MIB = float(1 << 20)
 MMAP_ENV = "MALLOC_MMAP_THRESHOLD_"
 START_ENV = "FUSEDLOSS_TOUR_START"
+# the package index names of the peers (benchmarks/peers.py), for the hint of one not installed
+PEER_PACKAGE = {"trl": "trl", "liger": "liger-kernel", "cce": "cut-cross-entropy"}
 
 
 def cpu_name() -> str:
@@ -167,13 +169,20 @@ def extras_for(op: str, device) -> list:
     out = []
     for name in peers.PEERS:
         if op in peers.PEER_OPS.get(name, ()):
-            out.append((name, peers.availability(name, device.type)))
+            why = peers.availability(name, device.type)
+            if why == "not installed":
+                why = f"not installed (pip install {PEER_PACKAGE[name]})"
+            out.append((name, why))
     import fusedloss
 
     status = fusedloss.backend_status()
     for backend in ("triton", "cuda"):
         state = status.get(backend)
-        if device.type == "cuda":
+        if backend == "triton" and "not installed" in str(state):
+            # the user install leaves Triton out on a CPU (about 1 GB; the torch backend is the default there)
+            why = ("Triton not installed (pip install triton" + (")" if device.type == "cuda" else
+                   "; then TRITON_INTERPRET=1 python benchmarks/tour.py runs its kernels under the interpreter)"))
+        elif device.type == "cuda":
             why = None if state == "available" else str(state)
         elif backend == "triton" and state == "available" and os.environ.get("TRITON_INTERPRET") == "1":
             why = None
@@ -393,8 +402,8 @@ def next_hint(device) -> str:
         return ("next: python benchmarks/bench.py --device cuda (LLM shapes, every peer), or "
                 "bash benchmarks/device_check.sh (every kernel, with the cost model beside each figure)")
     return ("next, on a machine with an NVIDIA GPU: bash tools/install.sh && python benchmarks/tour.py "
-            "(then python benchmarks/bench.py --device cuda for LLM shapes); here, the tests: "
-            "python -m pytest -q -n 2 --dist loadfile -m \"not tooling\" tests")
+            "(then python benchmarks/bench.py --device cuda for LLM shapes); here, the tests: bash tools/install.sh "
+            "--tests && python -m pytest -q -n 2 --dist loadfile -m \"not tooling\" tests")
 
 
 def parse_args(argv=None):
