@@ -55,7 +55,7 @@ else
 fi
 # Every install below names the installed torch exactly: an extra that asks for another one (a CUDA build from
 # PyPI) fails the install instead of replacing it.
-torch_pin="torch==$("$PYTHON" -c 'import torch; print(torch.__version__)')"
+torch_pin="torch==$("$PYTHON" -c "from importlib.metadata import version; print(version('torch'))")"
 
 # The extras' requirements, read from pyproject.toml: `--tests` adds them without rebuilding a fusedloss already
 # installed from this checkout (the CUDA extension tools/dev_setup.sh built stays as it is).
