@@ -367,14 +367,33 @@ def test_every_shell_line_names_what_exists():
             assert words[0] in ("FUSEDLOSS_CUDA=0",), words
         seen.add(" ".join(words[:2]))
     assert {"bash tools/install.sh", "python -m", "pip install"} <= seen
-    # the first command installs every extra the README uses, and CI runs the README's test command after it
+    # the first command installs the main job's extra, the test block the tests' extras; CI runs the README's test
+    # block as written, after the contributor set-up (which runs the same install first)
     script = (ROOT / "tools" / "install.sh").read_text()
-    assert '-e ".[test,bench,integrations]"' in script
+    assert "extras=bench\n" in script and "extras=$extras,test,integrations" in script
+    assert 'pip_install --no-compile --no-build-isolation "$torch_pin" -e ".[$extras]"' in script
     ci = (ROOT / ".ci" / "run").read_text()
-    command = 'python -m pytest -q -n 2 --dist loadfile -m "not tooling" tests'
+    command = 'bash tools/install.sh --tests && python -m pytest -q -n 2 --dist loadfile -m "not tooling" tests'
     assert "bash tools/dev_setup.sh" in ci and readme_blocks("bash")[1].strip() == command
-    assert "bash tools/install.sh" in (ROOT / "tools" / "dev_setup.sh").read_text()
+    assert "\nbash tools/install.sh --tests\n" in (ROOT / "tools" / "dev_setup.sh").read_text()
     assert f"\n{command}\n" in ci
+
+
+def test_the_test_block_installs_every_package_a_test_module_needs():
+    """No test module is skipped for a missing package after the README's test block: what the tests
+    importorskip is in the extras `install.sh --tests` installs."""
+    text = (ROOT / "pyproject.toml").read_text()
+    installed = set()
+    for extra in ("test", "integrations"):
+        listed = re.search(rf"^{extra} = \[(.*?)\]\n", text, re.M | re.S).group(1)
+        installed |= {re.split(r"[<>=;\s]", name, maxsplit=1)[0] for name in re.findall(r'"([^"]+)"', listed)}
+    needed = set()
+    for module in (ROOT / "tests").glob("*.py"):
+        needed |= set(re.findall(r"importorskip\(\s*\"([a-z_]+)", module.read_text()))
+    assert {"transformers", "trl", "datasets", "peft", "deepspeed"} <= needed
+    # fusedloss's Triton backend modules import triton; torch and numpy are the package's own dependencies
+    needed = {"triton" if name == "fusedloss" else name for name in needed} - {"torch", "numpy"}
+    assert needed <= installed, needed - installed
 
 
 def test_the_estimate_shown_is_what_the_command_prints(capsys):
@@ -397,7 +416,8 @@ def test_the_readme_is_short_and_its_first_block_is_the_user_install():
     assert len(text.splitlines()) <= 280
     first, tests = readme_blocks("bash")[:2]
     assert first.strip() == "bash tools/install.sh && python benchmarks/tour.py"
-    assert tests.strip() == 'python -m pytest -q -n 2 --dist loadfile -m "not tooling" tests'
+    assert tests.strip() == ('bash tools/install.sh --tests && '
+                             'python -m pytest -q -n 2 --dist loadfile -m "not tooling" tests')
     install = (ROOT / "tools" / "install.sh").read_text()
     for heavy in ("triton_versions.py", "nvidia-cutlass", "frameworks_env.sh"):  # the contributor's, not a user's
         assert heavy not in install and heavy in (ROOT / "tools" / "dev_setup.sh").read_text()

@@ -101,3 +101,18 @@ def test_the_closing_hint_names_the_gpu_command(full):
     printed = full[2]
     assert "on a machine with an NVIDIA GPU: bash tools/install.sh && python benchmarks/tour.py" in printed
     assert "reference" in printed and "max rel err" in printed
+
+
+def test_a_missing_triton_or_peer_is_listed_with_the_command_that_installs_it(monkeypatch):
+    """The user install on a CPU leaves Triton and the peers out: the tour names what to install."""
+    import torch
+
+    import fusedloss
+    from benchmarks import peers
+
+    status = dict(fusedloss.backend_status(), triton="triton not installed")
+    monkeypatch.setattr(fusedloss, "backend_status", lambda: status)
+    monkeypatch.setattr(peers, "availability", lambda name, device_type: "not installed")
+    why = dict(tour.extras_for("token_logprobs", torch.device("cpu")))
+    assert why["fusedloss:triton"].startswith("Triton not installed (pip install triton; then TRITON_INTERPRET=1")
+    assert why["trl"] == "not installed (pip install trl)"

@@ -16,7 +16,7 @@ if [ -z "${FUSEDLOSS_CUDA:-}" ]; then
         if [ -x "$candidate" ] && [ ! -d "$candidate" ]; then export FUSEDLOSS_CUDA=1; break; fi
     done
 fi
-bash tools/install.sh
+bash tools/install.sh --tests
 
 # The CUTLASS 3 headers (a 6 MB wheel; its Python interface and dependencies are not needed): the extension's
 # opt-in sm_90a epilogue kernels are built with them (tests/test_epilogue_kernels_compile.py compiles them).
