@@ -286,6 +286,17 @@ def grid_of(n: int, v: int, cfg: TileConfig, gpu: GPU, dtype: str) -> tuple:
                         weight_stream_steps(v, cfg, gpu, dtype))
 
 
+def rule_grid(n: int, v: int, cfg: TileConfig, gpu: GPU, dtype: str) -> rules.ForwardGrid:
+    """What the rules weigh of the forward's grid over ``n`` rows (``rules.ForwardGrid``): the weight streamed once
+    per group of row blocks, and the tile steps of the last wave left idle (as a share of the busy ones)."""
+    if n < 1:
+        return rules.ForwardGrid(0, 0.0)
+    row_blocks, per, splits, group = grid_of(n, v, cfg, gpu, dtype)
+    slots = cfg.slots or gpu.sm_count
+    busy = row_blocks * _cdiv(v, cfg.block_v)
+    return rules.ForwardGrid(_cdiv(row_blocks, group), _cdiv(row_blocks * splits, slots) * slots * per / busy - 1.0)
+
+
 def elementwise_grid(n: int, v: int, cfg: TileConfig, gpu: GPU) -> tuple:
     """``forward_grid`` of an elementwise sweep over the grad-in-forward workspace (the teacher fold, the JSD's second
     sweep): the same whole waves of (row block, split) programs, no weight to stream."""
@@ -386,8 +397,16 @@ def plan(workload: Workload, gpu: GPU, free_bytes: Optional[int] = None, *,
         if workload.row_local and grads:
             rows = grad_in_forward_rows(workload.n, workload.v, workload.dtype, workload.has_teacher, budget,
                                         grad_in_forward_cfg)
-            pays, why = rules.triton_grad_in_forward(workload, gpu, rows, *backward_chunks(
-                workload.n, workload.v, workload.d, workload.dtype, budget, cfg))
+            back_rows, back_cols = backward_chunks(workload.n, workload.v, workload.d, workload.dtype, budget, cfg)
+            m, last = min(rows, workload.n), workload.n % rows if workload.n > rows else 0
+            streams = _cdiv(workload.n, min(back_rows, workload.n)) * _cdiv(
+                _cdiv(min(back_rows, workload.n), cfg.block_m), GRADIENT_GROUP)
+            pays, why = rules.triton_grad_in_forward(
+                workload, gpu, rows, back_rows, back_cols, forward=rule_grid(workload.n, workload.v, cfg, gpu,
+                                                                             workload.dtype),
+                chunk=rule_grid(m, workload.v, grad_in_forward_cfg, gpu, workload.dtype),
+                last_chunk=rule_grid(last, workload.v, grad_in_forward_cfg, gpu, workload.dtype),
+                backward_streams=streams)
             path = "grad_in_forward" if pays else "composable"
             reason = f"{path}: {why}"
     if path == "grad_in_forward":
