@@ -132,6 +132,17 @@ def _reference(out_dir=None):
     return loss.item(), (logits.argmax(-1)[:, :-1] == ids[:, 1:]).double().mean().item()
 
 
+def readme_command() -> list:
+    """The README's LLaMA-Factory command, as written (its bash block after the LLaMA-Factory heading)."""
+    import re
+    import shlex
+
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("**LLaMA-Factory**"):]
+    command = re.search(r"```bash\n(.*?)\n```", section, re.S).group(1)
+    return shlex.split(command)
+
+
 def _check(report, reference):
     loss, accuracy = reference
     assert report["logits_none"] is True  # training: the loss from the hidden states
@@ -141,18 +152,20 @@ def _check(report, reference):
 
 @pytest.mark.parametrize("torchrun", [False, True], ids=["one-process", "torchrun"])
 def test_the_cli_reaches_every_training_process(stand_in, torchrun):
-    """``python -m fusedloss.integrations.llamafactory train cfg`` in place of ``llamafactory-cli train cfg``:
-    patched in the process itself, and in the 2 processes LLaMA-Factory relaunches under torchrun, with the
-    backend from the environment."""
+    """The README's ``python -m fusedloss.integrations.llamafactory train config.yaml`` in place of
+    ``llamafactory-cli train config.yaml``: patched in the process itself, and in the 2 processes LLaMA-Factory
+    relaunches under torchrun, with the backend from the environment."""
     site, out = stand_in
-    config = out / "cfg.json"
+    command = readme_command()
+    assert command[:4] == ["python", "-m", "fusedloss.integrations.llamafactory", "train"] and len(command) == 5
+    config = out / command[4]  # the stand-in's run_exp reads JSON, which is YAML
     config.write_text(json.dumps({"stage": "sft", "output_dir": str(out)}))
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), str(ROOT)]),
            "FUSEDLOSS_LLAMAFACTORY_BACKEND": "torch"}
     if torchrun:
         env.update(FORCE_TORCHRUN="1", NPROC_PER_NODE="2", MASTER_PORT="29517", OMP_NUM_THREADS="1")
-    run = subprocess.run([sys.executable, "-m", "fusedloss.integrations.llamafactory", "train", str(config)],
-                         cwd=out, env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, *command[1:]], cwd=out, env=env, capture_output=True, text=True,
+                         timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     reports = {p.name: json.loads(p.read_text()) for p in out.glob("report-*.json")}
     assert sorted(reports) == (["report-0.json", "report-1.json"] if torchrun else ["report-none.json"])

@@ -145,3 +145,28 @@ def test_a_trl_that_breaks_axolotl_is_named_at_config_load(monkeypatch):
         prepare_plugins(DictDefault(plugins=[PLUGIN], fusedloss=True))
     versions["trl"] = "1.9.0"  # Axolotl's own pin: accepted
     prepare_plugins(DictDefault(plugins=[PLUGIN], fusedloss=True))
+
+
+def test_the_readme_yaml_block(tmp_path):
+    """The README's Axolotl block, as written, read as Axolotl reads a config: the plugin loads, its keys join the
+    schema, and the loaded model is patched with the backend the block names."""
+    import re
+    from pathlib import Path
+
+    import yaml
+    from axolotl.integrations.config import merge_input_args
+    from axolotl.utils.config import prepare_plugins
+    from axolotl.utils.dict import DictDefault
+
+    from fusedloss.integrations.transformers._tap import _PATCH_ATTR
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("**Axolotl**"):]
+    block = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    assert block == {"plugins": [PLUGIN], "fusedloss": True, "fusedloss_backend": "auto"}
+    cfg = DictDefault(block)
+    prepare_plugins(cfg)
+    _, input_config = merge_input_args()
+    assert {"fusedloss", "fusedloss_backend"} <= set(input_config.model_fields)
+    model = _load_with_plugins(cfg, "untied")
+    assert model.__dict__[_PATCH_ATTR].backend == "auto"
