@@ -199,28 +199,22 @@ def task():
     from openrlhf.models.actor import Actor
     return Actor.forward is fl_openrlhf.fused_actor_forward
 
-paths = {"PYTHONPATH": sys.argv[2]}  # the checkout and the test's flash_attn stand-in (a real install has both)
+paths = {"PYTHONPATH": sys.argv[1]}  # the checkout and the test's flash_attn stand-in (a real install has both)
 warnings.filterwarnings("error", message="fusedloss")  # enable() would warn if the workers were missed
-if sys.argv[1] == "launch":  # the launch script: enable(), then OpenRLHF's train_ppo_ray, whose ray.init is this
-    fl_openrlhf.enable(backend="torch")
-    ray.init(num_cpus=1, include_dashboard=False,
-             runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "true", **paths}})
-else:  # a Ray session started with the hook (ray job submit --runtime-env-json, a cluster), enable() after it
-    ray.init(num_cpus=1, include_dashboard=False,
-             runtime_env={"worker_process_setup_hook": fl_openrlhf.WORKER_SETUP_HOOK, "env_vars": paths})
-    fl_openrlhf.enable()
+# the launch script: enable(), then OpenRLHF's train_ppo_ray, whose ray.init is this one
+fl_openrlhf.enable(backend="torch")
+ray.init(num_cpus=1, include_dashboard=False, runtime_env={"env_vars": {"TOKENIZERS_PARALLELISM": "true", **paths}})
 report = {"task": ray.get(task.remote()), "actor": ray.get(PolicyActor.remote().run.remote())}
 ray.shutdown()
 print("REPORT" + json.dumps(report))
 '''
 
 
-@pytest.mark.parametrize("how", ["launch", "hook"])
-def test_ray_workers_are_enabled_from_the_launch_script(tmp_path, how):
+def test_ray_workers_are_enabled_from_the_launch_script(tmp_path):
     """``enable()`` before ``ray.init`` (OpenRLHF's ``train_ppo_ray`` calls it with its own ``runtime_env``) reaches
     every Ray worker: a task and an actor that builds an ``Actor`` run fusedloss's forward with the launch
-    script's backend, and their log-probs are the float64 oracle's; the hook given to ``ray.init`` by hand does
-    the same. A real local Ray (one CPU), in a process of its own."""
+    script's backend, and their log-probs are the float64 oracle's. A real local Ray (one CPU), in a process of its
+    own. (A session started with the hook by hand gives its workers the same hook string: the next tests.)"""
     import json
     import os
     import subprocess
@@ -234,8 +228,8 @@ def test_ray_workers_are_enabled_from_the_launch_script(tmp_path, how):
     paths = f"{tmp_path}{os.pathsep}{root}"
     # a loaded machine (CI runs two test processes) starts a raylet slower than Ray's default patience
     env = {**os.environ, "PYTHONPATH": paths, "RAY_DISABLE_USAGE_STATS": "1", "RAY_raylet_start_wait_time_s": "300"}
-    for _ in range(2):  # a second start when Ray's own start-up times out on the loaded machine (nothing ran yet)
-        run = subprocess.run([sys.executable, "-c", _RAY_SCRIPT, how, paths], cwd=root, env=env,
+    for _ in range(3):  # another start when Ray's own start-up times out on a loaded machine (nothing ran yet)
+        run = subprocess.run([sys.executable, "-c", _RAY_SCRIPT, paths], cwd=root, env=env,
                              capture_output=True, text=True, timeout=600)
         if "node timed out during startup" not in run.stderr:
             break
@@ -244,11 +238,10 @@ def test_ray_workers_are_enabled_from_the_launch_script(tmp_path, how):
     assert report["task"] is True
     actor = report["actor"]
     assert actor["fused"] and actor["logits"], actor
-    assert actor["backend"] == ("torch" if how == "launch" else "auto"), actor  # the launch script's backend
+    assert actor["backend"] == "torch", actor  # the launch script's backend
     assert actor["err"] <= EXACT, actor
     assert actor["fusedloss"] == str(root / "fusedloss" / "__init__.py"), actor
-    if how == "launch":
-        assert actor["env"] == "true"  # OpenRLHF's own runtime_env is kept
+    assert actor["env"] == "true"  # OpenRLHF's own runtime_env is kept
 
 
 def test_enable_after_ray_init_warns_with_the_fix(monkeypatch):
@@ -276,6 +269,26 @@ def test_enable_after_ray_init_warns_with_the_fix(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         fl_openrlhf.enable()  # in a worker: its own enable()
+
+
+def test_ray_init_gets_the_hook_and_keeps_its_runtime_env(monkeypatch):
+    """What ``enable()`` makes ``ray.init`` pass on (the started session is the test above's); the same hook
+    given by hand is accepted as it is."""
+    import ray
+
+    seen = []
+    monkeypatch.setattr(ray, "init", lambda *args, **kwargs: seen.append(kwargs))
+    fl_openrlhf.enable(backend="torch")
+    ray.init(num_cpus=1, runtime_env={"env_vars": {"NCCL_DEBUG": "WARN"}})
+    ray.init(runtime_env={"worker_process_setup_hook": fl_openrlhf.WORKER_SETUP_HOOK})
+    assert seen[0] == {"num_cpus": 1, "runtime_env": {
+        "env_vars": {"NCCL_DEBUG": "WARN", "FUSEDLOSS_OPENRLHF_BACKEND": "torch"},
+        "worker_process_setup_hook": "fusedloss.integrations.openrlhf.worker_setup"}}
+    assert seen[1]["runtime_env"]["worker_process_setup_hook"] == fl_openrlhf.WORKER_SETUP_HOOK
+    monkeypatch.setenv("FUSEDLOSS_OPENRLHF_BACKEND", "triton")
+    fl_openrlhf.disable()
+    fl_openrlhf.worker_setup()  # what a worker runs: the backend from its environment
+    assert Actor.forward is fl_openrlhf.fused_actor_forward and fl_openrlhf._state["backend"] == "triton"
 
 
 def test_a_second_setup_hook_is_refused():
