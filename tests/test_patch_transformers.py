@@ -283,6 +283,71 @@ def test_trainer_run_matches_unpatched():
         "the run did not train: the comparison would be empty"
 
 
+def test_evaluation_without_autograd_gets_the_models_logits():
+    """Under ``torch.no_grad`` (the Trainer's evaluation) a labelled call is the model's own: its logits, which
+    ``compute_metrics`` reads, and its loss from them; ``eval_logits=False`` keeps those calls fused."""
+    model = make_model("gemma2-softcap")
+    input_ids, attention_mask, labels = batch(3)
+    with torch.no_grad():
+        ref = model(input_ids, attention_mask=attention_mask, labels=labels)
+    fl_hf.patch(model, backend="torch")
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert torch.equal(out.logits, ref.logits) and torch.equal(out.loss, ref.loss)
+    assert model(input_ids, attention_mask=attention_mask, labels=labels).logits is None  # training: fused
+    fl_hf.patch(model, backend="torch", eval_logits=False)
+    with torch.no_grad():
+        out = model(input_ids, attention_mask=attention_mask, labels=labels)
+    assert out.logits is None and rel(out.loss, hf_formula(ref.logits, labels)) < 1e-10
+
+
+def test_trainer_evaluation_with_compute_metrics_on_the_logits():
+    """LLaMA-Factory's ``compute_accuracy``: the Trainer's evaluation hands the logits to
+    ``preprocess_logits_for_metrics`` (its ``eval_logit_processor`` takes ``logits[0]``, the argmax) and the
+    accuracy to ``compute_metrics``. Patched, training stays fused and evaluation gives the unpatched model's
+    accuracy and loss."""
+    pytest.importorskip("accelerate")
+    import numpy as np
+    from transformers import Trainer, TrainingArguments
+
+    def eval_logit_processor(logits, labels):  # LLaMA-Factory's (train/sft/metric.py), as it indexes
+        if isinstance(logits, (list, tuple)):
+            logits = logits[0] if logits[0].dim() == 3 else logits[1]
+        return torch.argmax(logits, dim=-1)
+
+    def accuracy(eval_preds):
+        preds, label_ids = eval_preds.predictions[:, :-1], eval_preds.label_ids[:, 1:]
+        mask = label_ids != -100
+        return {"accuracy": float((preds[mask] == label_ids[mask]).mean())}
+
+    g = torch.Generator().manual_seed(5)
+    rows = [{"input_ids": ids, "attention_mask": torch.ones(9, dtype=torch.long), "labels": ids}
+            for ids in torch.randint(3, V, (8, 9), generator=g)]
+
+    def run(patched):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(CONFIGS["llama"](), dtype=torch.float32)
+        heads = []
+        if patched:
+            fl_hf.patch(model, backend="torch")
+        model.get_output_embeddings().register_forward_hook(lambda m, i, o: heads.append(tuple(o.shape)))
+        args = TrainingArguments(output_dir="/tmp/fl-trainer-eval-test", per_device_train_batch_size=2,
+                                 per_device_eval_batch_size=4, max_steps=2, learning_rate=0.5, optim="sgd",
+                                 report_to=[], save_strategy="no", use_cpu=True, seed=0, dataloader_num_workers=0,
+                                 disable_tqdm=True)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, eval_dataset=rows,
+                          compute_metrics=accuracy, preprocess_logits_for_metrics=eval_logit_processor)
+        trainer.train()
+        train_heads = list(heads)
+        metrics = trainer.evaluate()
+        return metrics, train_heads
+
+    (metrics, train_heads), (ref, _) = run(True), run(False)
+    assert train_heads and all(shape == (1, 4, V) for shape in train_heads)  # training formed no logits
+    assert metrics["eval_accuracy"] == ref["eval_accuracy"] and np.isfinite(metrics["eval_accuracy"])
+    assert metrics["eval_loss"] == pytest.approx(ref["eval_loss"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_sft_trainer_example_on_matches_off():
     import os

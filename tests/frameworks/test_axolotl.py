@@ -84,3 +84,89 @@ def test_conflicting_keys_are_refused():
         FusedLossArgs.model_validate({"fusedloss": True, "fusedloss_backend": "gpu"})
     with pytest.raises(ValueError, match="for TRL's RL trainers"):
         FusedLossArgs.model_validate({"fusedloss": True, "rl": "grpo"})
+
+
+def test_a_plugin_that_cannot_load_stops_axolotl(monkeypatch):
+    """Axolotl logs an ImportError of a plugin module and trains without it (exit code 0): a missing dependency
+    of the plugin reaches Axolotl as a RuntimeError that names it, which stops the run."""
+    import sys
+
+    from axolotl.integrations.base import PluginManager
+
+    monkeypatch.delitem(sys.modules, "fusedloss.integrations.axolotl", raising=False)
+    import fusedloss.integrations
+
+    # what a broken install looks like: the plugin's own dependency does not import
+    monkeypatch.setitem(sys.modules, "fusedloss.integrations.transformers", None)
+    monkeypatch.delattr(fusedloss.integrations, "transformers", raising=False)
+    manager = PluginManager.get_instance()
+    monkeypatch.delitem(manager.plugins, PLUGIN, raising=False)  # an earlier test's registration
+    with pytest.raises(RuntimeError, match=r"FusedLossPlugin cannot load in this environment \(.*"
+                                           r"fusedloss.integrations.transformers.*Axolotl would train without it"):
+        manager.register(PLUGIN)
+    assert PLUGIN not in manager.plugins
+    monkeypatch.undo()
+    sys.modules.pop("fusedloss.integrations.axolotl", None)  # the next import is a whole one
+
+
+def test_the_plugin_says_what_it_did(caplog, tmp_path):
+    """Listed without ``fusedloss: true``: a warning that the loss stays Axolotl's; with it, a line naming the
+    patched model."""
+    import logging
+
+    from axolotl.utils.config import prepare_plugins
+    from axolotl.utils.dict import DictDefault
+
+    with caplog.at_level(logging.INFO, logger="fusedloss.integrations.axolotl"):
+        cfg = DictDefault(plugins=[PLUGIN])
+        prepare_plugins(cfg)
+        assert "the plugin is listed but the config does not set fusedloss: true" in caplog.text
+        caplog.clear()
+        cfg = DictDefault(plugins=[PLUGIN], fusedloss=True, fusedloss_backend="torch")
+        prepare_plugins(cfg)
+        assert "does not set fusedloss" not in caplog.text
+        _load_with_plugins(cfg, "untied")
+        assert "fusedloss: patched Qwen2ForCausalLM: its causal-LM loss comes from the hidden states (backend torch)" \
+            in caplog.text
+
+
+def test_a_trl_that_breaks_axolotl_is_named_at_config_load(monkeypatch):
+    """fusedloss's ``integrations`` extra installs TRL >= 1.16, which breaks Axolotl 0.19 (it pins trl 1.9.0 and
+    imports modules TRL moved since): the plugin says so when Axolotl loads the config, with the fix."""
+    import importlib.metadata
+
+    from axolotl.utils.config import prepare_plugins
+    from axolotl.utils.dict import DictDefault
+
+    versions = {"trl": "1.16.0", "axolotl": importlib.metadata.version("axolotl")}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: versions[name])
+    with pytest.raises(RuntimeError, match=r"Axolotl 0.19.0 requires trl==1.9.0, found trl 1.16.0 .* "
+                                           r"pip install 'trl==1.9.0'"):
+        prepare_plugins(DictDefault(plugins=[PLUGIN], fusedloss=True))
+    versions["trl"] = "1.9.0"  # Axolotl's own pin: accepted
+    prepare_plugins(DictDefault(plugins=[PLUGIN], fusedloss=True))
+
+
+def test_the_readme_yaml_block(tmp_path):
+    """The README's Axolotl block, as written, read as Axolotl reads a config: the plugin loads, its keys join the
+    schema, and the loaded model is patched with the backend the block names."""
+    import re
+    from pathlib import Path
+
+    import yaml
+    from axolotl.integrations.config import merge_input_args
+    from axolotl.utils.config import prepare_plugins
+    from axolotl.utils.dict import DictDefault
+
+    from fusedloss.integrations.transformers._tap import _PATCH_ATTR
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("**Axolotl**"):]
+    block = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    assert block == {"plugins": [PLUGIN], "fusedloss": True, "fusedloss_backend": "auto"}
+    cfg = DictDefault(block)
+    prepare_plugins(cfg)
+    _, input_config = merge_input_args()
+    assert {"fusedloss", "fusedloss_backend"} <= set(input_config.model_fields)
+    model = _load_with_plugins(cfg, "untied")
+    assert model.__dict__[_PATCH_ATTR].backend == "auto"

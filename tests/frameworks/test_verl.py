@@ -349,3 +349,25 @@ def test_external_lib_enables_in_a_fresh_process():
     run = subprocess.run([sys.executable, "-c", EXTERNAL_LIB.format(sites=SITES)], capture_output=True, text=True,
                          timeout=300)
     assert run.returncode == 0 and "external_lib ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+def test_the_readme_config_lines():
+    """The README's three verl overrides, as written: each key is in verl's own PPO trainer config, and
+    ``external_lib`` names the module the fresh-process test above imports through verl's own importer."""
+    import re
+    from pathlib import Path
+
+    import verl
+    from omegaconf import OmegaConf
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("**verl**"):]
+    block = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    overrides = dict(line.split("#")[0].strip().split("=", 1) for line in block.strip().splitlines())
+    config = OmegaConf.load(Path(verl.__file__).parent / "trainer" / "config" / "_generated_ppo_trainer.yaml")
+    for key in overrides:
+        assert OmegaConf.select(config, key, default="missing") != "missing", key
+    assert overrides["actor_rollout_ref.model.use_fused_kernels"] == "True"
+    assert overrides["actor_rollout_ref.model.fused_kernel_options.impl_backend"] in ("torch", "liger", "triton")
+    assert overrides["actor_rollout_ref.model.external_lib"] == "fusedloss.integrations.verl.auto"
+    assert 'import_external_libs("fusedloss.integrations.verl.auto")' in EXTERNAL_LIB

@@ -60,12 +60,13 @@ def _probe_forward(lm) -> _Transform:
     return transform
 
 
-def _hidden_and_head(model, input_ids, attention_mask, model_kwargs) -> tuple[torch.Tensor, LMHead]:
+def _hidden_and_head(model, input_ids, attention_mask, model_kwargs,
+                     outputs: Optional[list] = None) -> tuple[torch.Tensor, LMHead]:
     lm = _causal_lm(model)
     kwargs = dict(model_kwargs, input_ids=input_ids)
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    hidden, transform = _observed_forward(lm, kwargs)
+    hidden, transform = _observed_forward(lm, kwargs, outputs)
     if tuple(hidden.shape[:-1]) != tuple(input_ids.shape):
         _refuse(lm, f"feeds its LM head hidden states of shape {tuple(hidden.shape)}, not one row per input "
                     f"position ({tuple(input_ids.shape)})")

@@ -25,7 +25,8 @@ from ._tap import (
 # attributes and two forward pre-hooks are set, and ``unpatch`` removes them:
 #
 #   * ``lm.forward``: with ``labels`` it arms the tap, calls the model's own forward, and returns its output
-#     with ``logits=None``; without labels it is the model's own forward, untouched.
+#     with ``logits=None``; without labels it is the model's own forward, untouched; with labels and autograd
+#     off (evaluation, ``eval_logits``) it is the model's own forward and loss, logits included.
 #   * ``head.forward``: the tap (``_tap``); unarmed, the head's own forward (generation, evaluation).
 #   * ``lm.loss_function`` (transformers' setter): the model calls it with the post-processed probe rows,
 #     ``labels``, ``num_items_in_batch``, ``shift_labels``, ``ignore_index`` exactly as it would call
@@ -45,11 +46,12 @@ from ._tap import (
 class _Patch(_Tap):
     """What ``patch`` changed on one model, on top of the tap, and how to undo it."""
 
-    def __init__(self, lm, head, backend: str):
+    def __init__(self, lm, head, backend: str, eval_logits: bool = True):
         import inspect
 
         super().__init__(lm, head)
         self.backend = backend
+        self.eval_logits = eval_logits
         self.saved = {"lm.forward": lm.__dict__.get("forward"), "lm._loss_function": lm.__dict__.get("_loss_function")}
         self.had_loss_function = "_loss_function" in lm.__dict__
         forward = inspect.unwrap(type(lm).forward)
@@ -88,6 +90,14 @@ def _patched_forward(lm, *args, **kwargs):
         labels = args[state.labels_at]
     if labels is None:
         return forward(*args, **kwargs)
+    if getattr(state, "eval_logits", True) and not torch.is_grad_enabled():
+        # Evaluation: nothing is differentiated, and the caller may read the logits (a Trainer's compute_metrics,
+        # LLaMA-Factory's compute_accuracy): the model's own forward, its logits and its own loss from them.
+        state._threads.own_loss = True
+        try:
+            return forward(*args, **kwargs)
+        finally:
+            state._threads.own_loss = False
     head = lm.get_output_embeddings()
     if head is None or head.__dict__.get(_PATCH_ATTR) is not state:
         now = type(head)
@@ -134,6 +144,11 @@ def _fused_causal_lm_loss(lm, logits=None, labels=None, vocab_size=None, num_ite
     ``num_items_in_batch`` under gradient accumulation (``lm``: the patched model; the call is this thread's).
     ``logits`` are the model's post-processing of the probe rows: they decide the logit processing (``_observe``)."""
     state = lm.__dict__[_PATCH_ATTR]
+    if getattr(state._threads, "own_loss", False):  # an evaluation call with its logits (_patched_forward)
+        from transformers.loss.loss_utils import ForCausalLMLoss
+
+        return ForCausalLMLoss(logits, labels, vocab_size, num_items_in_batch=num_items_in_batch,
+                               ignore_index=ignore_index, shift_labels=shift_labels, **kwargs)
     call = state.call
     hidden = None if call is None else call.hidden
     if hidden is None:
@@ -193,7 +208,7 @@ def _refuse_wrapped(model) -> None:
                              "either side)")
 
 
-def patch(model, *, backend: str = "auto"):
+def patch(model, *, backend: str = "auto", eval_logits: bool = True):
     """Make ``model(..., labels=labels).loss`` come from the head's input, without the logits.
 
     ``model`` is a transformers causal LM (``*ForCausalLM``, or a PEFT model wrapping one). After
@@ -202,9 +217,12 @@ def patch(model, *, backend: str = "auto"):
     passes it under gradient accumulation, the sum divided by it; ``shift_labels`` used as given) computed by
     ``fusedloss.cross_entropy`` from the head's input and weight (tied embeddings, a LoRA on the head, the
     model's logit scale, soft-cap and vocabulary cut included), and ``out.logits is None``. With
-    ``logits_to_keep``, the loss covers the positions kept. A forward without labels (generation, evaluation
-    that needs logits) is the model's own. Works with gradient checkpointing, ``torch.compile``, accelerate
-    and the HF ``Trainer``; a ``copy.deepcopy`` of a patched model is patched too. Patch before wrapping the
+    ``logits_to_keep``, the loss covers the positions kept. A forward without labels (generation) is the
+    model's own. So is a forward with labels and autograd off (``torch.no_grad``: the ``Trainer``'s evaluation),
+    logits and loss, since its caller may read the logits (``compute_metrics``, LLaMA-Factory's
+    ``compute_accuracy``); ``eval_logits=False`` computes those losses from the hidden states too, without
+    logits, for evaluation loops that read only the loss. Works with gradient checkpointing, ``torch.compile``,
+    accelerate and the HF ``Trainer``; a ``copy.deepcopy`` of a patched model is patched too. Patch before wrapping the
     model (``torch.compile``, DDP, FSDP; a wrapped model is refused). Returns ``model``; ``unpatch(model)``
     restores it exactly. ``backend`` is passed to ``fusedloss.cross_entropy``.
 
@@ -235,7 +253,8 @@ def patch(model, *, backend: str = "auto"):
     head = _output_head(lm)
     if _PATCH_ATTR in lm.__dict__:
         if lm.__dict__[_PATCH_ATTR].head is head:
-            lm.__dict__[_PATCH_ATTR].backend = backend  # idempotent: a second patch only changes the backend
+            lm.__dict__[_PATCH_ATTR].backend = backend  # idempotent: a second patch only changes the options
+            lm.__dict__[_PATCH_ATTR].eval_logits = eval_logits
             return model
         unpatch(model)  # the head was replaced or wrapped since (resize_token_embeddings, a LoRA): tap the new one
     from transformers.loss.loss_utils import ForCausalLMLoss
@@ -245,7 +264,7 @@ def patch(model, *, backend: str = "auto"):
                          "not transformers' ForCausalLMLoss: fusedloss only replaces the causal-LM loss")
     _head_tensors(head)  # unsupported heads (LoRA variants, ...) are refused now, not mid-training
 
-    state = _Patch(lm, head, backend)
+    state = _Patch(lm, head, backend, eval_logits)
     lm.__dict__[_PATCH_ATTR] = state
     head.__dict__[_PATCH_ATTR] = state
     lm.forward = _ModuleForward(_patched_forward, lm)

@@ -363,9 +363,10 @@ def _forward_accepts(lm, name: str) -> bool:
     return name in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
 
 
-def _observed_forward(lm, kwargs: dict) -> tuple[torch.Tensor, _Transform]:
+def _observed_forward(lm, kwargs: dict, outputs: Optional[list] = None) -> tuple[torch.Tensor, _Transform]:
     """The model's own forward on ``kwargs`` (no labels) with its head tapped: the head's input ``[..., D]``
-    and the observed post-processing."""
+    and the observed post-processing. ``outputs``: a list the model's own output is appended to (what it
+    returns besides its logits: an MoE router's ``aux_loss``)."""
     head = _output_head(lm)
     if _forward_accepts(lm, "use_cache"):
         kwargs.setdefault("use_cache", False)
@@ -387,4 +388,6 @@ def _observed_forward(lm, kwargs: dict) -> tuple[torch.Tensor, _Transform]:
         # FSDP2 hooks its pre-backward on the root's outputs: a backward through them here, mid-step, would
         # run it. Such a model's gradient check is the patch's (inside the forward, before the hooks).
         transform = _observe(call, logits, gradient=not _is_fsdp(lm))
+    if outputs is not None:
+        outputs.append(out)
     return hidden, transform
