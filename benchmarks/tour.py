@@ -409,7 +409,7 @@ def next_hint(device) -> str:
                 "python -m benchmarks.device (every kernel, with the cost model beside each figure)")
     return ("next, on a machine with an NVIDIA GPU: bash tools/install.sh && python benchmarks/tour.py "
             "(then python benchmarks/bench.py --device cuda for LLM shapes); here, the tests: bash tools/install.sh "
-            "--tests && python -m pytest -q -n 2 --dist loadfile -m \"not tooling\" tests")
+            "--tests && python -m pytest -q -n 2 --dist loadfile tests/contract")
 
 
 def parse_args(argv=None):

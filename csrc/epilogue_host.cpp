@@ -1,4 +1,4 @@
-// Host twins of the sm_90 epilogue kernels (sm90_epilogue.cuh), for tests/test_epilogue_twins.py (compiled with
+// Host twins of the sm_90 epilogue kernels (sm90_epilogue.cuh), for tests/contract/test_cuda_epilogue_twins.py (compiled with
 // the host compiler, loaded with ctypes): the same epilogue_math.h functions, applied as the kernels apply them.
 //
 // The WGMMA accumulator layout deals a row's columns to the four lanes of a quad in pairs (lane q holds columns

@@ -1,5 +1,5 @@
 // Host loops over CPU pointers: the same row and lane functions as the device kernels (tile.h, math.h),
-// so the CPU test suite (tests/test_cuda_host.py) checks the kernels' numerics without a GPU.
+// so the CPU test suite (tests/contract/test_cuda_host_twins.py) checks the kernels' numerics without a GPU.
 // A row is split into kFoldThreads lanes exactly like a block of fold_kernel, and the lanes' partial
 // statistics are combined with the same associative merge.
 #include <stdexcept>

@@ -9,7 +9,8 @@
 * ``fatbinary``: the device images in a shared library, read with ``cuobjdump``: each cubin's architecture
   and ELF ABI, each PTX's architecture and ISA version.
 
-Used by tests/test_driver_compat.py (the extension of this checkout) and tests/test_build.py (a built wheel).
+Used by tests/tooling/test_build_driver_compat.py (the extension of this checkout) and
+tests/tooling/test_build_wheels.py (a built wheel).
 """
 
 from __future__ import annotations

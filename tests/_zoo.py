@@ -3,7 +3,7 @@
 against the model's own float64 computation or refused with a reason.
 
 ``python tests/_zoo.py [model_type ...]`` prints one line per architecture and the counts;
-``tests/test_transformers_zoo.py`` runs it in CI.
+``tests/tooling/test_env_transformers_zoo.py`` runs it in CI.
 
 How each architecture is checked:
 

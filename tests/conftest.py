@@ -21,7 +21,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # tests/frameworks needs verl, OpenRLHF and Axolotl: it runs in .venv-frameworks (tools/frameworks_env.sh), which
-# tests/test_frameworks_env.py calls; anywhere else it is not collected.
+# tests/tooling/test_env_frameworks.py calls; anywhere else it is not collected.
 collect_ignore = [] if os.path.basename(sys.prefix) == ".venv-frameworks" else ["frameworks"]
 
 from typing import Optional  # noqa: E402
@@ -43,27 +43,20 @@ FP32_TOL = 1e-5
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-    config.addinivalue_line("markers", "tooling: a check of the project's instruments (TOOLING_MODULES), run by CI")
+    config.addinivalue_line("markers", "tooling: a check of the project's instruments (tests/tooling), run by CI")
 
 
-# The project's instruments rather than the library: the wheels and the extension's device code, the benchmark
-# and its device run, the cost model and its instruction counts, the compile harnesses,
-# the frameworks' virtualenv and the transformers architecture sweep. Marked ``tooling``: the README's test
-# command (``-m "not tooling"``) runs what a user relies on in minutes; CI runs both.
-TOOLING_MODULES = {
-    "test_build.py", "test_driver_compat.py", "test_device_check.py", "test_bench_main.py",
-    "test_bench_worker.py", "test_bench_model.py", "test_cost_model.py", "test_cost_model_launches.py",
-    "test_model_plan_rules.py", "test_model_cuda_plan.py", "test_model_triton_plan.py", "test_model_planner_grid.py",
-    "test_sass_counts.py", "test_triton_compile.py", "test_frameworks_env.py", "test_transformers_zoo.py",
-    "test_skip_summary.py", "test_triton_launches.py", "test_epilogue_kernels_compile.py",
-}
-TOOLING_TESTS = ("test_kernels_compile_for_sm90",)
+# tests/tooling holds the project's instruments rather than the library: the wheels and the extension's device
+# code, the benchmark and its device check, the cost model and its instruction counts, the compile harnesses, the
+# CUTLASS prototype, the frameworks' virtualenv and the transformers architecture sweep; tests/contract holds what a
+# user relies on. The README's test command runs tests/contract in minutes; CI runs both. Marked ``tooling`` by
+# their folder, so that ``-m tooling`` / ``-m "not tooling"`` select the same tests as the folders.
 
 
 def pytest_collection_modifyitems(config, items):
     tooling = pytest.mark.tooling
     for item in items:
-        if item.nodeid.split("::")[0].rsplit("/", 1)[-1] in TOOLING_MODULES or item.name.startswith(TOOLING_TESTS):
+        if item.path.parent.name == "tooling":
             item.add_marker(tooling)
     if torch.cuda.is_available():
         return
@@ -89,7 +82,7 @@ def _same_random_state():
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item):
     """Triton < 3.5 has no float64 tl.dot: the Triton backend refuses float64 there with a TypeError
-    (tests/test_versions.py checks it), and a float64 test of that backend is skipped, by that reason."""
+    (tests/contract/test_api_versions.py checks it), and a float64 test of that backend is skipped, by that reason."""
     try:
         return (yield)
     except TypeError as e:

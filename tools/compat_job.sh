@@ -18,8 +18,8 @@ built=$(date +%s)
       'triton', triton.__version__, 'transformers', transformers.__version__)"
 status=0
 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} "$env_dir/bin/python" -m pytest -q -p no:cacheprovider \
-    tests/test_compile.py tests/test_op_registration.py tests/test_versions.py tests/test_equivalence.py \
-    tests/test_quickstart.py \
+    tests/contract/test_api_torch_compile.py tests/contract/test_api_op_registration.py tests/contract/test_api_versions.py tests/contract/test_numerics_equivalence.py \
+    tests/contract/test_docs_quickstart.py \
     -k "not (triton and float64)" || status=$?
 end=$(date +%s)
 echo "compat job $name: exit $status, wall $((end - start)) s (environment $((built - start)) s, tests $((end - built)) s)"

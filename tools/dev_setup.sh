@@ -19,7 +19,7 @@ fi
 bash tools/install.sh --tests
 
 # The CUTLASS 3 headers (a 6 MB wheel; its Python interface and dependencies are not needed): the extension's
-# opt-in sm_90a epilogue kernels are built with them (tests/test_epilogue_kernels_compile.py compiles them).
+# opt-in sm_90a epilogue kernels are built with them (tests/tooling/test_compile_cuda_epilogue_kernels.py compiles them).
 say "CUTLASS headers (nvidia-cutlass, 6 MB)"
 pip_install --no-deps "nvidia-cutlass==4.2.0.0"
 

@@ -9,8 +9,8 @@ a shared object of this tool's own, then read back per kernel (statistics and st
 bf16 and fp16): ptxas's registers, stack and spills; cuobjdump's registers, shared and local memory; the SASS
 counts that say each is what it claims (HGMMA, UTMALDG, UTMASTG: the d logits' TMA store, MUFU.EX2, SHFL, STL/LDL);
 the launch constants from ``fusedloss_epilogue_kernel_info``. Writes benchmarks/results/epilogue-kernels-sm90.{md,json}
-with the nvcc, cuobjdump and CUTLASS versions and the compile time. tests/test_epilogue_kernels_compile.py runs it.
-The CUTLASS headers, nvcc and cuobjdump are found as tools/cuda_toolchain.py finds them.
+with the nvcc, cuobjdump and CUTLASS versions and the compile time. tests/tooling/test_compile_cuda_epilogue_kernels.py
+runs it. The CUTLASS headers, nvcc and cuobjdump are found as tools/cuda_toolchain.py finds them.
 """
 
 from __future__ import annotations

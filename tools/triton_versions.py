@@ -4,8 +4,8 @@ The Triton kernels are compiled for sm_90a (H100/H200) by every supported Triton
 H200 images ship, and the newest (the one installed in this environment). The extra versions are installed
 next to the checkout, one folder each (``.triton-versions/<version>``, git-ignored), and put first on
 ``PYTHONPATH`` for the compile step only; each wheel carries its own ptxas, so no GPU and no CUDA toolkit are
-needed. ``tests/test_triton_backend.py::test_kernels_compile_for_sm90`` compiles every launch variant with each
-of them.
+needed. ``tests/tooling/test_compile_triton_kernels.py::test_kernels_compile_for_sm90`` compiles every launch variant
+with each of them.
 
     python tools/triton_versions.py install           # fetch the pinned versions (about 170 MB each)
     python tools/triton_versions.py table OUT.md      # compile every variant with each version, write the table
@@ -60,11 +60,11 @@ def install(version: str) -> Path:
 
 
 def compile_report(version: str | None, dtypes: tuple = (), arch: str = "sm_90a", defaults: bool = False) -> dict:
-    """The compile harness's report (tests/test_triton_compile.py) with ``version`` first on the path (None:
-    this environment's Triton), for ``arch`` (sm_90a, sm_100a, sm_120, gfx942, gfx950; ``defaults``: only the
+    """The compile harness's report (tests/tooling/test_compile_triton_kernels.py) with ``version`` first on the path
+    (None: this environment's Triton), for ``arch`` (sm_90a, sm_100a, sm_120, gfx942, gfx950; ``defaults``: only the
     variants the planner picks by default there)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from test_triton_compile import run_harness
+    sys.path.insert(0, str(ROOT / "tests" / "tooling"))
+    from test_compile_triton_kernels import run_harness
 
     extra = () if version is None else (str(target_dir(version)),)
     return run_harness("compile", extra_path=extra, args=("--arch", arch, *(("--defaults",) if defaults else ()),

@@ -9,7 +9,7 @@ into a modelled time per pass (``max(flops / rate, bytes / bandwidth, instructio
 product's exposed epilogue and its small launches; passes summed unless a pass says it overlaps the previous
 one; ``pass_breakdown`` says which limit bounds each) and compares it with the *product-count bound* of the
 workload: the time of the fewest GEMM-sized products any exact method needs for that op at the GPU's dense
-peak (``product_bound``). ``tests/test_model_plan_rules.py`` checks that the package's rules pick the plan this
+peak (``product_bound``). ``tests/tooling/test_model_plan_rules.py`` checks that the package's rules pick the plan this
 model prices cheapest, or one within 2% of it. ``benchmarks/cost_model.py`` is the command line over this
 module. See docs/design.md, "Plans and the performance model".
 """

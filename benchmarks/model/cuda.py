@@ -2,7 +2,7 @@
 makes (its rules, its shapes), each with its flops, HBM bytes, instructions and small launches, priced by
 ``cost.evaluate``. ``candidates`` lists every plan the backend could run for a workload (both paths, and on the
 grad-in-forward path the ungrouped, grouped and deferred d weight), so that the rules' choice can be compared
-with the cheapest (tests/test_model_plan_rules.py).
+with the cheapest (tests/tooling/test_model_plan_rules.py).
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from .cost import Workload
 # Small kernels (aten ops that are neither views nor the GEMM-sized products) of the grad-in-forward path: (per row
 # chunk, per call). Per chunk: the loss module's autograd on [rows] vectors, the dz coefficients, the masks;
 # per call: validation, the targets, the loss's reductions and the backward's scaling. As a trace of the aten
-# ops of one forward and backward counts them with the losses' defaults (tests/test_cost_model_launches.py);
-# other ops take the largest.
+# ops of one forward and backward counts them with the losses' defaults
+# (tests/tooling/test_cost_model_cuda_launches.py); other ops take the largest.
 _SMALL_LAUNCHES = {"cross_entropy": (20, 25), "grpo": (41, 35), "distill_reverse_kl": (13, 14),
                    "distill_forward_kl": (14, 14), "distill_jsd": (18, 14)}
 _SMALL_LAUNCHES_DEFAULT = (41, 33)

@@ -14,9 +14,9 @@ its back edge. The shortest path is the common one: the rare work (a new row max
 sits on branches the path skips. Counted: every instruction issued (predicated ones too, NOPs not), and
 the MUFU ones (the special-function pipe, a quarter of the issue rate) apart.
 
-The table is checked in, and a test (tests/test_sass_counts.py) rebuilds it from the sources and compares,
-so the model follows the kernels as built. Needs nvcc (``$NVCC``, else /usr/local/bin/nvcc, /usr/local/cuda/bin
-or PATH) and cuobjdump (the CUDA toolkit's, else the copy inside the ``triton`` package); no GPU.
+The table is checked in, and a test (tests/tooling/test_cost_model_sass_counts.py) rebuilds it from the sources and
+compares, so the model follows the kernels as built. Needs nvcc (``$NVCC``, else /usr/local/bin/nvcc,
+/usr/local/cuda/bin or PATH) and cuobjdump (the CUDA toolkit's, else the copy inside the ``triton`` package); no GPU.
 """
 
 from __future__ import annotations
@@ -223,7 +223,7 @@ def render(counts: dict, version: str) -> str:
         f"{' '.join(NVCC_FLAGS)}:",
         "the vector loop's shortest path from its head to its back edge (``loop_instructions``, of them ``loop_mufu``",
         "on the special-function pipe) covers ``columns`` logits. benchmarks/model/cuda.py prices the kernels from",
-        'these; tests/test_sass_counts.py checks that they match the kernels as built."""',
+        'these; tests/tooling/test_cost_model_sass_counts.py checks that they match the kernels as built."""',
         "",
         f"ARCH = {ARCH!r}",
         f"NVCC = {version!r}",

@@ -2,7 +2,7 @@
 backend's elementwise kernels (fp32 tiles) compiled for sm_90a by nvcc (``NVCC``) with -O3 -std=c++17 -lineinfo:
 the vector loop's shortest path from its head to its back edge (``loop_instructions``, of them ``loop_mufu``
 on the special-function pipe) covers ``columns`` logits. benchmarks/model/cuda.py prices the kernels from
-these; tests/test_sass_counts.py checks that they match the kernels as built."""
+these; tests/tooling/test_cost_model_sass_counts.py checks that they match the kernels as built."""
 
 ARCH = 'sm_90a'
 NVCC = 'Cuda compilation tools, release 13.0, V13.0.88'

@@ -1,7 +1,7 @@
 """The performance model of the Triton backend's plans: the passes of the choice ``fusedloss.backends.triton.plan.plan``
 makes (its rule, its tiles, grids and chunks), each with its flops, HBM bytes and small launches, priced by
 ``cost.evaluate``. ``candidates`` lists both paths, so that the rule's choice can be compared with the cheaper
-(tests/test_model_plan_rules.py).
+(tests/tooling/test_model_plan_rules.py).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ class SmallLaunches(NamedTuple):
 
 
 # As a trace of the aten ops and kernel launches of one forward and backward counts them with the losses'
-# defaults (tests/test_triton_launches.py); other ops take the largest. Per composable backward block: the
-# gradient kernel (its two cuBLAS products are priced as products).
+# defaults (tests/tooling/test_cost_model_triton_launches.py); other ops take the largest. Per composable backward
+# block: the gradient kernel (its two cuBLAS products are priced as products).
 _SMALL_LAUNCHES = {
     "cross_entropy": SmallLaunches(50, 20, 28),
     "grpo": SmallLaunches(50, 41, 38),
@@ -59,7 +59,8 @@ def small_launches(op: str) -> SmallLaunches:
     """The small launches of an op's call (``SmallLaunches``)."""
     return _SMALL_LAUNCHES.get(op, _SMALL_LAUNCHES_DEFAULT)
 # The teacher fold (grad-in-forward distillation): its partials, and the small ops of its frame and split merge
-# (partials.merge_teacher_sweep), per grad-in-forward chunk; tests/test_triton_launches.py counts them with the rest.
+# (partials.merge_teacher_sweep), per grad-in-forward chunk; tests/tooling/test_cost_model_triton_launches.py counts
+# them with the rest.
 TEACHER_FOLD_MERGE_LAUNCHES = 26
 TEACHER_FOLD_FIELDS = 5  # the fold's partials: mt, st, a, b, ztm
 

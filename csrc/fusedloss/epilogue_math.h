@@ -1,7 +1,7 @@
 // The math of the sm_90 epilogue kernels (sm90_epilogue.cuh): the per-logit step and lane merge of the forward
 // statistics' tile partials, their merge over vocabulary tiles into math.h's RowState and its finalize_row, and
 // the d logits of one element (math.h's dz_element). FL_HD: the device kernels and the host twins
-// (epilogue_host.cpp, tests/test_epilogue_twins.py) compile these very functions (docs/design.md, "The
+// (epilogue_host.cpp, tests/contract/test_cuda_epilogue_twins.py) compile these very functions (docs/design.md, "The
 // statistics in the GEMM epilogue").
 //
 // Per (row, vocabulary tile) the forward kernel writes three floats: m (the tile's row maximum), t (the sum of

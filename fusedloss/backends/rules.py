@@ -6,7 +6,7 @@ Each rule is a plain function of the call's shapes (``core/workload.py``), the s
 rate, efficiency or time. The rules weigh each candidate's GEMM-sized products (flops, at the share of a tile's
 work their tile shapes fill, or the bytes they stream where that takes longer), the traffic the products cannot
 hide and the small launches, as bytes, with the named constants below saying what each candidate moves and why.
-``tests/test_model_plan_rules.py`` prices the rules' choices with the performance model (``benchmarks/model/``,
+``tests/tooling/test_model_plan_rules.py`` prices the rules' choices with the performance model (``benchmarks/model/``,
 docs/design.md, "Plans and the performance model") against every plan the backend could run, over a grid of
 shapes, dtypes, GPUs and workspaces, and pins how often and how far they miss the cheapest. A choice is a matter
 of speed, never of correctness: every path runs any shape the rules may give it.
@@ -41,8 +41,8 @@ FP16_DX_EXTRA_BYTES = 12
 # rules know no rate: docs/design.md, "Plans and the performance model").
 LAUNCH_BYTES = 8e6
 # Small launches of a CUDA grad-in-forward chunk beside its products and kernels, as a trace of the aten ops of
-# one forward and backward counts them with the losses' defaults (tests/test_cost_model_launches.py): the loss
-# module's autograd on [rows] vectors, the dz coefficients, the masks; other ops take the most.
+# one forward and backward counts them with the losses' defaults (tests/tooling/test_cost_model_cuda_launches.py): the
+# loss module's autograd on [rows] vectors, the dz coefficients, the masks; other ops take the most.
 CUDA_CHUNK_LAUNCHES = {"cross_entropy": 20, "grpo": 41, "distill_reverse_kl": 13, "distill_forward_kl": 14,
                        "distill_jsd": 18}
 CUDA_CHUNK_LAUNCHES_DEFAULT = 41
@@ -152,8 +152,8 @@ def cuda_grad_in_forward(w: Workload, gpu: GPU, chunks: int, groups: int, deferr
 
 
 # Small launches of a grad-in-forward chunk beyond its statistics kernel, as a trace of one forward and backward
-# counts them with the losses' defaults (tests/test_triton_launches.py): the loss's per-token math, the dz
-# coefficients, normalisers and masks and the gradient kernel, per op (others take the most).
+# counts them with the losses' defaults (tests/tooling/test_cost_model_triton_launches.py): the loss's per-token math,
+# the dz coefficients, normalisers and masks and the gradient kernel, per op (others take the most).
 TRITON_CHUNK_LAUNCHES = {"cross_entropy": 20, "grpo": 41, "distill_reverse_kl": 35, "distill_forward_kl": 29,
                          "distill_jsd": 11}
 TRITON_CHUNK_LAUNCHES_DEFAULT = 41

@@ -42,7 +42,7 @@ Why the ``_lo`` terms: in fp32 the lse of a confident row (~30) carries an absol
 gradient. Backends form ``log q_j = (z_j - lse) - lse_lo`` (``z_j - lse`` is exact near the maximum), and
 ``logp = (z_y - m) - log s``. They also keep ``s = 1 + t`` with t the sum without the (first) maximum's own
 exp(0) = 1 and take ``log s = log1p(t)``, so that ``1 - q_y`` keeps its digits down to 1e-4 and below:
-confident fp32 rows stay within 1e-5 of float64 (tests/test_confident_rows.py).
+confident fp32 rows stay within 1e-5 of float64 (tests/contract/test_numerics_confident_rows.py).
 
 q = softmax(z) is the student, p = softmax(z_t) the teacher (frozen: never differentiated).
 

@@ -138,7 +138,7 @@ class GPU:
     the weight once costs, the Triton forward's grid, ``triton/plan.py::weight_stream_steps``; what a
     grad-in-forward chunk's extra traffic costs against the product it saves, ``backends/rules.py``). The
     performance model's rates (``benchmarks/model/cost.py::GPUS``) are the sources of these figures;
-    ``tests/test_model_plan_rules.py`` checks that the two tables agree."""
+    ``tests/tooling/test_model_plan_rules.py`` checks that the two tables agree."""
 
     name: str
     sm_count: int

@@ -29,7 +29,7 @@ Not routed, for want of a hook: the GOLD, IW-OPD and server-distillation trainer
 Everything around them stays TRL's: the backbone call, label shifting and masking, losses, metrics, the
 FSDP2 ``full_tensor()`` gather. Models patched by ``add_fused_lm_head`` before ``enable()`` switch too.
 Under FSDP2 with the head in the root's unit (accelerate's default) the head reaches these functions as the
-root's unsharded parameter and the step is FSDP's own (tests/test_integration_fsdp2.py). With the head its
+root's unsharded parameter and the step is FSDP's own (tests/contract/test_integration_fsdp2.py). With the head its
 own FSDP unit, TRL's forward gathers it with ``full_tensor()`` before calling them, whose backward leaves
 each rank's shard with that rank's gradient instead of the average: that is TRL's forward, whichever kernel
 it calls; ``fusedloss.integrations.transformers`` passes the sharded head to fusedloss, which averages.

@@ -62,7 +62,7 @@ class TileConfig:
 # and its statistics fit 64 x 64 (64 x 128 sits at 255 registers and spills with some feature sets). fp32
 # operands step K by 16: tf32x3 holds each operand as two tf32 halves in registers, and a 32-wide step spills
 # on Triton 3.6 (docs/design.md, "Triton versions"). Each candidate compiles for sm_90 to wgmma without spills
-# and within 227 KB of shared memory on every supported Triton (tests/test_triton_backend.py).
+# and within 227 KB of shared memory on every supported Triton (tests/contract/test_triton_kernels.py).
 GPU_CANDIDATES = {
     ("half", "lean"): (TileConfig(128, 128, 64, 8, 4), TileConfig(128, 128, 64, 8, 3)),
     ("half", "heavy"): (TileConfig(64, 128, 64, 8, 4), TileConfig(64, 128, 64, 8, 3)),
@@ -107,7 +107,7 @@ INTERPRETER_TILES = TileConfig(16, 32, 16, 4, 1, slots=4)
 # Where an architecture's registers or shared memory do not hold a table's tile, its own entries replace them
 # (the default tables above are sm_80/sm_90's). The key is the tile family of the device's target
 # (``tile_family``); every default tile compiles for that target without spills and within its shared memory
-# (LDS) with every supported Triton (tests/test_triton_compile.py, "--arch").
+# (LDS) with every supported Triton (tests/tooling/test_compile_triton_kernels.py, "--arch").
 ARCH_CANDIDATES: dict = {
     # B200/GB200/B300 (tcgen05): the 128 x 128 lean tile spills on the oldest and the newest Triton there (3.4.0:
     # 24 bytes per thread; 3.9.0: 12-20), where 64 x 128 holds.
