@@ -69,7 +69,7 @@ def kernel_name(kind: str, w: Workload, dx_out: Optional[str] = None, packed: bo
 def _kernel(name: str, kind: str, w: Workload, elements: float, bytes_per_element: float, launches: int,
             extra_bytes: float = 0.0, dx_out: Optional[str] = None, packed: bool = False) -> cost.Pass:
     """An elementwise kernel over ``elements`` logits: its bytes, and the warp-instructions of its vector loop
-    per logit as compiled (fusedloss/backends/cuda/sass_counts.py, from tools/sass_counts.py)."""
+    per logit as compiled (benchmarks/model/sass_counts.py, from make_sass_counts.py)."""
     counts = sass_counts.KERNELS[kernel_name(kind, w, dx_out, packed)]
     return cost.Pass(name, hbm_bytes=float(elements) * bytes_per_element + extra_bytes, math="cuda_core",
                      fixed_us=launches * cost.LAUNCH_US, instructions=float(elements) * counts["per_column"] / 32,
