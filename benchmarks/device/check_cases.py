@@ -34,6 +34,7 @@ if "--dry-run" in sys.argv:  # before the first use of the Triton kernels
 import torch  # noqa: E402
 
 from benchmarks import cases  # noqa: E402
+from benchmarks.device import check_epilogue  # noqa: E402
 
 IMPLS = ("fusedloss:torch", "fusedloss:triton", "fusedloss:cuda", "fusedloss:cuda+epilogue")
 EPILOGUE_ENV = "FUSEDLOSS_CUDA_EPILOGUE"
@@ -64,22 +65,8 @@ def run(fn, p: cases.Problem, **extra):
     return outs, {"hidden": h.grad, "weight": w.grad}
 
 
-EPILOGUE_CALLS = {"forward": 0, "backward": 0}
-
-
-def count_epilogue_calls() -> None:
-    """Count the calls of the epilogue path's entry points (fusedloss/backends/cuda/epilogue.py) in EPILOGUE_CALLS:
-    the record says which path ran, as the epilogue's own check does."""
-    from fusedloss.backends.cuda import epilogue
-
-    for name, attr in (("forward", "forward_statistics"), ("backward", "backward_gradients")):
-        fn = getattr(epilogue, attr)
-
-        def counted(*a, _fn=fn, _name=name, **k):
-            EPILOGUE_CALLS[_name] += 1
-            return _fn(*a, **k)
-
-        setattr(epilogue, attr, counted)
+# The epilogue path's entry points, counted by the epilogue's own check's wrapper: the record says which path ran.
+EPILOGUE_CALLS = check_epilogue.CALLS
 
 
 class Backends:
@@ -214,7 +201,9 @@ def main(argv=None) -> int:
               flush=True)
 
     backends = Backends(device, dry)
-    count_epilogue_calls()
+    from fusedloss.backends.cuda import epilogue
+
+    check_epilogue.count_calls(epilogue)
     for op in args.ops:
         if time.monotonic() > deadline:
             for impl in ("reference", *args.impls):

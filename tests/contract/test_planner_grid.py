@@ -1,12 +1,12 @@
-"""Every shape a user can pass gets a plan, and a price: the Triton and CUDA planners over a dense grid.
+"""Every shape a user can pass gets a plan: the Triton and CUDA planners over a dense grid.
 
 The backends take their run-time choices (grad-in-forward or composable path, chunk rows, grouped or deferred d weight)
 from their plans (docs/design.md, "Plans and the performance model"), so a planner that raises fails the loss that
 asked. The grid: every op of the cost model, rows from 1 to ~70k (every row up to 129, every row of
 7168..7296, primes, powers of two and their neighbours), the vocabularies of Llama 3, Qwen 2.5/3, Gemma 2/3 and
 Mistral and small primes, widths 896..8192, bf16, fp16 and fp32, and every GPU of the model, sampled so that
-each value of each axis meets many of the others (a full product is ~5 million plans). A plan whose pricing
-raises fails the call, and the model must price every plan the rules choose (a RuntimeWarning is an error here).
+each value of each axis meets many of the others (a full product is ~5 million plans). The performance model
+prices the same samples in tests/tooling/test_model_planner_grid.py.
 """
 
 from __future__ import annotations
@@ -16,13 +16,11 @@ import math
 import random
 import subprocess
 import sys
-import warnings
 from pathlib import Path
-
-import pytest
 
 from fusedloss.backends import gpu as gpu_glue
 from fusedloss.backends.cuda import plan as cuda
+from fusedloss.backends.triton import plan as triton
 from fusedloss.core import workload as cost
 
 OPS = tuple(cost.OPS)
@@ -59,24 +57,33 @@ def _samples(per_row: int, seed: int):
             yield (n, *next(walk), next(workspaces))
 
 
-@pytest.fixture
-def strict_pricing():
-    """Fresh plan caches, and a fallback without prices is an error (the model must price every plan)."""
-    cuda._path_choice.cache_clear()
-    cuda._grad_in_forward_kind.cache_clear()
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
-        yield
-    cuda._path_choice.cache_clear()
-    cuda._grad_in_forward_kind.cache_clear()
+def test_triton_plans_every_shape():
+    """The Triton planner chooses a path for every sampled shape; grad-in-forward only for a row-local loss."""
+    for n, op, v, d, dtype, name, workspace_mb in _samples(24, seed=1):
+        w, gpu = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype), cost.GPUS[name]
+        plan = triton.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace_mb=workspace_mb)
+        where = (n, op, v, d, dtype, name, workspace_mb)
+        assert plan.path in ("grad_in_forward", "composable"), where
+        if plan.path == "grad_in_forward":
+            assert w.row_local and plan.params["grad_in_forward_rows"] >= 1, where
 
 
-def _check_priced(plan: cost.Plan, w: cost.Workload, gpu: cost.GPUSpec, where) -> None:
-    assert plan.path in ("grad_in_forward", "composable"), where
-    if plan.path == "grad_in_forward":
-        assert w.row_local and plan.params["grad_in_forward_rows"] >= 1, where
-    est = cost.evaluate(plan, w, gpu)
-    assert math.isfinite(est.model_ms) and est.model_ms > 0 and math.isfinite(est.ratio), where
+def test_cuda_plans_every_shape():
+    """The CUDA planner chooses a path for every sampled shape, and the chunks the run-time code cuts cover the rows,
+    within the workspace, in the groups the plan reports."""
+    for n, op, v, d, dtype, name, workspace_mb in _samples(24, seed=2):
+        w, gpu = cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype), cost.GPUS[name]
+        workspace = None if workspace_mb is None else workspace_mb << 20
+        plan = cuda.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace=workspace)
+        where = (n, op, v, d, dtype, name, workspace_mb)
+        assert plan.path in ("grad_in_forward", "composable"), where
+        if plan.path == "grad_in_forward":
+            assert w.row_local and plan.params["grad_in_forward_rows"] >= 1, where
+            shape = cuda._grad_in_forward_shape(w, plan.params["workspace_bytes"], {}, gpu, True)
+            assert (shape.rows == plan.params["grad_in_forward_rows"]
+                    and shape.row_chunks == plan.params["chunks"]), where
+            layout = cuda._grad_in_forward_layout(n, shape)
+            assert layout[0][0] == 0 and layout[-1][1] == n and len(layout) == plan.params["groups"], where
 
 
 def test_the_package_plans_without_the_model():
@@ -87,6 +94,7 @@ import sys
 sys.modules["benchmarks"] = None  # import benchmarks -> ImportError
 import fusedloss
 from fusedloss.backends.cuda import plan as cuda
+from fusedloss.backends.triton import plan as triton
 from fusedloss.backends.triton import plan as triton
 from fusedloss.core import workload
 w = workload.Workload(op="cross_entropy", n=18000, d=3584, v=152064)

@@ -14,23 +14,12 @@ from benchmarks.model import cuda as cuda_model
 from fusedloss.backends.cuda import backend as cuda
 from fusedloss.backends.cuda import plan as cuda_plan
 
-H200 = cost.GPUS["h200"]
-GIB = 2**30
-
-
-def workload(op="cross_entropy", n=16384, d=4096, v=151936, dtype="bfloat16", **kw):
-    return cost.Workload(op=op, n=n, d=d, v=v, dtype=dtype, **kw)
-
-
-@pytest.fixture(autouse=True)
-def no_workspace_env(monkeypatch):
-    monkeypatch.delenv("FUSEDLOSS_WORKSPACE_MB", raising=False)
-    monkeypatch.delenv("FUSEDLOSS_ALLOW_TF32", raising=False)
-
-
-# The plan's own tests (tests/contract/test_cuda_plan.py) define the chunk arithmetic these prices are read at.
+# The plan's own tests (tests/contract/test_cuda_plan.py): the acceptance workload, the environment they clear and
+# the chunk arithmetic these prices are read at.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contract"))
-from test_cuda_plan import UNGROUPED, _rows_for  # noqa: E402
+from test_cuda_plan import GIB, UNGROUPED, _rows_for, no_workspace_env, workload  # noqa: E402, F401
+
+H200 = cost.GPUS["h200"]  # the model's H200 (its rates), where the plan's tests hold the package's
 
 # ------------------------------------------------------------------------------------------------
 # Workspace

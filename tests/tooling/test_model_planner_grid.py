@@ -1,21 +1,16 @@
 """The performance model over the planners' grid: every plan the rules choose is priced, finitely. The planners' own
 checks over the same axes: tests/contract/test_planner_grid.py.
 
-The backends take their run-time choices (grad-in-forward or composable path, chunk rows, grouped or deferred d weight)
-from their plans (docs/design.md, "Plans and the performance model"), so a planner that raises fails the loss that
-asked. The grid: every op of the cost model, rows from 1 to ~70k (every row up to 129, every row of
-7168..7296, primes, powers of two and their neighbours), the vocabularies of Llama 3, Qwen 2.5/3, Gemma 2/3 and
-Mistral and small primes, widths 896..8192, bf16, fp16 and fp32, and every GPU of the model, sampled so that
-each value of each axis meets many of the others (a full product is ~5 million plans). A plan whose pricing
-raises fails the call, and the model must price every plan the rules choose (a RuntimeWarning is an error here).
+A plan whose pricing raises fails the call, and the model must price every plan the rules choose (a RuntimeWarning
+is an error here).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import random
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 
@@ -24,38 +19,9 @@ from benchmarks.model import cuda as cuda_model
 from benchmarks.model import triton as triton_model
 from fusedloss.backends.cuda import plan as cuda
 
-OPS = tuple(cost.OPS)
-GPUS = tuple(cost.GPUS)
-DTYPES = ("bfloat16", "float16", "float32")
-# Llama 3, Qwen 2.5 / Qwen 3 (tokenizer and padded head), Gemma 2 / Gemma 3, Mistral v0.3 / Nemo; small primes
-VOCABS = (128256, 151936, 152064, 256000, 262144, 32768, 131072, 2, 97, 1009, 32003, 65521)
-WIDTHS = (896, 1536, 2048, 3584, 4096, 5120, 7168, 8192)
-# None: sized from the device's free memory, as at run time; else workspace_mb
-WORKSPACES = (None, None, None, 16, 600, 16384)
-
-
-def _primes_near(points):
-    def prime(k):
-        return k > 1 and all(k % p for p in range(2, math.isqrt(k) + 1))
-
-    return {next(k for k in itertools.count(x) if prime(k)) for x in points}
-
-
-ROWS = sorted(set(range(1, 130)) | set(range(7168, 7168 + 129))
-              | {m + e for k in range(17) for m in (2**k,) for e in (-1, 0, 1) if m + e >= 1}
-              | _primes_near(range(0, 70001, 500)) | set(range(4096, 70001, 4096)) | {18000, 69997})
-
-
-def _samples(per_row: int, seed: int):
-    """``per_row`` (op, V, D, dtype, GPU, workspace) for each row count: a shuffled walk through the full product
-    of the other axes, so that consecutive rows meet different combinations."""
-    combos = list(itertools.product(OPS, VOCABS, WIDTHS, DTYPES, GPUS))
-    random.Random(seed).shuffle(combos)
-    walk = itertools.cycle(combos)
-    workspaces = itertools.cycle(WORKSPACES)
-    for n in ROWS:
-        for _ in range(per_row):
-            yield (n, *next(walk), next(workspaces))
+# The samples of the planners' own grid (tests/contract/test_planner_grid.py), priced here.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "contract"))
+from test_planner_grid import _samples  # noqa: E402
 
 
 @pytest.fixture
@@ -91,13 +57,7 @@ def test_cuda_plans_every_shape(strict_pricing):
         workspace = None if workspace_mb is None else workspace_mb << 20
         plan = cuda_model.plan(w, gpu, gpu.memory_bytes - (2 << 30), workspace=workspace)
         where = (n, op, v, d, dtype, name, workspace_mb)
-        _check_priced(plan, w, gpu, where)
-        if plan.path == "grad_in_forward":  # the chunks the run-time code cuts cover the rows, within the workspace
-            shape = cuda._grad_in_forward_shape(w, plan.params["workspace_bytes"], {}, gpu, True)
-            assert (shape.rows == plan.params["grad_in_forward_rows"]
-                    and shape.row_chunks == plan.params["chunks"]), where
-            layout = cuda._grad_in_forward_layout(n, shape)
-            assert layout[0][0] == 0 and layout[-1][1] == n and len(layout) == plan.params["groups"], where
+        _check_priced(plan, w, gpu, where)  # the chunks' layout: tests/contract/test_planner_grid.py
         if "alternative" in plan.params:
             assert math.isfinite(plan.params["alternative"]["model_ms"]), where
 
