@@ -34,7 +34,7 @@ if "--dry-run" in sys.argv:  # before the first use of the Triton kernels
 import torch  # noqa: E402
 
 from benchmarks import cases  # noqa: E402
-from benchmarks.device import check_epilogue  # noqa: E402
+from benchmarks.device import epilogue_stand_in  # noqa: E402
 
 IMPLS = ("fusedloss:torch", "fusedloss:triton", "fusedloss:cuda", "fusedloss:cuda+epilogue")
 EPILOGUE_ENV = "FUSEDLOSS_CUDA_EPILOGUE"
@@ -65,8 +65,8 @@ def run(fn, p: cases.Problem, **extra):
     return outs, {"hidden": h.grad, "weight": w.grad}
 
 
-# The epilogue path's entry points, counted by the epilogue's own check's wrapper: the record says which path ran.
-EPILOGUE_CALLS = check_epilogue.CALLS
+# The epilogue path's entry points, counted: the record says which path ran.
+EPILOGUE_CALLS = epilogue_stand_in.CALLS
 
 
 class Backends:
@@ -91,9 +91,8 @@ class Backends:
                 return f"the CUDA extension is not built: {cuda.availability()}"
             if impl.endswith("+epilogue") and self.twins is None:
                 try:
-                    from benchmarks.device.check_epilogue import HostTwins
-
-                    self.twins = HostTwins(HostTwins.compile(Path(tempfile.mkdtemp(prefix="epilogue-twins-"))))
+                    twins = epilogue_stand_in.HostTwins
+                    self.twins = twins(twins.compile(Path(tempfile.mkdtemp(prefix="epilogue-twins-"))))
                 except Exception as exc:  # no host compiler
                     return f"the epilogue's host twins: {type(exc).__name__}: {exc}"
             return None
@@ -203,7 +202,7 @@ def main(argv=None) -> int:
     backends = Backends(device, dry)
     from fusedloss.backends.cuda import epilogue
 
-    check_epilogue.count_calls(epilogue)
+    epilogue_stand_in.count_calls(epilogue)
     for op in args.ops:
         if time.monotonic() > deadline:
             for impl in ("reference", *args.impls):

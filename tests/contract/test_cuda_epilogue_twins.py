@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import fusedloss
-from benchmarks.device.check_epilogue import HostTwins, _ptr
+from benchmarks.device.epilogue_stand_in import HostTwins, _ptr
 from fusedloss.backends.cuda import backend as cuda
 from fusedloss.backends.cuda import epilogue
 from fusedloss.core.problem import LogitTransform, StatsProblem
