@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Optional
 
 from fusedloss.backends.cuda import plan as cuda_plan
+from fusedloss.backends.cuda.extension import STATE_FIELDS
 from fusedloss.backends.cuda.plan import (
-    STATE_FIELDS,
     _layout_sizes,
     _Shape,
 )

@@ -231,3 +231,23 @@ def direct_product(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, acc: tor
         torch.mm(a, b, out=out)
     else:
         out.copy_(torch.mm(a.to(acc), b.to(acc)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Rows that carry no gradient
+# ------------------------------------------------------------------------------------------------
+
+def active_rows(coeffs: torch.Tensor, targets: Optional[torch.Tensor],
+                 column_dz: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """[rows] bool: the rows whose gradient is not identically zero (the dx kernel's row_inactive, or a
+    given dz at a named column)."""
+    active = (coeffs != 0).any(dim=0)
+    if column_dz is not None:
+        active = active | (column_dz != 0).any(dim=1)
+    return active if targets is None else active & (targets >= 0)
+
+
+def zero_rows_outside(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """hidden with the rows outside the loss set to 0: their dx is 0, but 0 * NaN is not, and NaN padding
+    rows (fully masked attention) must stay out of d weight. No host synchronisation. Both GPU backends use it."""
+    return torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))

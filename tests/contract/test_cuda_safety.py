@@ -25,6 +25,7 @@ import fusedloss
 from fusedloss import reference
 from fusedloss.backends import gpu
 from fusedloss.backends.cuda import backend as cuda
+from fusedloss.backends.cuda import extension
 from fusedloss.core import registry
 
 built = pytest.mark.skipif(not cuda.extension_built(), reason=f"CUDA extension not built: {cuda.availability()}")
@@ -123,7 +124,7 @@ def test_stale_extension_is_refused(monkeypatch):
     import fusedloss._C as real
 
     monkeypatch.setattr(real, "OUTPUT_NAMES", list(real.OUTPUT_NAMES)[:-1])
-    ext, why = cuda._load_extension()
+    ext, why = extension._load_extension()
     assert ext is None and "stale" in str(why) and "OUTPUT_NAMES" in str(why)
 
 

@@ -53,7 +53,6 @@ from .. import gpu
 from .. import torch as torch_backend
 from . import epilogue as _epilogue
 from .plan import (  # noqa: F401 - the plan's public names are the backend's too (override_plan, grad_in_forward_pays, ...)
-    STATE_FIELDS,
     _call_options,
     _fp32_precision,
     _grad_in_forward_chunk,
@@ -70,28 +69,9 @@ from .plan import (  # noqa: F401 - the plan's public names are the backend's to
 )
 
 _NUM_OUTPUTS = len(Statistics._fields)
-_COEF_ORDER = [coef.COEF_ONEHOT, coef.COEF_CONST, coef.COEF_LOGQ, coef.COEF_KL_REV, coef.COEF_TEACHER_PROB,
-               coef.COEF_LOGM, coef.COEF_UNIFORM]
+# A copy of the handle, which tests replace to stand in for an extension of another build.
+from .extension import _C, _IMPORT_ERROR, STATE_FIELDS  # noqa: E402
 
-
-def _load_extension():
-    """``(fusedloss._C, None)``, or ``(None, why)``: not built, or built from sources whose protocol
-    (output names, coefficient order) differs from problem.py's, which it would then read and write wrongly."""
-    try:
-        _C = importlib.import_module("fusedloss._C")  # a module the build produces, not a file of the tree
-    except ImportError as exc:  # not built (no nvcc, FUSEDLOSS_CUDA=0) or a plain source checkout
-        return None, exc
-    expected = {"OUTPUT_NAMES": list(Statistics._fields), "NUM_COEFFS": NUM_COEFFS, "COEF_INDEX": _COEF_ORDER,
-                "STATE_FIELDS": STATE_FIELDS}
-    for name, want in expected.items():
-        got = getattr(_C, name, None)
-        if got != want:
-            return None, ImportError(f"fusedloss._C is stale: its {name} is {got!r}, the protocol has {want!r}; "
-                                     "rebuild the extension (python setup.py build_ext --inplace)")
-    return _C, None
-
-
-_C, _IMPORT_ERROR = _load_extension()
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
@@ -338,16 +318,6 @@ def _named_dx(p: StatsProblem, column_dz: torch.Tensor, coeffs: torch.Tensor, x:
     return dz * (chain * (1.0 - (c / float(tf.softcap)) ** 2))
 
 
-def _active_rows(coeffs: torch.Tensor, targets: Optional[torch.Tensor],
-                 column_dz: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """[rows] bool: the rows whose gradient is not identically zero (the dx kernel's row_inactive, or a
-    given dz at a named column)."""
-    active = (coeffs != 0).any(dim=0)
-    if column_dz is not None:
-        active = active | (column_dz != 0).any(dim=1)
-    return active if targets is None else active & (targets >= 0)
-
-
 # fp32 elements of the scratch in which the column sums of an unrounded dx are formed (16 MiB)
 _SUM_SCRATCH_ELEMENTS = 1 << 22
 
@@ -374,12 +344,6 @@ def _unrounded_column_sums(ex: "_Exec", p: StatsProblem, targets, r0: int, out: 
             columns.put(dx, named[0][s0:s1], named[1][s0:s1], v0)
         total += dx.sum(0)
     return total
-
-
-def _zero_rows_outside(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """hidden with the rows outside the loss set to 0: their dx is 0, but 0 * NaN is not, and NaN padding
-    rows (fully masked attention) must stay out of d weight. No host synchronisation."""
-    return torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
 
 
 # One workspace buffer per (device, stream), kept for the process and grown when a call needs more: every call
@@ -617,7 +581,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     products = gpu.Products(dev)
     coeffs = coeffs.to(torch.float32).contiguous()
     stats = torch.stack(tuple(saved)).to(torch.float32).contiguous()
-    h_dw = _zero_rows_outside(h_all, _active_rows(coeffs, p.targets, column_dz)) if needs.weight else None
+    h_dw = gpu.zero_rows_outside(h_all, gpu.active_rows(coeffs, p.targets, column_dz)) if needs.weight else None
     half = h_all.dtype != torch.float32
     one_vocab_tile = shape.vocab_tiles == 1
     # d hidden: fp32 over the vocabulary tiles (the hidden's own buffer when it is fp32), or direct
@@ -773,7 +737,7 @@ def grad_in_forward_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
                 if db is not None:
                     db.add_(dx.sum(0, dtype=torch.float32) if part is None else part)
                 if needs.weight:
-                    active.append(_active_rows(coeffs, tgt))
+                    active.append(gpu.active_rows(coeffs, tgt))
             # the group's products (one chunk's without groups: its dx is where the chunk left it)
             rows = slice(g0, g1)
             if grouped:
@@ -786,7 +750,7 @@ def grad_in_forward_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds):
                 dw = DeferredProduct(dx, h_all, active[0] if len(active) == 1 else torch.cat(active),
                                      _deferred_product)
             elif dw is not None:
-                h = _zero_rows_outside(h_all[rows], active[0] if len(active) == 1 else torch.cat(active))
+                h = gpu.zero_rows_outside(h_all[rows], active[0] if len(active) == 1 else torch.cat(active))
                 if direct_dw:
                     products.direct(dw, dx.T, h)
                 elif g0 == 0:

@@ -30,6 +30,7 @@ from ...core import columns
 from ...core import problem as coef
 from ...core.problem import GradientNeeds, Statistics, StatsProblem
 from .. import gpu
+from . import extension
 
 ENV = "FUSEDLOSS_CUDA_EPILOGUE"
 TILE_M, TILE_N = 128, 256  # the kernels' CTA tile (csrc/sm90_epilogue.h kTileM, kTileN)
@@ -66,13 +67,11 @@ def unserved(p: StatsProblem) -> Optional[str]:
 
 def unavailable(device: torch.device) -> Optional[str]:
     """Why the epilogue kernels cannot run on ``device``, or None."""
-    from . import backend
-
     if device.type != "cuda":
         return f"they need an NVIDIA sm_90 GPU (H100/H200); the tensors are on {device.type}"
-    if backend._C is None:
-        return f"the CUDA extension is not available: {backend.availability()}"
-    if not getattr(backend._C, "EPILOGUE_KERNELS", False):
+    if extension._C is None:
+        return f"the CUDA extension is not available ({extension._IMPORT_ERROR}; fusedloss.backend_status() says why)"
+    if not getattr(extension._C, "EPILOGUE_KERNELS", False):
         try:
             from .. import _build_info
 
@@ -106,9 +105,7 @@ class _Kernels:
     """The extension's launchers on the current stream."""
 
     def __init__(self):
-        from . import backend
-
-        self._C = backend._C
+        self._C = extension._C
 
     @staticmethod
     def _stream(t: torch.Tensor) -> int:
@@ -226,17 +223,15 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
     """backend.backward_gradients for a problem the kernels serve: (d hidden, d weight, None). Per vocabulary
     tile of all rows, dx in the operands' dtype from the epilogue, then d hidden (fp32 over the tiles, or
     direct for one tile) and that tile's d weight rows (direct)."""
-    from . import backend
-
     h, w = p.hidden, p.weight
     n, v = h.shape[0], w.shape[0]
     dev = h.device
     if not (needs.hidden or needs.weight):
         return None, None, None
     targets = _targets(p)
-    active = backend._active_rows(coeffs, p.targets, column_dz)
+    active = gpu.active_rows(coeffs, p.targets, column_dz)
     rows = coefficient_rows(p, saved, coeffs, active)
-    h_dw = backend._zero_rows_outside(h, active) if needs.weight else None
+    h_dw = gpu.zero_rows_outside(h, active) if needs.weight else None
     budget = _DZ_BUDGET_BYTES if p.workspace_mb is None else max(1, int(p.workspace_mb * 2**20))
     cols = max(TILE_N, budget // max(1, n * h.element_size()) // TILE_N * TILE_N)
     cols = min(cols, _round_up(v, 8))

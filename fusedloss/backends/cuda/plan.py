@@ -57,9 +57,6 @@ from . import epilogue
 # accumulation of d weight) and ~+2% for reverse-KL distillation (two groups of 6 instead of one of 6); none at
 # N = 4096, V = 128256 (one chunk either way) (docs/design.md, "Plans and the performance model").
 WORKSPACE_MIN_BYTES = 256 * 2**20
-# Rows of the fold's running-state buffer (csrc/fusedloss/args.h kStateFields: the RowState fields and the
-# target logit): the plan sizes it, and the backend refuses an extension with another layout.
-STATE_FIELDS = 14
 ALIGN = 64  # elements: leading dimensions and vocabulary tile widths (256 B of fp32, 128 B of bf16)
 MIN_TILE_COLS = 4096  # below this many columns per row, square tiles instead of all rows
 # Grad-in-forward chunks of more rows than one are cut at multiples of the 128-row output tiles of cuBLAS's products

@@ -677,12 +677,6 @@ def _dx_dtype(p: StatsProblem) -> torch.dtype:
     return p.hidden.dtype if p.hidden.dtype in (torch.bfloat16, torch.float16) else p.acc_dtype
 
 
-def _masked_rows(h: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
-    """h with the rows that carry no gradient zeroed: dx is 0 there, but 0 * NaN is not (NaN padding rows
-    of a fully masked attention must stay out of d weight)."""
-    return torch.where(active[:, None], h, torch.zeros((), dtype=h.dtype, device=h.device))
-
-
 def _normalisers(saved: Statistics, acc: torch.dtype, teacher: bool) -> tuple:
     """``[4, N]`` (lse, lse_lo, logp, row_max) of the student, ``[4, N]`` (lse_t, lse_t_lo, teacher_at_max,
     kl_rev_rel) of the teacher (the last two and row_max: the reverse KL's frame, problem.py's r_j)."""
@@ -729,7 +723,7 @@ def backward_gradients(p: StatsProblem, saved: Statistics, coeffs: torch.Tensor,
         direct = rows >= n
         dw_block = (_alloc((min(cols, v), d), acc, dev, zero=False) if need_w and w.dtype != acc and not direct
                     else None)
-        h_w = _masked_rows(h, carries) if need_w else None
+        h_w = gpu.zero_rows_outside(h, carries) if need_w else None
         # Rows of a whole number of tiles: the kernel stores them without a column mask.
         work = _alloc((min(rows, n), _cdiv(min(cols, v), cfg.block_v) * cfg.block_v), _dx_dtype(p), dev, zero=False)
         sums = _column_sums(lc, min(rows, n), min(cols, v), _dx_dtype(p) != acc) if need_b else None
@@ -833,7 +827,7 @@ def grad_in_forward_gradients(p: StatsProblem, chunk_fn, needs: GradientNeeds, *
             if dh is not None:
                 gpu.product(dh[r0:r1], dx, w, accumulate=False)
             if dw is not None:
-                gpu.product(dw, dx.T, _masked_rows(part.hidden, (coeffs != 0).any(dim=0)), accumulate=r0 > 0)
+                gpu.product(dw, dx.T, gpu.zero_rows_outside(part.hidden, (coeffs != 0).any(dim=0)), accumulate=r0 > 0)
             if db is not None:  # from dx as formed, never from its rounded copy (problem.py)
                 db += dx.sum(0, dtype=acc) if sums is None else sums[:_cdiv(m, elementwise.block_m), :v].sum(0)
     return loss, (dh, dw, db)
